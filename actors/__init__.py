@@ -1,0 +1,110 @@
+"""Ray actors of profd: the coordinator and the HTTP sidecar (installed as ``profd.actors``).
+
+The actor classes are plain classes; ``ray.remote`` is applied here, where they are created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from profd.constants import COORDINATOR_NAME, NAMESPACE, SIDECAR_NAME
+
+__all__ = [
+    "get_coordinator",
+    "get_or_create_coordinator",
+    "get_or_create_sidecar",
+    "get_sidecar",
+    "kill_named",
+]
+
+#: Enough concurrent calls for every agent's long-poll plus API traffic.
+COORDINATOR_MAX_CONCURRENCY = 100_000
+
+
+def _get(name: str) -> Any | None:
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def get_coordinator() -> Any | None:
+    """The coordinator's handle, or ``None`` when it is not running."""
+    return _get(COORDINATOR_NAME)
+
+
+def get_sidecar() -> Any | None:
+    return _get(SIDECAR_NAME)
+
+
+def _head_affinity() -> Any:
+    """Pin to the node of the calling process (the head, for ``profd up``)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def get_or_create_coordinator(settings: Any, *, detached: bool = True) -> tuple[Any, bool]:
+    """Return ``(handle, created)``; the coordinator restarts with Ray if its process dies."""
+    import ray
+
+    from profd.actors.coordinator import ProfileCoordinator
+
+    existing = get_coordinator()
+    if existing is not None:
+        return existing, False
+    opts: dict[str, Any] = dict(
+        name=COORDINATOR_NAME,
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,
+        max_concurrency=COORDINATOR_MAX_CONCURRENCY,
+        scheduling_strategy=_head_affinity(),
+    )
+    if detached:
+        opts["lifetime"] = "detached"
+    handle = ray.remote(ProfileCoordinator).options(**opts).remote(settings.model_dump())
+    ray.get(handle.ping.remote())
+    return handle, True
+
+
+def get_or_create_sidecar(config: Any, *, detached: bool = True) -> tuple[Any, bool]:
+    """Start the HTTP sidecar on this node; return ``(handle, created)``."""
+    import ray
+
+    from profd.actors.sidecar import SidecarServer
+
+    existing = get_sidecar()
+    if existing is not None:
+        return existing, False
+    opts: dict[str, Any] = dict(
+        name=SIDECAR_NAME,
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=0,
+        scheduling_strategy=_head_affinity(),
+    )
+    if detached:
+        opts["lifetime"] = "detached"
+    handle = ray.remote(SidecarServer).options(**opts).remote(config.model_dump())
+    try:
+        ray.get(handle.address.remote(), timeout=60)
+    except Exception:
+        ray.kill(handle)
+        raise
+    return handle, True
+
+
+def kill_named(name: str) -> bool:
+    import ray
+
+    handle = _get(name)
+    if handle is None:
+        return False
+    ray.kill(handle, no_restart=True)
+    return True

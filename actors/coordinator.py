@@ -1,0 +1,432 @@
+"""The ProfileCoordinator: registry, sessions and plans, as a plain (async) class.
+
+``ray.remote`` is applied where the actor is created
+(:func:`profd.actors.get_or_create_coordinator`), so tests run the same class in-process.
+Nothing here is on a training path: agents reach it only from their background threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from profd import __version__
+from profd.actors.planbook import PlanBook
+from profd.config import RoleProfilerConfig, SessionRequest, field_errors
+from profd.errors import ConflictError, NotFoundError, RequestInvalid
+from profd.protocol import AgentEvent, AgentInfo, EventKind, PollReply, WindowPlan
+from profd.registry import AgentRecord, AgentRegistry
+from profd.selection import WILDCARD
+from profd.sessions import Part, Session
+from profd.settings import CoordinatorSettings
+from profd.targeting import Target, resolve_targets
+from profd.views import (
+    AgentView,
+    IgnoredView,
+    PartView,
+    SessionView,
+    StatusView,
+    TraceView,
+)
+
+__all__ = ["ProfileCoordinator", "Registration"]
+
+log = logging.getLogger(__name__)
+
+
+class Registration:
+    """Reply to :meth:`ProfileCoordinator.register`."""
+
+    __slots__ = ("plan", "poll_timeout_s")
+
+    def __init__(self, plan: Any, poll_timeout_s: float) -> None:
+        self.plan = plan
+        self.poll_timeout_s = poll_timeout_s
+
+    def __reduce__(self):
+        return (Registration, (self.plan, self.poll_timeout_s))
+
+
+class ProfileCoordinator:
+    """Owns agents, sessions and the trace index; computes each agent's plan."""
+
+    def __init__(
+        self, settings: CoordinatorSettings | dict, clock: Callable[[], float] = time.time
+    ) -> None:
+        if isinstance(settings, dict):
+            settings = CoordinatorSettings.model_validate(settings)
+        self.settings = settings
+        self._clock = clock
+        self._started = clock()
+        self._registry = AgentRegistry()
+        self._plans = PlanBook()
+        self._sessions: dict[str, Session] = {}
+        self._blocks: dict[str, dict[str, RoleProfilerConfig]] = {}
+        self._traces: dict[str, TraceView] = {}
+        self._align_waiters: list[tuple[set[str], asyncio.Event]] = []
+        self._ticker: asyncio.Task | None = None
+
+    # -- agents -------------------------------------------------------------------------
+    async def register(self, info: AgentInfo, step: int | None) -> Registration:
+        self._ensure_ticker()
+        now = self._clock()
+        self._registry.upsert(info, now, step)
+        self._plans.ensure(info.agent_id)
+        log.info("agent %s registered (role %s rank %s)", info.agent_id, info.role, info.rank)
+        return Registration(self._plans.plan(info.agent_id), self.settings.poll_timeout_s)
+
+    async def poll(
+        self, agent_id: str, known_version: int, step: int | None, timeout: float
+    ) -> PollReply:
+        self._ensure_ticker()
+        rec = self._registry.get(agent_id)
+        if rec is None:
+            return PollReply(plan=None, known=False)
+        rec.touch(self._clock(), step)
+        self._note_fresh_step(agent_id)
+        plan = await self._plans.wait(agent_id, known_version, min(timeout, 60.0))
+        if self._registry.get(agent_id) is not None:
+            self._registry.get(agent_id).touch(self._clock(), None)  # type: ignore[union-attr]
+        return PollReply(plan=plan)
+
+    async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
+        rec = self._registry.get(agent_id)
+        if rec is None:
+            return False
+        now = self._clock()
+        rec.touch(now, None)
+        touched: dict[str, Session] = {}
+        for ev in events:
+            if ev.kind is EventKind.TRACE and ev.data:
+                self._index_trace(rec, ev)
+            if ev.kind is EventKind.CLOSED:
+                self._registry.close(agent_id)
+                for s in self._live_sessions():
+                    if agent_id in s.targets:
+                        s.apply(agent_id, ev)
+                        touched[s.session_id] = s
+                continue
+            s = self._sessions.get(ev.session_id or "")
+            if s is not None:
+                s.apply(agent_id, ev)
+                touched[s.session_id] = s
+        for s in touched.values():
+            self._advance(s)
+        return True
+
+    def _index_trace(self, rec: AgentRecord, ev: AgentEvent) -> None:
+        d = ev.data or {}
+        info = rec.info
+        path = str(d["path"])
+        view = TraceView(
+            trace_id=str(d["trace_id"]),
+            session_id=ev.session_id or "",
+            agent_id=info.agent_id,
+            role=info.role,
+            rank=info.rank,
+            tool=str(d.get("tool", "")),
+            scope=str(d.get("scope", "")),
+            steps=[int(s) for s in d.get("steps", [])],
+            path=path,
+            file_name=Path(path).name,
+            bytes=int(d.get("bytes", 0)),
+            node_id=info.node_id,
+            node_ip=info.node_ip,
+            hostname=info.hostname,
+            created_at=ev.time,
+        )
+        self._traces[view.trace_id] = view
+
+    # -- sessions -----------------------------------------------------------------------
+    async def create_session(self, request: dict | SessionRequest) -> SessionView:
+        self._ensure_ticker()
+        try:
+            req = (
+                request
+                if isinstance(request, SessionRequest)
+                else SessionRequest.model_validate(request)
+            )
+        except ValidationError as exc:
+            raise RequestInvalid.from_fields(field_errors(exc)) from None
+        if req.finish_hook_cmd is not None:
+            raise RequestInvalid.at(
+                "finish_hook_cmd", "finish hooks are not available in this profd build yet"
+            )
+        targeting = resolve_targets(req, [r.info for r in self._registry.alive()])
+        if not targeting.targets:
+            detail = "; ".join(
+                f"{i.role}{'' if i.rank is None else f' rank {i.rank}'}: {i.reason}"
+                for i in targeting.ignored
+            )
+            raise RequestInvalid.at(
+                "roles", f"no registered agent matches the request ({detail or 'no agents'})"
+            )
+        self._check_conflicts(targeting.targets)
+        if req.steps is not None:
+            self._check_reachable(req.steps, targeting.targets)
+        session = self._new_session(req, targeting)
+        if req.steps is not None:
+            session.resolve_steps(req.steps)
+        else:
+            await self._align(session, req.next_steps or 1)
+        self._advance(session)
+        self._publish([*session.targets])
+        log.info(
+            "session %s created: tool %s steps %s, %d target(s), %d ignored",
+            session.session_id,
+            req.tool.value,
+            session.steps,
+            len(session.targets),
+            len(session.ignored),
+        )
+        return self._view(session)
+
+    def _new_session(self, req: SessionRequest, targeting: Any) -> Session:
+        now = self._clock()
+        sid = self._new_id(now)
+        root = Path(req.save_path) if req.save_path else Path(self.settings.save_root)
+        if not root.is_absolute():
+            root = Path(self.settings.base_dir) / root
+        parts = {
+            t.agent.agent_id: Part(t.agent.agent_id, t.agent.role, t.agent.rank, t.block_key)
+            for t in targeting.targets
+        }
+        session = Session(
+            session_id=sid,
+            request=req,
+            save_dir=str(root / sid),
+            created_at=now,
+            targets=parts,
+            ignored=list(targeting.ignored),
+            deadline=now + self.settings.session_timeout_s,
+        )
+        self._sessions[sid] = session
+        blocks = dict(req.roles)
+        blocks.setdefault(WILDCARD, RoleProfilerConfig())
+        self._blocks[sid] = blocks
+        return session
+
+    def _new_id(self, now: float) -> str:
+        while True:
+            sid = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + "-" + secrets.token_hex(2)
+            if sid not in self._sessions:
+                return sid
+
+    def _check_conflicts(self, targets: tuple[Target, ...]) -> None:
+        """Refuse targets that a live session holds (same agent, or same process)."""
+        held: dict[Any, tuple[str, Part]] = {}
+        for s in self._live_sessions():
+            for aid, part in s.targets.items():
+                if part.state.is_terminal:
+                    continue
+                held[aid] = (s.session_id, part)
+                rec = self._registry.get(aid)
+                if rec is not None:
+                    held[(rec.info.hostname, rec.info.pid)] = (s.session_id, part)
+        clashes = []
+        for t in targets:
+            hit = held.get(t.agent.agent_id) or held.get((t.agent.hostname, t.agent.pid))
+            if hit:
+                clashes.append((t, hit))
+        if clashes:
+            desc = "; ".join(
+                f"{t.agent.role} rank {t.agent.rank} is held by session {sid} "
+                f"({p.role} rank {p.rank}, {p.state.value})"
+                for t, (sid, p) in clashes
+            )
+            holders = sorted({sid for _, (sid, _) in clashes})
+            raise ConflictError(f"targets busy: {desc}", holders=holders)
+
+    def _check_reachable(self, steps: tuple[int, ...], targets: tuple[Target, ...]) -> None:
+        current = [self._registry.get(t.agent.agent_id).current_step for t in targets]  # type: ignore[union-attr]
+        known = [c for c in current if c is not None]
+        if known and len(known) == len(current) and min(known) >= steps[-1]:
+            raise RequestInvalid.at(
+                "steps",
+                f"every requested step has already begun on every target (targets are at "
+                f"steps {sorted(set(known))}); use next_steps or later steps",
+            )
+
+    async def _align(self, session: Session, count: int) -> None:
+        """Pick the first step every target can still reach, from fresh step reports."""
+        pending = set(session.targets)
+        done = asyncio.Event()
+        waiter = (pending, done)
+        self._align_waiters.append(waiter)
+        for aid in pending:
+            self._plans.wake(aid)  # the agent re-polls at once with its current step
+        try:
+            if self.settings.align_timeout_s > 0:
+                await asyncio.wait_for(done.wait(), self.settings.align_timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            self._align_waiters.remove(waiter)
+        steps = [self._registry.get(a).current_step for a in session.targets]  # type: ignore[union-attr]
+        known = [s for s in steps if s is not None]
+        first = (max(known) + 1 if known else 0) + self.settings.align_lead_steps
+        session.resolve_steps(tuple(range(first, first + count)))
+
+    def _note_fresh_step(self, agent_id: str) -> None:
+        for pending, done in self._align_waiters:
+            pending.discard(agent_id)
+            if not pending:
+                done.set()
+
+    async def get_session(self, session_id: str) -> SessionView:
+        return self._view(self._get(session_id))
+
+    async def list_sessions(self) -> list[SessionView]:
+        return [self._view(s) for s in sorted(self._sessions.values(), key=lambda s: s.created_at)]
+
+    async def cancel_session(
+        self, session_id: str, reason: str = "cancelled by user"
+    ) -> SessionView:
+        s = self._get(session_id)
+        if s.state.is_terminal:
+            raise ConflictError(
+                f"session {session_id} is already {s.state.value}", state=s.state.value
+            )
+        s.cancel(reason)
+        self._advance(s)
+        return self._view(s)
+
+    def _get(self, session_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise NotFoundError(f"no session {session_id!r}", session_id=session_id)
+        return s
+
+    def _live_sessions(self) -> list[Session]:
+        return [s for s in self._sessions.values() if s.is_live]
+
+    # -- plans and transitions -----------------------------------------------------------
+    def _window(self, s: Session, part: Part) -> WindowPlan:
+        block = self._blocks[s.session_id][part.role_block]
+        tool = s.request.tool
+        return WindowPlan(
+            session_id=s.session_id,
+            tool=tool.value,
+            steps=s.steps or (),
+            groups=s.groups,
+            discrete=block.discrete,
+            tool_config=block.tool_config.for_tool(tool).model_dump(mode="json"),
+            save_dir=s.save_dir,
+            role_block=part.role_block,
+        )
+
+    def _publish(self, agent_ids: list[str]) -> None:
+        for aid in agent_ids:
+            windows = tuple(
+                self._window(s, s.targets[aid])
+                for s in self._live_sessions()
+                if s.steps is not None and aid in s.targets and not s.targets[aid].state.is_terminal
+            )
+            self._plans.set(aid, windows)
+
+    def _advance(self, s: Session) -> None:
+        was_live = s.is_live
+        while s.advance(self._clock()) is not None:
+            pass
+        if was_live and not s.is_live:
+            log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
+        self._publish([aid for aid, p in s.targets.items() if p.state.is_terminal or not s.is_live])
+
+    def tick(self) -> None:
+        """Housekeeping: lose silent agents, expire sessions past their deadline."""
+        now = self._clock()
+        for rec in self._registry.expire(now, self.settings.heartbeat_timeout_s):
+            reason = f"no heartbeat for {self.settings.heartbeat_timeout_s:.0f} s"
+            log.warning("agent %s lost: %s", rec.info.agent_id, reason)
+            for s in self._live_sessions():
+                s.mark_lost(rec.info.agent_id, reason)
+        for s in self._live_sessions():
+            self._advance(s)
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("coordinator tick failed")
+
+    # -- views ---------------------------------------------------------------------------
+    def _view(self, s: Session) -> SessionView:
+        blocks = self._blocks.get(s.session_id, {})
+        return SessionView(
+            session_id=s.session_id,
+            state=s.state,
+            reason=s.reason,
+            tool=s.request.tool.value,
+            steps=list(s.steps) if s.steps is not None else None,
+            groups=[list(g) for g in s.groups],
+            discrete_roles=sorted(k for k, b in blocks.items() if b.discrete),
+            save_dir=s.save_dir,
+            created_at=s.created_at,
+            finished_at=s.finished_at,
+            targets=[
+                PartView(
+                    agent_id=p.agent_id,
+                    role=p.role,
+                    rank=p.rank,
+                    role_block=p.role_block,
+                    state=p.state,
+                    reason=p.reason,
+                    recorded_steps=sorted(p.recorded),
+                    missed_steps=sorted(p.missed),
+                    traces=list(p.traces),
+                )
+                for p in sorted(s.targets.values(), key=lambda p: (p.role, p.rank))
+            ],
+            ignored=[IgnoredView(role=i.role, rank=i.rank, reason=i.reason) for i in s.ignored],
+            traces=[t for t in self._traces.values() if t.session_id == s.session_id],
+            request=s.request.model_dump(mode="json"),
+        )
+
+    async def list_agents(self) -> list[AgentView]:
+        now = self._clock()
+        recs = sorted(self._registry.all(), key=lambda r: (r.info.role, r.info.rank))
+        return [r.view(now) for r in recs]
+
+    async def list_traces(
+        self, session_id: str | None = None, role: str | None = None, rank: int | None = None
+    ) -> list[TraceView]:
+        out = [
+            t
+            for t in self._traces.values()
+            if (session_id is None or t.session_id == session_id)
+            and (role is None or t.role == role)
+            and (rank is None or t.rank == rank)
+        ]
+        return sorted(out, key=lambda t: (t.session_id, t.role, t.rank, t.steps, t.file_name))
+
+    async def status(self) -> StatusView:
+        by_state: dict[str, int] = {}
+        for s in self._sessions.values():
+            by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
+        return StatusView(
+            version=__version__,
+            agents=len(self._registry.alive()),
+            agents_by_role=self._registry.counts_by_role(),
+            sessions_by_state=by_state,
+            live_sessions=[s.session_id for s in self._live_sessions()],
+            traces=len(self._traces),
+            trace_bytes=sum(t.bytes for t in self._traces.values()),
+            save_root=self.settings.save_root,
+            uptime_s=round(self._clock() - self._started, 3),
+        )
+
+    async def ping(self) -> str:
+        return __version__

@@ -1,0 +1,90 @@
+"""The FastAPI app factory. No Ray connection or settings are read at import time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from profd import __version__
+from profd.api.client import CoordinatorClient, RayCoordinatorClient
+from profd.api.routes import agents, sessions, status, traces
+from profd.config import field_errors
+from profd.errors import ProfdError, RequestInvalid
+from profd.settings import SidecarConfig
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+
+def _connect_ray(config: SidecarConfig) -> None:
+    import ray
+
+    from profd.constants import NAMESPACE
+
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
+
+
+def create_app(
+    config: SidecarConfig | None = None, client: CoordinatorClient | None = None
+) -> FastAPI:
+    """Build the sidecar app. Without ``client`` it connects to Ray when it starts."""
+    config = config or SidecarConfig()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if client is None:
+            _connect_ray(config)
+            app.state.client = RayCoordinatorClient()
+        else:
+            app.state.client = client
+        yield
+
+    app = FastAPI(
+        title="profd",
+        version=__version__,
+        description="Live, step-aligned profiling of PyTorch training on Ray.",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.client = client
+    for router in (status.router, agents.router, sessions.router, traces.router):
+        app.include_router(router)
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """One error body everywhere: ``{"error", "message", "fields": [{"field", "message"}]}``."""
+
+    @app.exception_handler(ProfdError)
+    async def _profd_error(_: Request, exc: ProfdError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = RequestInvalid.from_fields(field_errors(list(exc.errors())))
+        return JSONResponse(err.body(), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
+        body = {
+            "error": code.get(exc.status_code, "http_error"),
+            "message": str(exc.detail),
+            "fields": [],
+        }
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in the sidecar")
+        body = {"error": "internal", "message": f"{type(exc).__name__}: {exc}", "fields": []}
+        return JSONResponse(body, status_code=500)

@@ -1,0 +1,23 @@
+"""Registered agents."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+
+from profd.api.deps import ClientDep
+from profd.views import AgentView
+
+router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
+
+
+class AgentList(BaseModel):
+    data: list[AgentView] = Field(description="Agents, ordered by role and rank.")
+    count: int = Field(description="Number of agents listed.")
+
+
+@router.get("", response_model=AgentList)
+async def list_agents(client: ClientDep) -> AgentList:
+    """Every agent the coordinator knows, alive, lost or closed."""
+    agents = await client.call("list_agents")
+    return AgentList(data=agents, count=len(agents))

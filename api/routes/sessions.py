@@ -1,0 +1,67 @@
+"""Profiling sessions: create, list, get, cancel."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path, status
+from pydantic import BaseModel, Field
+
+from profd.api.deps import ClientDep, ConfigDep, TokenDep
+from profd.config import SessionRequest
+from profd.errors import RequestInvalid
+from profd.views import SessionView
+
+router = APIRouter(prefix="/api/v1/sessions", tags=["sessions"])
+
+SessionId = Path(description="Session id", pattern=r"^[A-Za-z0-9._\-]{1,64}$")
+
+
+class SessionList(BaseModel):
+    data: list[SessionView] = Field(description="Sessions, oldest first.")
+    count: int = Field(description="Number of sessions listed.")
+
+
+@router.post(
+    "",
+    response_model=SessionView,
+    status_code=status.HTTP_201_CREATED,
+    dependencies=[TokenDep],
+    responses={
+        409: {"description": "Targets held by a live session"},
+        422: {"description": "Invalid request"},
+    },
+)
+async def create_session(body: SessionRequest, client: ClientDep, config: ConfigDep) -> SessionView:
+    """Start a profiling session; the reply says what matched and what was ignored, and why."""
+    if body.finish_hook_cmd is not None and not config.allow_hook_commands:
+        raise RequestInvalid.at(
+            "finish_hook_cmd",
+            "shell commands over HTTP are disabled; start the sidecar with "
+            "`profd up --allow-hook-commands` to accept them",
+        )
+    return await client.call("create_session", body)
+
+
+@router.get("", response_model=SessionList)
+async def list_sessions(client: ClientDep) -> SessionList:
+    """All sessions, oldest first."""
+    sessions = await client.call("list_sessions")
+    return SessionList(data=sessions, count=len(sessions))
+
+
+@router.get(
+    "/{session_id}", response_model=SessionView, responses={404: {"description": "Unknown"}}
+)
+async def get_session(client: ClientDep, session_id: str = SessionId) -> SessionView:
+    """One session with per-target progress and its traces."""
+    return await client.call("get_session", session_id)
+
+
+@router.post(
+    "/{session_id}/cancel",
+    response_model=SessionView,
+    dependencies=[TokenDep],
+    responses={404: {"description": "Unknown"}, 409: {"description": "Already finished"}},
+)
+async def cancel_session(client: ClientDep, session_id: str = SessionId) -> SessionView:
+    """Stop a live session; what was recorded so far is kept."""
+    return await client.call("cancel_session", session_id)

@@ -1,0 +1,35 @@
+"""Liveness and cluster status."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+
+from profd import __version__
+from profd.api.client import CoordinatorUnavailable
+from profd.api.deps import ClientDep
+from profd.views import StatusView
+
+router = APIRouter(tags=["status"])
+
+
+class Health(BaseModel):
+    status: str = Field(description="ok when the coordinator answers, else degraded.")
+    coordinator: bool = Field(description="Whether the coordinator answered.")
+    version: str = Field(description="profd version of the sidecar.")
+
+
+@router.get("/healthz", response_model=Health)
+async def healthz(client: ClientDep) -> Health:
+    """The sidecar is up; says whether the coordinator answers too."""
+    try:
+        await client.call("ping")
+    except CoordinatorUnavailable:
+        return Health(status="degraded", coordinator=False, version=__version__)
+    return Health(status="ok", coordinator=True, version=__version__)
+
+
+@router.get("/api/v1/status", response_model=StatusView)
+async def get_status(client: ClientDep) -> StatusView:
+    """Agents, sessions and traces at a glance."""
+    return await client.call("status")

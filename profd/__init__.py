@@ -1,0 +1,51 @@
+"""profd: a profiling control plane for PyTorch training on Ray.
+
+In a worker::
+
+    agent = profd.attach(role="actor", rank=rank, world_size=world)
+    with agent.step(global_step):
+        with agent.stage("update_actor", update_loop=True):
+            for i, mb in enumerate(mini_batches):
+                with agent.mini_batch(i):
+                    ...
+
+Importing profd starts nothing and imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["ProfilerAgent", "SessionRequest", "__version__", "attach"]
+
+if TYPE_CHECKING:
+    from profd.agent import ProfilerAgent
+    from profd.config import SessionRequest
+
+
+def attach(
+    role: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+    topology: dict[str, int] | None = None,
+    **kwargs: Any,
+) -> ProfilerAgent:
+    """Attach this worker to profd; see :func:`profd.agent.attach`."""
+    from profd.agent import attach as _attach
+
+    return _attach(role, rank, world_size, topology, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import profd` stays cheap and side-effect free.
+    if name == "ProfilerAgent":
+        from profd.agent import ProfilerAgent
+
+        return ProfilerAgent
+    if name == "SessionRequest":
+        from profd.config import SessionRequest
+
+        return SessionRequest
+    raise AttributeError(f"module 'profd' has no attribute {name!r}")

@@ -1,0 +1,299 @@
+"""The in-worker agent and its marks.
+
+``profd.attach(...)`` creates one :class:`ProfilerAgent` per (role, rank) in a worker process.
+Its marks (``step``, ``stage``, ``mini_batch``, ``micro_batch``) are what the training loop
+calls; while no window is armed each mark returns a shared no-op context manager after one
+attribute read, so an idle agent costs about as much as an empty ``with`` block and never
+makes an RPC, takes a lock or allocates on the training thread.
+
+Without a coordinator (no Ray, or profd not started yet) the agent is inert; inside a Ray job
+it keeps looking for the coordinator in the background, so ``profd up`` can come later.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
+from profd.agent.recorder import IDLE, ArmedPlan, Recorder
+from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
+from profd.naming import sanitize
+from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
+
+__all__ = ["ProfilerAgent", "attach", "attached_agents"]
+
+log = logging.getLogger(__name__)
+
+_AGENTS: dict[tuple[str, int], ProfilerAgent] = {}
+_AGENTS_LOCK = threading.Lock()
+
+
+class _StepMark:
+    """``with agent.step(n):`` — reused for every step (no allocation)."""
+
+    __slots__ = ("_agent",)
+
+    def __init__(self, agent: ProfilerAgent) -> None:
+        self._agent = agent
+
+    def __enter__(self) -> None:
+        agent = self._agent
+        step = agent._next_step
+        agent._current_step = step
+        armed = agent._armed
+        if armed.plan.windows or agent._recorder.has_windows:
+            agent._enter_step(step, armed)
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        agent = self._agent
+        if agent._recorder.has_windows:
+            agent._exit_step(agent._current_step)
+        return False
+
+
+def _ray_node() -> tuple[str | None, str | None]:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return None, None
+
+
+class ProfilerAgent:
+    """Marks for one (role, rank) of a worker. Create it with :func:`profd.attach`."""
+
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        world_size: int | None = None,
+        topology: Mapping[str, int] | None = None,
+        *,
+        find_link: Callable[[], CoordinatorLink | None] | None = None,
+        backend_factory: Callable[[str, dict[str, Any]], Backend] = make_backend,
+        poll_timeout_s: float = 5.0,
+    ) -> None:
+        if not isinstance(role, str) or not role.strip():
+            raise ValueError(f"role: must be a non-empty string, got {role!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank: must be an int >= 0, got {rank!r}")
+        if world_size is not None and (
+            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= rank
+        ):
+            raise ValueError(f"world_size: must be an int > rank ({rank}), got {world_size!r}")
+        topo = {str(k): int(v) for k, v in (topology or {}).items()}
+        node_id, node_ip = _ray_node()
+        self.info = AgentInfo(
+            agent_id=f"{sanitize(role)}-{rank}-{uuid.uuid4().hex[:8]}",
+            role=role,
+            rank=rank,
+            world_size=world_size,
+            topology=topo,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            node_id=node_id,
+            node_ip=node_ip,
+            capabilities=capabilities(),
+        )
+        self._next_step: int | None = None
+        self._current_step: int | None = None
+        self._armed: ArmedPlan = IDLE
+        self._step_mark = _StepMark(self)
+        self._closed = False
+        self._recorder = Recorder(self.info, self._emit, backend_factory)
+        self._channel: Channel | None = None
+        self._find_link = find_link
+        self._poll_timeout_s = poll_timeout_s
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> ProfilerAgent:
+        """Start looking for the coordinator in the background (idempotent)."""
+        if self._channel is not None or self._closed:
+            return self
+        find = self._find_link or _default_find_link()
+        if find is None:
+            log.info("profd: not inside a Ray job; agent %s stays inert", self.info.agent_id)
+            return self
+        self._channel = Channel(
+            self.info,
+            find,
+            lambda: self._current_step,
+            self._install_plan,
+            poll_timeout_s=self._poll_timeout_s,
+        )
+        self._channel.start()
+        return self
+
+    def close(self, timeout: float = 60.0) -> bool:
+        """Flush open windows, write pending traces and tell the coordinator; idempotent.
+
+        Call it from the training thread at the end of the loop (or use the agent as a context
+        manager). Returns True when every trace was written within ``timeout``.
+        """
+        if self._closed:
+            return True
+        self._closed = True
+        ok = True
+        try:
+            ok = self._recorder.close(timeout)
+        except Exception:
+            log.exception("profd: closing the recorder failed")
+            ok = False
+        if self._channel is not None:
+            self._emit(AgentEvent(EventKind.CLOSED, None, self._current_step))
+            self._channel.flush(min(10.0, timeout))
+            self._channel.stop()
+        with _AGENTS_LOCK:
+            key = (self.info.role, self.info.rank)
+            if _AGENTS.get(key) is self:
+                del _AGENTS[key]
+        return ok
+
+    def __enter__(self) -> ProfilerAgent:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        self.close()
+        return False
+
+    # -- introspection --------------------------------------------------------------------
+    @property
+    def agent_id(self) -> str:
+        return self.info.agent_id
+
+    @property
+    def current_step(self) -> int | None:
+        return self._current_step
+
+    @property
+    def plan(self) -> AgentPlan:
+        return self._armed.plan
+
+    @property
+    def connected(self) -> bool:
+        return self._channel is not None and self._channel.connected
+
+    @property
+    def recording(self) -> bool:
+        return self._recorder.active is not None
+
+    # -- marks ----------------------------------------------------------------------------
+    def step(self, step: int) -> AbstractContextManager[None]:
+        """Mark one training step (the unit ``steps`` / ``next_steps`` count)."""
+        self._next_step = step
+        return self._step_mark
+
+    def stage(
+        self, name: str, *, role: str | None = None, update_loop: bool = False
+    ) -> AbstractContextManager[Any]:
+        """Mark a stage. The label is ``name``, or ``f"{role}_{name}"`` when ``role`` is given.
+
+        ``update_loop=True`` marks the stage whose mini-batches drive the torch schedule.
+        """
+        scope = self._recorder.active
+        if scope is None:
+            return NULL_RANGE
+        return scope.stage(name if role is None else f"{role}_{name}", update_loop)
+
+    def mini_batch(self, index: int) -> AbstractContextManager[Any]:
+        """Mark update mini-batch ``index`` (a ``mini_batch<i>`` range; advances schedules)."""
+        scope = self._recorder.active
+        if scope is None:
+            return NULL_RANGE
+        return scope.mini_batch(index)
+
+    def micro_batch(self, index: int) -> AbstractContextManager[Any]:
+        """Mark micro-batch ``index`` (a ``micro_batch<j>`` range)."""
+        scope = self._recorder.active
+        if scope is None:
+            return NULL_RANGE
+        return scope.micro_batch(index)
+
+    # -- internals --------------------------------------------------------------------------
+    def _emit(self, event: AgentEvent) -> None:
+        if self._channel is not None:
+            self._channel.send(event)
+
+    def _install_plan(self, plan: AgentPlan) -> None:
+        """Poller thread: publish a plan snapshot and acknowledge new windows."""
+        old = {w.session_id for w in self._armed.plan.windows}
+        self._armed = ArmedPlan(plan, self._current_step)
+        for w in plan.windows:
+            if w.session_id not in old:
+                self._emit(AgentEvent(EventKind.ARMED, w.session_id, self._current_step))
+
+    def _enter_step(self, step: int | None, armed: ArmedPlan) -> None:
+        if step is None:
+            return
+        try:
+            self._recorder.enter_step(step, armed)
+        except Exception:
+            log.exception("profd: step %s enter failed", step)
+
+    def _exit_step(self, step: int | None) -> None:
+        if step is None:
+            return
+        try:
+            self._recorder.exit_step(step)
+        except Exception:
+            log.exception("profd: step %s exit failed", step)
+
+
+def _default_find_link() -> Callable[[], CoordinatorLink | None] | None:
+    try:
+        import ray
+    except Exception:
+        return None
+    if not ray.is_initialized():
+        return None
+    return find_ray_link
+
+
+def attach(
+    role: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+    topology: Mapping[str, int] | None = None,
+    **kwargs: Any,
+) -> ProfilerAgent:
+    """Create (or return) the agent of ``(role, rank)`` in this process and start it.
+
+    ``rank`` / ``world_size`` default to the ``RANK`` / ``WORLD_SIZE`` environment variables
+    (as set by torchrun and Ray Train), else 0 / unknown.
+    """
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if world_size is None and os.environ.get("WORLD_SIZE"):
+        world_size = int(os.environ["WORLD_SIZE"])
+    with _AGENTS_LOCK:
+        agent = _AGENTS.get((role, rank))
+        if agent is not None and not agent._closed:
+            return agent
+        agent = ProfilerAgent(role, rank, world_size, topology, **kwargs)
+        _AGENTS[(role, rank)] = agent
+    return agent.start()
+
+
+def attached_agents() -> list[ProfilerAgent]:
+    with _AGENTS_LOCK:
+        return list(_AGENTS.values())
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for agent in attached_agents():
+        try:
+            agent.close(timeout=30.0)
+        except Exception:
+            pass

@@ -1,0 +1,269 @@
+"""The agent's link to the coordinator, run entirely on background threads.
+
+Two daemon threads per agent:
+
+* the *poller* finds the coordinator by name, registers, then long-polls for plan changes
+  (carrying the agent's current step) and installs each new plan as an immutable snapshot
+  the training thread reads without locking;
+* the *reporter* sends queued events in batches.
+
+A missing or restarting coordinator is normal: the poller retries discovery with back-off,
+re-registers when the coordinator no longer knows the agent, and events wait in a bounded
+queue. Nothing here ever raises into the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from profd.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
+
+__all__ = ["Channel", "CoordinatorLink", "LinkDown", "RayLink", "Registration", "find_ray_link"]
+
+log = logging.getLogger(__name__)
+
+_MAX_QUEUED_EVENTS = 100_000
+
+
+class LinkDown(Exception):
+    """The coordinator cannot be reached right now (absent, restarting, dead)."""
+
+
+class Registration(Protocol):
+    plan: AgentPlan
+    poll_timeout_s: float
+
+
+class CoordinatorLink(Protocol):
+    """Blocking calls to the coordinator; raise :class:`LinkDown` when it is unreachable."""
+
+    def register(self, info: AgentInfo, step: int | None) -> Registration: ...
+
+    def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> PollReply: ...
+
+    def report(self, agent_id: str, events: list[AgentEvent]) -> bool: ...
+
+
+class RayLink:
+    """:class:`CoordinatorLink` over a Ray actor handle."""
+
+    def __init__(self, handle: Any, call_timeout_s: float = 30.0) -> None:
+        self._handle = handle
+        self._timeout = call_timeout_s
+
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            ref = getattr(self._handle, method).remote(*args)
+            return ray.get(ref, timeout=timeout or self._timeout)
+        except (RayActorError, GetTimeoutError) as exc:
+            raise LinkDown(f"{method}: {type(exc).__name__}") from exc
+        except Exception as exc:
+            # ActorUnavailableError and friends moved between Ray versions.
+            if "Actor" in type(exc).__name__ or "Unavailable" in type(exc).__name__:
+                raise LinkDown(f"{method}: {type(exc).__name__}") from exc
+            raise
+
+    def register(self, info: AgentInfo, step: int | None) -> Registration:
+        return self._call("register", info, step)
+
+    def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> PollReply:
+        return self._call("poll", agent_id, version, step, timeout, timeout=timeout + self._timeout)
+
+    def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
+        return self._call("report", agent_id, events)
+
+
+def find_ray_link() -> RayLink | None:
+    """The coordinator by its fixed name, or ``None`` when Ray is down or it does not exist."""
+    import ray
+
+    from profd.constants import COORDINATOR_NAME, NAMESPACE
+
+    if not ray.is_initialized():
+        return None
+    try:
+        return RayLink(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE))
+    except ValueError:
+        return None
+
+
+class Channel:
+    """Background poller and reporter for one agent."""
+
+    def __init__(
+        self,
+        info: AgentInfo,
+        find_link: Callable[[], CoordinatorLink | None],
+        current_step: Callable[[], int | None],
+        install_plan: Callable[[AgentPlan], None],
+        *,
+        poll_timeout_s: float = 5.0,
+        retry_s: tuple[float, float] = (0.5, 5.0),
+    ) -> None:
+        self.info = info
+        self._find_link = find_link
+        self._current_step = current_step
+        self._install_plan = install_plan
+        self._poll_timeout = poll_timeout_s
+        self._retry_min, self._retry_max = retry_s
+        self._link: CoordinatorLink | None = None
+        self._version = 0
+        self._events: queue.Queue[AgentEvent] = queue.Queue(maxsize=_MAX_QUEUED_EVENTS)
+        self._registered = threading.Event()
+        self._stop = threading.Event()
+        self._dropped = 0
+        self._warned: set[str] = set()
+        self._threads = [
+            threading.Thread(target=self._poll_loop, name="profd-poller", daemon=True),
+            threading.Thread(target=self._report_loop, name="profd-reporter", daemon=True),
+        ]
+
+    # -- public -------------------------------------------------------------------------
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._registered.is_set()
+
+    def send(self, event: AgentEvent) -> None:
+        try:
+            self._events.put_nowait(event)
+        except queue.Full:
+            self._dropped += 1
+            self._warn_once("full", "profd: event queue full; events are being dropped")
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until queued events are sent (or ``timeout``); True when the queue is empty."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._events.unfinished_tasks == 0:
+                return True
+            time.sleep(0.02)
+        return self._events.unfinished_tasks == 0
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout)
+
+    # -- internals ----------------------------------------------------------------------
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def _backoff(self, attempt: int) -> None:
+        self._stop.wait(min(self._retry_max, self._retry_min * (2 ** min(attempt, 6))))
+
+    def _connect(self) -> CoordinatorLink | None:
+        link = self._find_link()
+        if link is None:
+            return None
+        reg = link.register(self.info, self._current_step())
+        self._poll_timeout = float(getattr(reg, "poll_timeout_s", self._poll_timeout))
+        self._accept(reg.plan)
+        self._registered.set()
+        log.info("profd: agent %s registered with the coordinator", self.info.agent_id)
+        return link
+
+    def _accept(self, plan: AgentPlan | None) -> None:
+        if plan is None:
+            return
+        # A restarted coordinator may count versions from scratch: accept any change.
+        if plan.version != self._version:
+            self._version = plan.version
+            self._install_plan(plan)
+
+    def _poll_loop(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                if self._link is None:
+                    self._link = self._connect()
+                    if self._link is None:
+                        attempt += 1
+                        self._backoff(attempt)
+                        continue
+                    attempt = 0
+                reply = self._link.poll(
+                    self.info.agent_id, self._version, self._current_step(), self._poll_timeout
+                )
+                if not reply.known:
+                    self._registered.clear()
+                    self._link = None
+                    continue
+                self._accept(reply.plan)
+            except LinkDown as exc:
+                self._registered.clear()
+                self._link = None
+                self._warn_once("down", "profd: coordinator unreachable (%s); retrying", exc)
+                attempt += 1
+                self._backoff(attempt)
+            except Exception:
+                self._registered.clear()
+                self._link = None
+                if "poll" not in self._warned:
+                    self._warned.add("poll")
+                    log.exception("profd: plan poll failed; retrying")
+                attempt += 1
+                self._backoff(attempt)
+
+    def _drain(self, first: AgentEvent) -> list[AgentEvent]:
+        batch = [first]
+        while len(batch) < 1000:
+            try:
+                batch.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _report_loop(self) -> None:
+        pending: list[AgentEvent] = []
+        attempt = 0
+        while True:
+            if not pending:
+                try:
+                    first = self._events.get(timeout=0.2)
+                except queue.Empty:
+                    if self._stop.is_set():
+                        return
+                    continue
+                pending = self._drain(first)
+            link = self._link
+            if link is None or not self._registered.is_set():
+                if self._stop.is_set():
+                    self._done(pending)
+                    return
+                self._registered.wait(0.5)
+                continue
+            try:
+                known = link.report(self.info.agent_id, pending)
+            except Exception as exc:
+                self._warn_once("report", "profd: sending events failed (%s); retrying", exc)
+                attempt += 1
+                if self._stop.is_set():
+                    self._done(pending)
+                    return
+                self._backoff(attempt)
+                continue
+            if not known:
+                self._registered.clear()
+                continue
+            self._done(pending)
+            pending = []
+            attempt = 0
+
+    def _done(self, batch: list[AgentEvent]) -> None:
+        for _ in batch:
+            self._events.task_done()

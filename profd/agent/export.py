@@ -1,0 +1,89 @@
+"""The exporter thread: writes stopped collections to disk so the training loop never waits."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from profd.backends.base import PendingOutput, WrittenFile
+
+__all__ = ["ExportJob", "Exporter", "trace_id_for"]
+
+log = logging.getLogger(__name__)
+
+
+def trace_id_for(node: str | None, path: str) -> str:
+    """Stable id of a file: the same file always gets the same id, on any process."""
+    return hashlib.sha1(f"{node or ''}:{path}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class ExportJob:
+    session_id: str
+    steps: tuple[int, ...]
+    scope: str
+    tool: str
+    output: PendingOutput
+
+
+class Exporter:
+    """One daemon thread writing :class:`ExportJob` s in order.
+
+    ``on_done(job, files, error)`` is called on this thread after every job; ``error`` is the
+    failure message or ``None``.
+    """
+
+    def __init__(self, on_done: Callable[[ExportJob, list[WrittenFile], str | None], None]) -> None:
+        self._on_done = on_done
+        self._jobs: queue.Queue[ExportJob | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: ExportJob) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="profd-exporter", daemon=True
+                )
+                self._thread.start()
+        self._jobs.put(job)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every submitted job is written; True when none is left."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._jobs.unfinished_tasks == 0:
+                return True
+            time.sleep(0.02)
+        return self._jobs.unfinished_tasks == 0
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                started = time.perf_counter()
+                try:
+                    files = job.output.write()
+                except Exception as exc:
+                    log.exception("profd: writing the trace of session %s failed", job.session_id)
+                    self._on_done(job, [], f"export failed: {type(exc).__name__}: {exc}")
+                    continue
+                for f in files:
+                    log.info(
+                        "profd: trace saved to %s (%.1f MB, %.2f s)",
+                        f.path,
+                        f.bytes / 1e6,
+                        time.perf_counter() - started,
+                    )
+                self._on_done(job, files, None)
+            except Exception:  # the callback itself must never kill the thread
+                log.exception("profd: exporter callback failed")
+            finally:
+                self._jobs.task_done()

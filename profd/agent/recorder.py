@@ -1,0 +1,550 @@
+"""Turning step / stage / mini-batch marks into collections, on the training thread.
+
+The recorder owns one :class:`_WindowState` per session in the agent's plan. At each step
+boundary it opens, continues or closes collections; stopped collections go to the exporter
+thread. Every planned step ends *recorded* (a file holds it) or *missed* (with the reason);
+when all are resolved and every file is written the agent reports ``part_done``.
+
+Modes (reference §5):
+
+* continuous (``discrete: false``): one collection per step group, scope ``train``; each
+  step is a ``step<n>`` range and stages are ranges inside it;
+* discrete (``discrete: true``): no collection per step; each stage inside a profiled step
+  opens its own collection whose scope is the stage label.
+
+Any failure in here is caught, logged once and reported; the window is then given up and the
+training loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from profd.agent.export import Exporter, ExportJob, trace_id_for
+from profd.backends.base import NULL_RANGE, Backend, Collection, CollectionSpec, WrittenFile
+from profd.naming import trace_stem
+from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, WindowPlan
+
+__all__ = ["IDLE", "ArmedPlan", "Recorder"]
+
+log = logging.getLogger(__name__)
+
+CONTINUOUS_SCOPE = "train"
+
+
+@dataclass(frozen=True, slots=True)
+class ArmedPlan:
+    """An installed plan, as the training thread sees it (swapped atomically, never mutated)."""
+
+    plan: AgentPlan
+    #: The agent's step when the plan arrived (explains missed steps).
+    received_at_step: int | None = None
+
+    @property
+    def windows(self) -> tuple[WindowPlan, ...]:
+        return self.plan.windows
+
+
+IDLE = ArmedPlan(AgentPlan(version=0))
+
+
+class _SafeRange:
+    """A profiler range that never raises into user code and never swallows its exceptions."""
+
+    __slots__ = ("_cm", "_on_exit", "_scope")
+
+    def __init__(self, scope: _Scope, cm: AbstractContextManager[Any], on_exit=None) -> None:
+        self._scope = scope
+        self._cm: AbstractContextManager[Any] | None = cm
+        self._on_exit = on_exit
+
+    def __enter__(self) -> None:
+        try:
+            self._cm.__enter__()  # type: ignore[union-attr]
+        except Exception as exc:
+            self._cm = None
+            self._scope.fault(exc)
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        try:
+            if self._cm is not None:
+                self._cm.__exit__(*exc_info)
+            if self._on_exit is not None:
+                self._on_exit()
+        except Exception as exc:
+            self._scope.fault(exc)
+        return False
+
+
+@dataclass
+class _WindowState:
+    window: WindowPlan
+    group_of: dict[int, tuple[int, ...]]
+    received_at_step: int | None
+    handled: set[int] = field(default_factory=set)  # closed into a collection, or missed
+    recorded: set[int] = field(default_factory=set)
+    missed: set[int] = field(default_factory=set)
+    scope: _Scope | None = None
+    pending_exports: int = 0
+    failed: bool = False
+    recording_sent: bool = False
+    collecting_sent: bool = False
+    done_sent: bool = False
+
+    @property
+    def all_handled(self) -> bool:
+        return len(self.handled) >= len(self.window.steps)
+
+
+class _Scope:
+    """What stage / mini-batch marks talk to while a window is active on this agent."""
+
+    def __init__(self, recorder: Recorder, ws: _WindowState) -> None:
+        self.recorder = recorder
+        self.ws = ws
+        self.in_update_loop = False
+
+    def fault(self, exc: BaseException) -> None:
+        self.recorder.fault(self.ws, exc)
+
+    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def mini_batch(self, index: int) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def micro_batch(self, index: int) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+
+class _ContinuousScope(_Scope):
+    """One collection for a group of consecutive steps; stages are ranges inside it."""
+
+    def __init__(self, recorder: Recorder, ws: _WindowState, group: tuple[int, ...]) -> None:
+        super().__init__(recorder, ws)
+        self.group = group
+        self.done: list[int] = []
+        self.collection: Collection = recorder.open_collection(ws, CONTINUOUS_SCOPE, group[0])
+        self._step_range: AbstractContextManager[Any] | None = None
+
+    def enter_step(self, step: int) -> None:
+        self._step_range = _SafeRange(self, self.collection.annotate(f"step{step}"))
+        self._step_range.__enter__()
+
+    def exit_step(self, step: int) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        self.done.append(step)
+
+    def _end_update_loop(self) -> None:
+        self.in_update_loop = False
+
+    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
+        if update_loop:
+            self.in_update_loop = True
+            return _SafeRange(self, self.collection.annotate(label), self._end_update_loop)
+        return _SafeRange(self, self.collection.annotate(label))
+
+    def _after_mini_batch(self) -> None:
+        if self.in_update_loop:
+            self.collection.step()
+
+    def mini_batch(self, index: int) -> AbstractContextManager[Any]:
+        return _SafeRange(
+            self, self.collection.annotate(f"mini_batch{index}"), self._after_mini_batch
+        )
+
+    def micro_batch(self, index: int) -> AbstractContextManager[Any]:
+        return _SafeRange(self, self.collection.annotate(f"micro_batch{index}"))
+
+    def close(self) -> ExportJob:
+        if self._step_range is not None:  # closing mid-step (cancel, job end)
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        output = self.collection.close()
+        return ExportJob(
+            session_id=self.ws.window.session_id,
+            steps=tuple(self.done),
+            scope=CONTINUOUS_SCOPE,
+            tool=self.ws.window.tool,
+            output=output,
+        )
+
+
+class _DiscreteStage:
+    """A stage that opens its own collection (discrete mode); the stage is a range inside."""
+
+    __slots__ = ("_collection", "_label", "_range", "_scope", "_update_loop")
+
+    def __init__(self, scope: _DiscreteScope, label: str, update_loop: bool) -> None:
+        self._scope = scope
+        self._label = label
+        self._update_loop = update_loop
+        self._collection: Collection | None = None
+        self._range: _SafeRange | None = None
+
+    def __enter__(self) -> None:
+        scope = self._scope
+        try:
+            self._collection = scope.recorder.open_collection(scope.ws, self._label, scope.step)
+        except Exception as exc:
+            scope.fault(exc)
+            return
+        scope.current = self._collection
+        scope.in_update_loop = self._update_loop
+        self._range = _SafeRange(scope, self._collection.annotate(self._label))
+        self._range.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        scope = self._scope
+        if self._range is not None:
+            self._range.__exit__(*exc_info)
+        scope.current = None
+        scope.in_update_loop = False
+        if self._collection is not None:
+            try:
+                output = self._collection.close()
+                window = scope.ws.window
+                job = ExportJob(window.session_id, (scope.step,), self._label, window.tool, output)
+                scope.recorder.submit(scope.ws, job)
+                scope.wrote = True
+            except Exception as exc:
+                scope.fault(exc)
+        return False
+
+
+class _DiscreteScope(_Scope):
+    """A profiled step in discrete mode: every stage inside it is its own collection."""
+
+    def __init__(self, recorder: Recorder, ws: _WindowState, step: int) -> None:
+        super().__init__(recorder, ws)
+        self.step = step
+        self.current: Collection | None = None
+        self.wrote = False
+
+    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
+        if self.current is not None:  # nested stage: a range in the enclosing collection
+            return _SafeRange(self, self.current.annotate(label))
+        return _DiscreteStage(self, label, update_loop)
+
+    def _after_mini_batch(self) -> None:
+        if self.in_update_loop and self.current is not None:
+            self.current.step()
+
+    def mini_batch(self, index: int) -> AbstractContextManager[Any]:
+        if self.current is None:
+            return NULL_RANGE
+        return _SafeRange(self, self.current.annotate(f"mini_batch{index}"), self._after_mini_batch)
+
+    def micro_batch(self, index: int) -> AbstractContextManager[Any]:
+        if self.current is None:
+            return NULL_RANGE
+        return _SafeRange(self, self.current.annotate(f"micro_batch{index}"))
+
+
+class Recorder:
+    """Window logic of one agent. ``enter_step`` / ``exit_step`` / ``close`` run on the
+    training thread; export callbacks run on the exporter thread (state shared under a lock)."""
+
+    def __init__(
+        self,
+        info: AgentInfo,
+        emit: Callable[[AgentEvent], None],
+        make_backend: Callable[[str, dict[str, Any]], Backend],
+    ) -> None:
+        self.info = info
+        self._emit = emit
+        self._make_backend = make_backend
+        self._exporter = Exporter(self._on_export_done)
+        self._windows: dict[str, _WindowState] = {}
+        self._finished: set[str] = set()
+        self._seen: ArmedPlan = IDLE
+        self._lock = threading.Lock()
+        self._warned: set[tuple[str, str]] = set()
+        #: The scope stage marks talk to; ``None`` while nothing records.
+        self.active: _Scope | None = None
+
+    @property
+    def has_windows(self) -> bool:
+        return bool(self._windows)
+
+    # -- plan ---------------------------------------------------------------------------
+    def sync(self, armed: ArmedPlan) -> None:
+        """Adopt a newly installed plan: add new windows, wind down removed ones."""
+        self._seen = armed
+        wanted = {w.session_id: w for w in armed.windows}
+        for sid, ws in list(self._windows.items()):
+            if sid not in wanted:
+                self._abandon(ws, "the session ended before these steps")
+        for sid, window in wanted.items():
+            if sid in self._windows or sid in self._finished:
+                continue
+            group_of = {s: g for g in window.groups for s in g}
+            self._windows[sid] = _WindowState(window, group_of, armed.received_at_step)
+
+    # -- step boundaries ----------------------------------------------------------------
+    def enter_step(self, step: int, armed: ArmedPlan) -> None:
+        if armed is not self._seen:
+            self.sync(armed)
+        for ws in list(self._windows.values()):
+            try:
+                self._enter(ws, step)
+            except Exception as exc:
+                self.fault(ws, exc)
+
+    def _enter(self, ws: _WindowState, step: int) -> None:
+        scope = ws.scope
+        if isinstance(scope, _ContinuousScope) and step not in scope.group:
+            self._close_scope(ws)  # the loop jumped out of the group
+        self._miss_before(ws, step)
+        if step not in ws.group_of or step in ws.handled:
+            self._maybe_done(ws)
+            return
+        if ws.window.discrete:
+            ws.scope = _DiscreteScope(self, ws, step)
+        else:
+            if ws.scope is None:
+                ws.scope = _ContinuousScope(self, ws, ws.group_of[step])
+            ws.scope.enter_step(step)
+        if not ws.recording_sent:
+            ws.recording_sent = True
+            self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id, step))
+        self.active = ws.scope
+
+    def exit_step(self, step: int) -> None:
+        for ws in list(self._windows.values()):
+            try:
+                self._exit(ws, step)
+            except Exception as exc:
+                self.fault(ws, exc)
+
+    def _exit(self, ws: _WindowState, step: int) -> None:
+        scope = ws.scope
+        if isinstance(scope, _DiscreteScope) and scope.step == step:
+            ws.scope = None
+            self.active = None
+            with self._lock:
+                ws.handled.add(step)
+                if not scope.wrote:
+                    ws.missed.add(step)
+                    self._emit_missed(ws, [step], "no stage ran inside this profiled step")
+        elif isinstance(scope, _ContinuousScope) and step in scope.group:
+            scope.exit_step(step)
+            if step == scope.group[-1]:
+                self._close_scope(ws)
+        self._maybe_done(ws)
+
+    def _miss_before(self, ws: _WindowState, step: int) -> None:
+        late = [s for s in ws.window.steps if s < step and s not in ws.handled]
+        scope = ws.scope
+        if isinstance(scope, _ContinuousScope):
+            late = [s for s in late if s not in scope.group]
+        if not late:
+            return
+        arrived = ws.received_at_step
+        if arrived is not None and arrived >= late[0]:
+            reason = f"the plan arrived during step {arrived}, after step {late[0]} had begun"
+        else:
+            reason = "the loop never entered these steps"
+        with self._lock:
+            ws.handled.update(late)
+            ws.missed.update(late)
+        self._emit_missed(ws, late, reason)
+
+    def _emit_missed(self, ws: _WindowState, steps: list[int], reason: str) -> None:
+        self._emit(
+            AgentEvent(
+                EventKind.MISSED, ws.window.session_id, steps[0], reason, {"steps": list(steps)}
+            )
+        )
+
+    # -- collections --------------------------------------------------------------------
+    def open_collection(self, ws: _WindowState, scope: str, step: int) -> Collection:
+        info = self.info
+        window = ws.window
+        stem = trace_stem(
+            prefix=info.role,
+            scope=scope,
+            step=step,
+            rank=info.rank,
+            world_size=info.world_size,
+            topology=info.topology,
+            pid=os.getpid(),
+            when=datetime.now(),
+        )
+        backend = self._make_backend(window.tool, window.tool_config)
+        return backend.open(
+            CollectionSpec(Path(window.save_dir), stem, self._metadata(ws, scope, step))
+        )
+
+    def _metadata(self, ws: _WindowState, scope: str, step: int) -> dict[str, Any]:
+        from profd import __version__
+
+        info = self.info
+        dist = {"rank": info.rank}
+        if info.world_size:
+            dist["world_size"] = info.world_size
+        return {
+            "distributedInfo": dist,
+            "profd": {
+                "version": __version__,
+                "session_id": ws.window.session_id,
+                "agent_id": info.agent_id,
+                "role": info.role,
+                "rank": info.rank,
+                "world_size": info.world_size,
+                "topology": dict(info.topology),
+                "scope": scope,
+                "step": step,
+                "group": list(ws.group_of.get(step, (step,))),
+                "tool": ws.window.tool,
+                "hostname": info.hostname,
+                "node_id": info.node_id,
+                "pid": os.getpid(),
+            },
+        }
+
+    def submit(self, ws: _WindowState, job: ExportJob) -> None:
+        with self._lock:
+            ws.pending_exports += 1
+        self._exporter.submit(job)
+
+    def _close_scope(
+        self, ws: _WindowState, leftover_reason: str = "the loop left the step group early"
+    ) -> None:
+        scope = ws.scope
+        ws.scope = None
+        if self.active is scope:
+            self.active = None
+        if not isinstance(scope, _ContinuousScope):
+            return
+        job = scope.close()
+        leftover = [s for s in scope.group if s not in scope.done]
+        with self._lock:
+            ws.handled.update(scope.group)
+            ws.missed.update(leftover)
+        if leftover:
+            self._emit_missed(ws, leftover, leftover_reason)
+        if job.steps:
+            self.submit(ws, job)
+
+    def _on_export_done(self, job: ExportJob, files: list[WrittenFile], error: str | None) -> None:
+        ws = self._windows.get(job.session_id)
+        if error is not None:
+            self._emit(
+                AgentEvent(
+                    EventKind.ERROR, job.session_id, job.steps[0], error, {"steps": list(job.steps)}
+                )
+            )
+        for f in files:
+            path = str(f.path)
+            self._emit(
+                AgentEvent(
+                    EventKind.TRACE,
+                    job.session_id,
+                    job.steps[0] if job.steps else None,
+                    data={
+                        "trace_id": trace_id_for(self.info.node_id, path),
+                        "path": path,
+                        "bytes": f.bytes,
+                        "steps": list(job.steps),
+                        "scope": job.scope,
+                        "tool": job.tool,
+                    },
+                )
+            )
+        if ws is None:
+            return
+        with self._lock:
+            ws.pending_exports -= 1
+            if error is None and files:
+                ws.recorded.update(job.steps)
+            else:
+                ws.failed = True
+        self._maybe_done(ws)
+
+    def _maybe_done(self, ws: _WindowState) -> None:
+        with self._lock:
+            if ws.done_sent or not ws.all_handled or ws.scope is not None:
+                return
+            if not ws.collecting_sent:
+                ws.collecting_sent = True
+                self._emit(AgentEvent(EventKind.COLLECTING, ws.window.session_id))
+            if ws.pending_exports > 0:
+                return
+            ws.done_sent = True
+            sid = ws.window.session_id
+            self._finished.add(sid)
+            self._windows.pop(sid, None)
+        self._emit(
+            AgentEvent(
+                EventKind.PART_DONE,
+                sid,
+                data={"recorded": sorted(ws.recorded), "missed": sorted(ws.missed)},
+            )
+        )
+
+    # -- faults and shutdown --------------------------------------------------------------
+    def fault(self, ws: _WindowState, exc: BaseException) -> None:
+        """Give up a window after a failure inside profd; training goes on."""
+        key = (ws.window.session_id, type(exc).__name__)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(
+                "profd: recording for session %s failed: %r",
+                ws.window.session_id,
+                exc,
+                exc_info=True,
+            )
+        scope = ws.scope
+        ws.scope = None
+        if self.active is scope:
+            self.active = None
+        if isinstance(scope, _ContinuousScope):
+            try:
+                scope.collection.close()
+            except Exception:
+                pass
+        self._emit(
+            AgentEvent(
+                EventKind.ERROR,
+                ws.window.session_id,
+                None,
+                f"recording failed: {type(exc).__name__}: {exc}",
+            )
+        )
+        remaining = [s for s in ws.window.steps if s not in ws.handled]
+        with self._lock:
+            ws.failed = True
+            ws.handled.update(remaining)
+            ws.missed.update(remaining)
+        self._maybe_done(ws)
+
+    def _abandon(self, ws: _WindowState, reason: str) -> None:
+        try:
+            self._close_scope(ws, reason)
+        except Exception as exc:
+            self.fault(ws, exc)
+            return
+        remaining = [s for s in ws.window.steps if s not in ws.handled]
+        if remaining:
+            with self._lock:
+                ws.handled.update(remaining)
+                ws.missed.update(remaining)
+            self._emit_missed(ws, remaining, reason)
+        self._maybe_done(ws)
+
+    def close(self, timeout: float) -> bool:
+        """End of the job: flush open windows, write every file; True when all were written."""
+        for ws in list(self._windows.values()):
+            self._abandon(ws, "the job ended before these steps")
+        return self._exporter.drain(timeout)

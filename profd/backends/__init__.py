@@ -1,0 +1,61 @@
+"""Profiling backends behind one interface, chosen by a validated :class:`ToolKind`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from profd.backends.base import (
+    NULL_RANGE,
+    Backend,
+    Collection,
+    CollectionSpec,
+    NoopBackend,
+    PendingOutput,
+    WrittenFile,
+)
+from profd.config import ToolKind
+
+__all__ = [
+    "NULL_RANGE",
+    "Backend",
+    "Collection",
+    "CollectionSpec",
+    "NoopBackend",
+    "PendingOutput",
+    "WrittenFile",
+    "backend_class",
+    "capabilities",
+    "make_backend",
+]
+
+
+def backend_class(kind: ToolKind | str) -> type[Backend] | None:
+    """The class implementing ``kind``; ``None`` when profd has no implementation yet."""
+    kind = ToolKind(kind)  # raises ValueError naming the bad value
+    if kind is ToolKind.TORCH:
+        from profd.backends.torch_backend import TorchBackend
+
+        return TorchBackend
+    return None
+
+
+def make_backend(kind: ToolKind | str, options: dict[str, Any]) -> Backend:
+    cls = backend_class(kind)
+    if cls is None:
+        raise ValueError(f"tool {ToolKind(kind).value!r} is not implemented in this profd build")
+    return cls(options)  # type: ignore[call-arg]
+
+
+def capabilities() -> dict[str, str | None]:
+    """For every tool: ``None`` when it can run in this process, else the reason it cannot."""
+    out: dict[str, str | None] = {}
+    for kind in ToolKind:
+        cls = backend_class(kind)
+        if cls is None:
+            out[kind.value] = "not implemented in this profd build"
+            continue
+        try:
+            out[kind.value] = cls.unavailable_reason()
+        except Exception as exc:  # a probe must never break attach
+            out[kind.value] = f"probe failed: {exc}"
+    return out

@@ -1,0 +1,113 @@
+"""The backend interface: open a collection on the training thread, write files elsewhere.
+
+A backend turns one window into files. :meth:`Backend.open` starts recording and must be
+cheap; :meth:`Collection.close` stops recording on the training thread and returns a
+:class:`PendingOutput` whose :meth:`~PendingOutput.write` does the slow part (export,
+compression) on the agent's exporter thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from profd.config import ToolKind
+
+__all__ = [
+    "NULL_RANGE",
+    "Backend",
+    "Collection",
+    "CollectionSpec",
+    "NoopBackend",
+    "PendingOutput",
+    "WrittenFile",
+]
+
+#: Reused for every mark while nothing records: no allocation on the training thread.
+NULL_RANGE: AbstractContextManager[None] = contextlib.nullcontext()
+
+
+@dataclass(frozen=True, slots=True)
+class CollectionSpec:
+    """Everything a backend needs to open one collection."""
+
+    save_dir: Path
+    #: File stem without suffix or extension (see :mod:`profd.naming`).
+    stem: str
+    #: Written inside the trace: ``distributedInfo`` and profd's own keys.
+    metadata: Mapping[str, Any]
+    #: The session tool's options for this role, as plain data.
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenFile:
+    path: Path
+    bytes: int
+    #: Suffix used in the name (``""``, ``_mb3-4``, ``_part1``).
+    suffix: str = ""
+
+
+class PendingOutput(ABC):
+    """A stopped collection whose files are not yet written."""
+
+    @abstractmethod
+    def write(self) -> list[WrittenFile]:
+        """Write the files (runs off the training thread); raise on failure."""
+
+
+class Collection(ABC):
+    """An open recording. Methods run on the training thread and must stay cheap."""
+
+    def annotate(self, label: str) -> AbstractContextManager[Any]:
+        """A named range inside the recording."""
+        return NULL_RANGE
+
+    def step(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Advance the mini-batch schedule (no-op for backends without one)."""
+
+    @abstractmethod
+    def close(self) -> PendingOutput:
+        """Stop recording and hand over what must be written."""
+
+
+class Backend(ABC):
+    kind: ClassVar[ToolKind]
+
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """``None`` when this backend can run in this process, else why it cannot."""
+
+    @abstractmethod
+    def open(self, spec: CollectionSpec) -> Collection:
+        """Start recording."""
+
+
+class _NoopOutput(PendingOutput):
+    def write(self) -> list[WrittenFile]:
+        return []
+
+
+class _NoopCollection(Collection):
+    def close(self) -> PendingOutput:
+        return _NoopOutput()
+
+
+class NoopBackend(Backend):
+    """Records nothing and writes nothing. Used where the agent logic is tested without a
+    profiler; never chosen for a user's session (tools are a validated enum)."""
+
+    kind = ToolKind.TORCH
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None
+
+    def open(self, spec: CollectionSpec) -> Collection:
+        return _NoopCollection()

@@ -1,0 +1,84 @@
+"""A small HTTP client for the sidecar, with errors a person can act on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from profd.cluster import load_state, read_token
+from profd.constants import DEFAULT_PORT
+
+__all__ = ["ApiClient", "CliError", "resolve_url"]
+
+EXIT_FAILED = 1
+EXIT_UNREACHABLE = 3
+
+
+class CliError(Exception):
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED, status: int | None = None):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.status = status
+
+
+def resolve_url(url: str | None, state_dir: Path) -> str:
+    if url:
+        return url.rstrip("/")
+    state = load_state(state_dir)
+    if state is not None:
+        return state.url
+    return f"http://127.0.0.1:{DEFAULT_PORT}"
+
+
+class ApiClient:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    @classmethod
+    def from_state(cls, url: str | None, state_dir: Path, token: str | None = None) -> ApiClient:
+        return cls(resolve_url(url, state_dir), token or read_token(state_dir))
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise CliError(
+                f"cannot reach the profd sidecar at {self.url} ({type(exc).__name__}); "
+                "is `profd up` running? (or pass --url)",
+                EXIT_UNREACHABLE,
+            ) from None
+        if resp.status_code >= 400:
+            try:
+                body = resp.json()
+                msg = body.get("message") or str(body)
+            except ValueError:
+                msg = resp.text[:500]
+            hint = ""
+            if resp.status_code in (401, 403):
+                hint = " (the token lives in the profd state directory; see `profd up`)"
+            raise CliError(f"HTTP {resp.status_code}: {msg}{hint}", EXIT_FAILED, resp.status_code)
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            return resp.json()
+        return resp.content
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
+
+    def post(self, path: str, body: Any = None) -> Any:
+        return self.request("POST", path, json=body)
+
+    def download(self, path: str, dest: Path) -> int:
+        with self._http.stream("GET", path) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                raise CliError(f"HTTP {resp.status_code}: {resp.text[:300]}", EXIT_FAILED)
+            size = 0
+            with open(dest, "wb") as f:
+                for chunk in resp.iter_bytes():
+                    f.write(chunk)
+                    size += len(chunk)
+        return size

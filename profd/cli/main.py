@@ -1,0 +1,442 @@
+"""The ``profd`` command line.
+
+Exit codes: 0 success; 1 the request failed or a session did not end ``done``; 2 bad usage;
+3 the sidecar cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from profd.cli.client import ApiClient, CliError
+from profd.settings import ProfdSettings
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="profd",
+    help="Live, step-aligned profiling of PyTorch training on Ray.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+UrlOpt = Annotated[
+    str | None, typer.Option("--url", help="Sidecar URL (default: from `profd up`).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+TERMINAL = ("done", "partial", "failed", "cancelled", "expired")
+
+
+def _settings() -> ProfdSettings:
+    return ProfdSettings()
+
+
+def _client(url: str | None) -> ApiClient:
+    return ApiClient.from_state(url, _settings().state_dir)
+
+
+def _fail(exc: CliError) -> None:
+    err_console.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(exc.exit_code)
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+# -- up / down ------------------------------------------------------------------------------
+@app.command()
+def up(
+    address: Annotated[
+        str | None,
+        typer.Option(
+            help="Ray address to join ('auto' = local cluster); default: start a local Ray."
+        ),
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Sidecar bind address.")] = None,
+    port: Annotated[int | None, typer.Option(help="Sidecar port.")] = None,
+    save_root: Annotated[Path | None, typer.Option(help="Default save root.")] = None,
+    allow_hook_commands: Annotated[
+        bool, typer.Option(help="Accept finish_hook_cmd over HTTP.")
+    ] = False,
+    num_cpus: Annotated[int | None, typer.Option(help="CPUs of a local Ray started here.")] = None,
+) -> None:
+    """Start the coordinator and the sidecar (and a local Ray when no --address is given)."""
+    from profd.cluster import (
+        ServiceState,
+        connect_ray,
+        load_state,
+        read_or_create_token,
+        save_state,
+        start_local_ray,
+        start_services,
+    )
+    from profd.settings import SidecarConfig
+
+    settings = _settings()
+    previous = load_state(settings.state_dir)
+    if previous is not None and _reachable(previous.url):
+        console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
+        return
+    started_ray = False
+    if address is None:
+        console.print("Starting a local Ray head on 127.0.0.1 ...")
+        address = start_local_ray(num_cpus)
+        started_ray = True
+    connect_ray(address)
+    token, token_path = read_or_create_token(settings.state_dir)
+    sidecar = SidecarConfig(
+        host=host or settings.host,
+        port=settings.port if port is None else port,
+        token=token,
+        allow_hook_commands=allow_hook_commands,
+    )
+    coord = (
+        settings.coordinator()
+        if save_root is None
+        else ProfdSettings(save_root=save_root).coordinator()
+    )
+    services = start_services(coord, sidecar, detached=True)
+    addr, coord_new, side_new = (
+        services.address,
+        services.coordinator_created,
+        services.sidecar_created,
+    )
+    state = ServiceState(
+        url=addr["url"],
+        host=addr["host"],
+        port=addr["port"],
+        ray_address=address,
+        started_ray=started_ray,
+        save_root=coord.save_root,
+        coordinator_created=coord_new,
+        sidecar_created=side_new,
+    )
+    save_state(settings.state_dir, state)
+    console.print(f"profd is up: sidecar [cyan]{addr['url']}[/cyan]")
+    console.print(f"  token file: {token_path} (owner-only)")
+    console.print(f"  traces under: {coord.save_root}")
+    if not (coord_new and side_new):
+        console.print("  (an existing coordinator / sidecar was reused)")
+
+
+def _reachable(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@app.command()
+def down(
+    address: Annotated[
+        str | None, typer.Option(help="Ray address (default: from `profd up`).")
+    ] = None,
+) -> None:
+    """Stop the sidecar and the coordinator (and the local Ray `profd up` started)."""
+    from profd.cluster import STATE_FILE, connect_ray, load_state, stop_local_ray, stop_services
+
+    settings = _settings()
+    state = load_state(settings.state_dir)
+    target = address or (state.ray_address if state else None)
+    if target is None and state is None:
+        console.print(f"profd is not up (no state in {settings.state_dir})")
+        return
+    try:
+        connect_ray(target)
+        stopped = stop_services()
+    except Exception as exc:  # the cluster may already be gone
+        stopped = []
+        err_console.print(f"could not reach Ray at {target}: {exc}")
+    if state is not None and state.started_ray:
+        stop_local_ray()
+        stopped.append("local ray")
+    (settings.state_dir / STATE_FILE).unlink(missing_ok=True)
+    console.print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+# -- status / lists -------------------------------------------------------------------------
+@app.command()
+def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
+    """Agents and sessions at a glance."""
+    try:
+        api = _client(url)
+        st = api.get("/api/v1/status")
+        agents = api.get("/api/v1/agents")["data"]
+    except CliError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json({"status": st, "agents": agents})
+        return
+    console.print(
+        f"profd {st['version']} at {api.url}: {st['agents']} agents alive, "
+        f"{st['traces']} traces ({st['trace_bytes'] / 1e6:.1f} MB), "
+        f"save root {st['save_root']}"
+    )
+    if st["live_sessions"]:
+        console.print("live sessions: " + ", ".join(st["live_sessions"]))
+    table = Table(title="Agents")
+    for col in ("role", "rank", "world", "node", "pid", "state", "step", "last seen"):
+        table.add_column(col)
+    for a in agents:
+        table.add_row(
+            a["role"],
+            str(a["rank"]),
+            str(a["world_size"] or "-"),
+            a["node_ip"] or a["hostname"],
+            str(a["pid"]),
+            a["state"],
+            str(a["current_step"]),
+            f"{a['last_seen_s']:.1f}s",
+        )
+    console.print(table)
+
+
+@app.command()
+def sessions(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
+    """List sessions."""
+    try:
+        data = _client(url).get("/api/v1/sessions")["data"]
+    except CliError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json(data)
+        return
+    table = Table(title="Sessions")
+    for col in ("session", "state", "tool", "steps", "targets", "traces", "reason"):
+        table.add_column(col, overflow="fold")
+    for s in data:
+        table.add_row(
+            s["session_id"],
+            s["state"],
+            s["tool"],
+            str(s["steps"]),
+            str(len(s["targets"])),
+            str(len(s["traces"])),
+            s["reason"],
+        )
+    console.print(table)
+
+
+@app.command()
+def traces(
+    url: UrlOpt = None,
+    session: Annotated[str | None, typer.Option("--session", help="Only this session.")] = None,
+    download: Annotated[Path | None, typer.Option(help="Download the files into DIR.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List traces (and optionally download them)."""
+    from profd.demo.run import trace_table
+
+    try:
+        api = _client(url)
+        data = api.get("/api/v1/traces", session_id=session)["data"]
+        if download is not None:
+            download.mkdir(parents=True, exist_ok=True)
+            for t in data:
+                api.download(f"/api/v1/traces/{t['trace_id']}/download", download / t["file_name"])
+    except CliError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json(data)
+        return
+    console.print(trace_table(data))
+    if download is not None:
+        console.print(f"downloaded {len(data)} file(s) into {download}")
+
+
+# -- profile --------------------------------------------------------------------------------
+def _ints(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _build_request(
+    config: Path | None,
+    tool: str | None,
+    steps: str | None,
+    next_steps: int | None,
+    roles: list[str],
+    ranks: str | None,
+    all_ranks: bool,
+    discrete: bool,
+    contents: str | None,
+    continuous: bool,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if config is not None:
+        from profd.verl_compat import looks_like_verl, request_from_verl
+
+        loaded = yaml.safe_load(config.read_text()) or {}
+        body = (
+            request_from_verl(loaded).model_dump(mode="json", exclude_none=True)
+            if looks_like_verl(loaded)
+            else dict(loaded)
+        )
+    if tool:
+        body["tool"] = tool
+    if steps is not None:
+        body["steps"] = _ints(steps)
+        body.pop("next_steps", None)
+    if next_steps is not None:
+        body["next_steps"] = next_steps
+        body.pop("steps", None)
+    if continuous:
+        body["profile_continuous_steps"] = True
+    block: dict[str, Any] = {}
+    if all_ranks:
+        block["all_ranks"] = True
+    if ranks is not None:
+        block["ranks"] = _ints(ranks)
+    if discrete:
+        block["discrete"] = True
+    if contents is not None:
+        block["tool_config"] = {"torch": {"contents": [c for c in contents.split(",") if c]}}
+    if roles or block:
+        body.setdefault("roles", {})
+        for role in roles or ["*"]:
+            body["roles"][role] = {**body["roles"].get(role, {}), **block}
+    return body
+
+
+@app.command()
+def profile(
+    url: UrlOpt = None,
+    config: Annotated[
+        Path | None, typer.Option(help="Request as YAML/JSON (profd or verl layout).")
+    ] = None,
+    tool: Annotated[
+        str | None, typer.Option(help="torch, torch_memory, nsys, npu, py_spy.")
+    ] = None,
+    steps: Annotated[str | None, typer.Option(help="Steps to profile, e.g. 120,121.")] = None,
+    next_steps: Annotated[int | None, typer.Option(help="Profile the next N steps.")] = None,
+    role: Annotated[
+        list[str], typer.Option(help="Role to profile (repeatable; default all).")
+    ] = [],  # noqa: B006
+    ranks: Annotated[str | None, typer.Option(help="Ranks of those roles, e.g. 0,8.")] = None,
+    all_ranks: Annotated[bool, typer.Option("--all-ranks", help="Every rank.")] = False,
+    discrete: Annotated[bool, typer.Option("--discrete", help="One trace per stage.")] = False,
+    contents: Annotated[
+        str | None, typer.Option(help="torch contents, e.g. cpu,cuda,stack.")
+    ] = None,
+    continuous: Annotated[
+        bool, typer.Option("--continuous-steps", help="Consecutive steps share one trace.")
+    ] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the session ends.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to --wait.")] = 3600.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start a profiling session over HTTP."""
+    body = _build_request(
+        config, tool, steps, next_steps, role, ranks, all_ranks, discrete, contents, continuous
+    )
+    try:
+        api = _client(url)
+        view = api.post("/api/v1/sessions", body)
+        if wait:
+            view = _wait_session(api, view, timeout, quiet=as_json)
+    except CliError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json(view)
+    else:
+        _print_session(view)
+    if wait and view["state"] != "done":
+        raise typer.Exit(1)
+
+
+def _wait_session(
+    api: ApiClient, view: dict[str, Any], timeout: float, quiet: bool
+) -> dict[str, Any]:
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    sid = view["session_id"]
+    deadline = time.monotonic() + timeout
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[state]}"),
+        console=err_console,
+        disable=quiet,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"session {sid}", total=max(1, len(view["targets"])), state="")
+        while view["state"] not in TERMINAL:
+            if time.monotonic() > deadline:
+                raise CliError(f"session {sid} still {view['state']} after {timeout:.0f} s")
+            time.sleep(0.5)
+            view = api.get(f"/api/v1/sessions/{sid}")
+            done = sum(
+                1
+                for t in view["targets"]
+                if t["state"]
+                in ("done", "partial", "missed", "failed", "lost", "cancelled", "expired")
+            )
+            bar.update(task, completed=done, state=view["state"])
+    return view
+
+
+def _print_session(view: dict[str, Any]) -> None:
+    console.print(f"session [bold]{view['session_id']}[/bold] {view['state']}: {view['reason']}")
+    console.print(f"  tool {view['tool']}, steps {view['steps']}, dir {view['save_dir']}")
+    table = Table(title="Targets")
+    for col in ("role", "rank", "block", "state", "recorded", "missed", "reason"):
+        table.add_column(col, overflow="fold")
+    for t in view["targets"]:
+        table.add_row(
+            t["role"],
+            str(t["rank"]),
+            t["role_block"],
+            t["state"],
+            str(t["recorded_steps"]),
+            str(t["missed_steps"]),
+            t["reason"],
+        )
+    console.print(table)
+    for ig in view["ignored"]:
+        rank = "" if ig["rank"] is None else f" rank {ig['rank']}"
+        console.print(f"  ignored {ig['role']}{rank}: {ig['reason']}")
+
+
+# -- demo -----------------------------------------------------------------------------------
+@app.command()
+def demo(
+    steps: Annotated[int, typer.Option(help="Training steps per worker.")] = 8,
+    port: Annotated[int, typer.Option(help="Sidecar port (0 = any free port).")] = 0,
+    save_root: Annotated[Path | None, typer.Option(help="Where traces go.")] = None,
+    address: Annotated[str | None, typer.Option(help="Join this Ray cluster instead.")] = None,
+) -> None:
+    """Run a small RL job, profile 2 of its steps over HTTP, and show the traces."""
+    from profd.demo.run import run_demo
+
+    logging.basicConfig(level=logging.WARNING)
+    result = run_demo(console, steps=steps, port=port, save_root=save_root, address=address)
+    if not result.ok:
+        err_console.print(f"[red]demo session ended {result.session.get('state')}[/red]")
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Starting and finding profd's services on a Ray cluster (used by the CLI and the demo)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from profd.constants import COORDINATOR_NAME, NAMESPACE, SIDECAR_NAME, STATE_FILE, TOKEN_FILE
+from profd.settings import CoordinatorSettings, SidecarConfig
+
+__all__ = [
+    "LOOPBACK_ENV",
+    "ServiceState",
+    "Services",
+    "apply_loopback_env",
+    "connect_ray",
+    "load_state",
+    "read_or_create_token",
+    "read_token",
+    "save_state",
+    "start_local_ray",
+    "start_services",
+    "stop_local_ray",
+    "stop_services",
+]
+
+log = logging.getLogger(__name__)
+
+#: Keeps a local Ray on 127.0.0.1, without token auth or usage reporting (environment.md).
+LOOPBACK_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def apply_loopback_env() -> None:
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ray_cli() -> str:
+    exe = Path(sys.executable).with_name("ray")
+    return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
+
+
+def start_local_ray(num_cpus: int | None = None) -> str:
+    """``ray start --head`` on 127.0.0.1 in the background; return its address."""
+    apply_loopback_env()
+    port = _free_port()
+    cmd = [
+        _ray_cli(),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"`ray start` failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return f"127.0.0.1:{port}"
+
+
+def stop_local_ray() -> None:
+    subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, env=os.environ.copy())
+
+
+def connect_ray(address: str | None) -> None:
+    """Join the cluster at ``address`` (``auto`` = the local one)."""
+    import ray
+
+    apply_loopback_env()
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+
+
+@dataclass
+class ServiceState:
+    """What ``profd up`` started, kept in the state directory for later commands."""
+
+    url: str
+    host: str
+    port: int
+    ray_address: str | None
+    started_ray: bool
+    save_root: str
+    coordinator_created: bool = True
+    sidecar_created: bool = True
+
+
+@dataclass
+class Services:
+    """Handles of the running services (keep them referenced: a non-detached actor without
+    references is garbage-collected by Ray)."""
+
+    coordinator: Any
+    sidecar: Any
+    address: dict[str, Any]
+    coordinator_created: bool
+    sidecar_created: bool
+
+
+def start_services(
+    coordinator: CoordinatorSettings, sidecar: SidecarConfig, *, detached: bool = True
+) -> Services:
+    """Start (or find) the coordinator and the sidecar."""
+    import ray
+
+    from profd.actors import get_or_create_coordinator, get_or_create_sidecar
+
+    coord, coord_new = get_or_create_coordinator(coordinator, detached=detached)
+    handle, side_new = get_or_create_sidecar(sidecar, detached=detached)
+    return Services(coord, handle, ray.get(handle.address.remote()), coord_new, side_new)
+
+
+def stop_services() -> list[str]:
+    """Stop the sidecar and the coordinator; return the names of what was stopped."""
+    from profd.actors import kill_named
+
+    stopped = []
+    for name in (SIDECAR_NAME, COORDINATOR_NAME):
+        if kill_named(name):
+            stopped.append(name)
+    return stopped
+
+
+def _private(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+
+
+def read_or_create_token(state_dir: Path) -> tuple[str, Path]:
+    """The sidecar token, created readable by the owner only on first use."""
+    path = state_dir / TOKEN_FILE
+    if path.exists():
+        return path.read_text().strip(), path
+    _private(path)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
+
+
+def read_token(state_dir: Path) -> str | None:
+    path = state_dir / TOKEN_FILE
+    return path.read_text().strip() if path.exists() else None
+
+
+def save_state(state_dir: Path, state: ServiceState) -> Path:
+    path = state_dir / STATE_FILE
+    _private(path)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(state), f, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def load_state(state_dir: Path) -> ServiceState | None:
+    path = state_dir / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        return ServiceState(**json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        return None

@@ -1,0 +1,311 @@
+"""Profiling configuration: the global block, the per-role block and per-tool options.
+
+The layout mirrors verl's two levels (reference §2): a global block (tool, steps, save path,
+finish hook) and one block per role (enable, ranks, discrete, ``tool_config.<tool>``). Every
+model is frozen, rejects unknown keys, and validates when it is built; errors name the dotted
+field (``roles.actor.tool_config.torch.contents.0``) and the rule.
+
+Where profd deliberately differs from verl (each is a fix or a safer default):
+
+* integers are strict: ``True`` is not accepted as a rank or a schedule value;
+* an unknown ``tool`` is an error, never a silent no-op backend (reference §13 item 10);
+* a role listed in a session request is enabled unless it says ``enable: false`` (a request
+  exists to profile something); verl's launch-time YAML keeps verl's default ``False``;
+* ``steps`` must not be empty, and is normalised to a sorted tuple without duplicates.
+
+No Ray or torch import here: this module is safe to import anywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "FieldError",
+    "GlobalProfilerConfig",
+    "NpuToolConfig",
+    "NsysToolConfig",
+    "PySpyToolConfig",
+    "RoleProfilerConfig",
+    "SessionRequest",
+    "ToolConfigs",
+    "ToolKind",
+    "TorchMemoryToolConfig",
+    "TorchScheduleConfig",
+    "TorchToolConfig",
+    "field_errors",
+]
+
+
+class ToolKind(StrEnum):
+    """The profiling backends profd knows. Anything else is rejected at validation time."""
+
+    TORCH = "torch"
+    TORCH_MEMORY = "torch_memory"
+    NSYS = "nsys"
+    NPU = "npu"
+    PY_SPY = "py_spy"
+
+
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+PosInt = Annotated[StrictInt, Field(gt=0)]
+RoleName = Annotated[str, StringConstraints(pattern=r"^(\*|[A-Za-z0-9][A-Za-z0-9_.\-]{0,63})$")]
+TorchContent = Literal["cuda", "cpu", "memory", "shapes", "stack"]
+NpuContent = Literal["npu", "cpu", "memory", "shapes", "module", "stack"]
+NpuLevel = Literal["level_none", "level0", "level1", "level2"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _check_token_window(start: int | None, end: int | None) -> None:
+    if start is not None and end is not None and end <= start:
+        raise ValueError(
+            f"profile_token_end: must be > profile_token_start, got start={start}, end={end}"
+        )
+
+
+class TorchScheduleConfig(_Frozen):
+    """torch.profiler schedule; its unit is one *update mini-batch* (reference §5.4)."""
+
+    skip_first: NonNegInt = Field(0, description="Mini-batches skipped before the first cycle.")
+    wait: NonNegInt = Field(0, description="Idle mini-batches at the start of each cycle.")
+    warmup: NonNegInt = Field(0, description="Warm-up mini-batches (traced, not saved).")
+    active: NonNegInt = Field(0, description="Recorded mini-batches per cycle; 0 = no schedule.")
+    repeat: NonNegInt = Field(
+        0, description="Cycles to record; 0 = unlimited (discrete), forced to 1 in continuous mode."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.active > 0
+
+
+class TorchToolConfig(_Frozen):
+    """Options of the ``torch`` tool (reference §2.3.1)."""
+
+    contents: tuple[TorchContent, ...] = Field(
+        (),
+        description="Subset of cuda, cpu, memory, shapes, stack. CPU is always on; CUDA is on "
+        "when the list is empty or names cuda.",
+    )
+    schedule: TorchScheduleConfig | None = Field(
+        None, description="Mini-batch schedule for update stages; absent = record whole windows."
+    )
+    profile_token_start: NonNegInt | None = Field(
+        None, description="Rollout engines only: first response token of the window."
+    )
+    profile_token_end: NonNegInt | None = Field(
+        None, description="Rollout engines only: end of the token window (exclusive)."
+    )
+
+    @model_validator(mode="after")
+    def _token_window(self) -> TorchToolConfig:
+        _check_token_window(self.profile_token_start, self.profile_token_end)
+        return self
+
+    @property
+    def with_cuda(self) -> bool:
+        return not self.contents or "cuda" in self.contents
+
+    @property
+    def record_shapes(self) -> bool:
+        return "shapes" in self.contents
+
+    @property
+    def profile_memory(self) -> bool:
+        return "memory" in self.contents
+
+    @property
+    def with_stack(self) -> bool:
+        return "stack" in self.contents
+
+
+class TorchMemoryToolConfig(_Frozen):
+    """Options of the ``torch_memory`` tool (CUDA allocator history, reference §2.3.3)."""
+
+    trace_alloc_max_entries: PosInt = Field(100_000, description="Allocator events kept.")
+    stack_depth: PosInt = Field(32, description="Frames kept per allocator event.")
+
+
+class NsysToolConfig(_Frozen):
+    """Options of the ``nsys`` tool; workers must run under profd's Nsight launcher."""
+
+    trace: str = Field("cuda,nvtx,cublas,ucx", description="nsys --trace value.")
+    extra_args: tuple[str, ...] = Field((), description="Extra arguments for `nsys start`.")
+
+
+class NpuToolConfig(_Frozen):
+    """Options of the ``npu`` tool (torch_npu profiler, reference §2.3.5)."""
+
+    contents: tuple[NpuContent, ...] = Field(
+        (), description="Subset of npu, cpu, memory, shapes, module, stack."
+    )
+    level: NpuLevel = Field("level0", description="torch_npu profiler level.")
+    analysis: StrictBool = Field(False, description="Run torch_npu's offline analysis.")
+    profile_token_start: NonNegInt | None = None
+    profile_token_end: NonNegInt | None = None
+
+    @model_validator(mode="after")
+    def _token_window(self) -> NpuToolConfig:
+        _check_token_window(self.profile_token_start, self.profile_token_end)
+        return self
+
+
+class PySpyToolConfig(_Frozen):
+    """Options of the ``py_spy`` tool (sampling the worker process, speedscope output)."""
+
+    rate_hz: Annotated[StrictInt, Field(ge=1, le=1000)] = Field(100, description="Samples/s.")
+    native: StrictBool = Field(False, description="Include native (C/C++) frames.")
+    gil_only: StrictBool = Field(False, description="Only sample threads holding the GIL.")
+    idle: StrictBool = Field(False, description="Include idle threads.")
+
+
+class ToolConfigs(_Frozen):
+    """Per-tool options of one role; only the session's tool is used, all are validated."""
+
+    torch: TorchToolConfig = TorchToolConfig()
+    torch_memory: TorchMemoryToolConfig = TorchMemoryToolConfig()
+    nsys: NsysToolConfig = NsysToolConfig()
+    npu: NpuToolConfig = NpuToolConfig()
+    py_spy: PySpyToolConfig = PySpyToolConfig()
+
+    def for_tool(self, tool: ToolKind) -> BaseModel:
+        return getattr(self, ToolKind(tool).value)
+
+
+class RoleProfilerConfig(_Frozen):
+    """Which ranks of one role to profile, and how (reference §2.2)."""
+
+    enable: StrictBool = Field(True, description="Profile this role at all.")
+    all_ranks: StrictBool = Field(False, description="Profile every rank of the role.")
+    ranks: tuple[NonNegInt, ...] = Field(
+        (), description="Ranks to profile; empty (and not all_ranks) means rank 0."
+    )
+    discrete: StrictBool = Field(
+        False, description="One trace per stage (true) or one per step / step group (false)."
+    )
+    tool_config: ToolConfigs = Field(ToolConfigs(), description="Options per tool.")
+
+
+class GlobalProfilerConfig(_Frozen):
+    """The global block: tool, steps and where results go (reference §2.1)."""
+
+    tool: ToolKind = Field(ToolKind.TORCH, description="Profiling backend.")
+    steps: tuple[NonNegInt, ...] | None = Field(
+        None, description="Steps to profile (sorted and de-duplicated)."
+    )
+    profile_continuous_steps: StrictBool = Field(
+        False, description="Consecutive profiled steps share one trace named by the first step."
+    )
+    save_path: str | None = Field(
+        None, description="Save root; relative paths resolve against the coordinator's base dir."
+    )
+    relocate_results: StrictBool = Field(
+        False, description="Move engine / nsys outputs into the session directory."
+    )
+    finish_hook_cmd: str | None = Field(
+        None, description="Shell command run once after the session's last profiled step."
+    )
+    finish_hook_all_ranks: StrictBool = Field(False, description="Run the hook on every rank.")
+    finish_hook_ranks: tuple[NonNegInt, ...] = Field((), description="Ranks that run the hook.")
+
+    @field_validator("steps")
+    @classmethod
+    def _normalise_steps(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("must list at least one step")
+        return tuple(sorted(set(v)))
+
+    @field_validator("finish_hook_cmd")
+    @classmethod
+    def _hook_not_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must be a non-empty command or null")
+        return v
+
+
+class SessionRequest(GlobalProfilerConfig):
+    """A profiling session: the global block, a window, and the role blocks.
+
+    Exactly one window kind: ``steps`` (explicit) or ``next_steps`` (the next N steps every
+    target can still reach). ``roles`` maps a role name to its block; the key ``"*"`` applies
+    to every registered role not named explicitly; no roles at all means every registered role
+    with the default block (rank 0).
+    """
+
+    next_steps: PosInt | None = Field(
+        None, description="Profile the next N steps that every target can still reach."
+    )
+    roles: dict[RoleName, RoleProfilerConfig] = Field(
+        default_factory=dict, description="Role name (or '*') to its profiling block."
+    )
+
+    @model_validator(mode="after")
+    def _one_window(self) -> SessionRequest:
+        given = [name for name in ("steps", "next_steps") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "steps: give exactly one of `steps` or `next_steps`"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        return self
+
+
+class FieldError(BaseModel):
+    """One validation failure, located by a dotted field path."""
+
+    model_config = ConfigDict(frozen=True)
+
+    field: str = Field(description="Dotted path of the offending field ('' for the whole body).")
+    message: str = Field(description="What rule was broken.")
+    type: str = Field("value_error", description="Machine-readable error type.")
+
+
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.]*): (.*)$", re.S)
+_SKIP_LOC = {"body", "query", "path"}
+
+
+def _dotted(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and p in _SKIP_LOC)]
+    # pydantic marks dict-key errors with a trailing "[key]" element.
+    return ".".join(p for p in parts if p != "[key]")
+
+
+def field_errors(exc: ValidationError | list[dict[str, Any]], root: str = "") -> list[FieldError]:
+    """Turn a pydantic error (or FastAPI's error list) into dotted-field errors.
+
+    Validators in this module start their message with ``"<field>: "`` when the rule spans
+    several fields, so the error is still located at a field rather than the whole model.
+    """
+    raw = exc.errors() if isinstance(exc, ValidationError) else exc
+    out: list[FieldError] = []
+    for err in raw:
+        path = _dotted(err.get("loc", ()))
+        msg = str(err.get("msg", "invalid"))
+        msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        m = _FIELD_PREFIX.match(msg)
+        if m:
+            path = f"{path}.{m.group(1)}" if path else m.group(1)
+            msg = m.group(2)
+        if root:
+            path = f"{root}.{path}" if path else root
+        out.append(FieldError(field=path, message=msg, type=str(err.get("type", "value_error"))))
+    return out

@@ -1,0 +1,185 @@
+"""Sessions as explicit state machines (pure logic; the coordinator drives them).
+
+A session moves ``pending → armed → recording → collecting`` and ends in exactly one terminal
+state (``done``, ``partial``, ``failed``, ``cancelled``, ``expired``). Every target agent has a
+*part* with its own state. Agent events update parts (:meth:`Session.apply`); one transition
+function (:meth:`Session.advance`) derives the session state from the parts and the clock, so
+the state is never spread across flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from profd.config import SessionRequest
+from profd.protocol import AgentEvent, EventKind
+from profd.schedule import group_steps
+from profd.selection import Ignored
+from profd.views import PartState, SessionState
+
+__all__ = ["Part", "Session"]
+
+
+@dataclass
+class Part:
+    """One target agent's share of a session."""
+
+    agent_id: str
+    role: str
+    rank: int
+    role_block: str
+    state: PartState = PartState.PENDING
+    reason: str = ""
+    recorded: set[int] = field(default_factory=set)
+    missed: set[int] = field(default_factory=set)
+    traces: list[str] = field(default_factory=list)
+    #: Backend / export failures.
+    errors: list[str] = field(default_factory=list)
+    #: Why steps were missed (plan arrived late, job ended, ...).
+    notes: list[str] = field(default_factory=list)
+
+    def finish(self, state: PartState, reason: str = "") -> None:
+        if not self.state.is_terminal:
+            self.state = state
+            self.reason = reason
+
+
+@dataclass
+class Session:
+    session_id: str
+    request: SessionRequest
+    save_dir: str
+    created_at: float
+    targets: dict[str, Part]
+    ignored: list[Ignored]
+    #: Absolute deadline (unix time) after which unfinished parts expire.
+    deadline: float
+    steps: tuple[int, ...] | None = None
+    state: SessionState = SessionState.PENDING
+    reason: str = "waiting for targets to report their step"
+    finished_at: float | None = None
+    cancel_reason: str | None = None
+    history: list[tuple[float, SessionState, str]] = field(default_factory=list)
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        if self.steps is None:
+            return ()
+        return group_steps(self.steps, self.request.profile_continuous_steps)
+
+    @property
+    def is_live(self) -> bool:
+        return not self.state.is_terminal
+
+    def resolve_steps(self, steps: tuple[int, ...]) -> None:
+        """Fix the profiled steps (at creation for ``steps``; after alignment for next_steps)."""
+        self.steps = tuple(sorted(set(steps)))
+
+    # -- events -------------------------------------------------------------------------
+    def apply(self, agent_id: str, event: AgentEvent) -> None:
+        """Update the part of ``agent_id`` from one of its events."""
+        part = self.targets.get(agent_id)
+        if part is None or part.state.is_terminal:
+            return
+        kind = event.kind
+        if kind is EventKind.ARMED and part.state is PartState.PENDING:
+            part.state = PartState.ARMED
+        elif kind is EventKind.RECORDING:
+            part.state = PartState.RECORDING
+        elif kind is EventKind.COLLECTING:
+            part.state = PartState.COLLECTING
+        elif kind is EventKind.TRACE and event.data:
+            part.recorded.update(int(s) for s in event.data.get("steps") or ())
+            trace_id = event.data.get("trace_id")
+            if trace_id and trace_id not in part.traces:
+                part.traces.append(trace_id)
+        elif kind is EventKind.MISSED:
+            part.missed.update(int(s) for s in (event.data or {}).get("steps") or ())
+            part.notes.append(event.message)
+        elif kind is EventKind.ERROR:
+            part.errors.append(event.message)
+        elif kind is EventKind.PART_DONE:
+            self._close_part(part)
+        elif kind is EventKind.CLOSED:
+            # An agent that shut down before finishing its window cannot finish it later.
+            self._close_part(part, unresolved_reason="the job ended before these steps")
+
+    def _close_part(self, part: Part, unresolved_reason: str = "not reached") -> None:
+        unresolved = set(self.steps or ()) - part.recorded - part.missed
+        part.missed |= unresolved
+        reasons = list(dict.fromkeys(m for m in part.errors + part.notes if m))
+        if unresolved:
+            reasons.append(f"{unresolved_reason} (steps {sorted(unresolved)})")
+        reason = "; ".join(reasons)
+        if part.traces and not part.missed and not part.errors:
+            part.finish(PartState.DONE)
+        elif part.traces:
+            part.finish(PartState.PARTIAL, reason)
+        elif part.errors:
+            part.finish(PartState.FAILED, reason)
+        else:
+            part.finish(PartState.MISSED, reason or "nothing was recorded")
+
+    def mark_lost(self, agent_id: str, reason: str) -> None:
+        part = self.targets.get(agent_id)
+        if part is not None:
+            part.finish(PartState.LOST, reason)
+
+    def cancel(self, reason: str) -> None:
+        if self.is_live:
+            self.cancel_reason = reason
+
+    # -- transitions --------------------------------------------------------------------
+    def advance(self, now: float) -> SessionState | None:
+        """Take at most one transition; return the new state, or ``None`` if unchanged."""
+        if self.state.is_terminal:
+            return None
+        parts = list(self.targets.values())
+        if self.cancel_reason is not None:
+            for p in parts:
+                p.finish(PartState.CANCELLED, self.cancel_reason)
+            return self._to(SessionState.CANCELLED, self.cancel_reason, now)
+        if now >= self.deadline:
+            for p in parts:
+                p.finish(PartState.EXPIRED, "session deadline passed")
+            if any(p.traces for p in parts):
+                return self._to(SessionState.PARTIAL, "deadline passed; some traces written", now)
+            return self._to(
+                SessionState.EXPIRED, "deadline passed before anything was recorded", now
+            )
+        if self.state is SessionState.PENDING:
+            if self.steps is None:
+                return None
+            return self._to(SessionState.ARMED, f"waiting for step {self.steps[0]}", now)
+        if all(p.state.is_terminal for p in parts):
+            return self._finish(parts, now)
+        started = any(
+            p.recorded or p.state not in (PartState.PENDING, PartState.ARMED) for p in parts
+        )
+        if self.state is SessionState.ARMED and started:
+            return self._to(SessionState.RECORDING, "recording", now)
+        still_recording = any(
+            p.state in (PartState.PENDING, PartState.ARMED, PartState.RECORDING) for p in parts
+        )
+        if self.state is SessionState.RECORDING and not still_recording:
+            return self._to(SessionState.COLLECTING, "writing trace files", now)
+        return None
+
+    def _finish(self, parts: list[Part], now: float) -> SessionState:
+        done = [p for p in parts if p.state is PartState.DONE]
+        if len(done) == len(parts):
+            n = sum(len(p.traces) for p in parts)
+            return self._to(SessionState.DONE, f"{n} trace(s) from {len(parts)} target(s)", now)
+        bad = [p for p in parts if p.state is not PartState.DONE]
+        detail = "; ".join(f"{p.role} rank {p.rank}: {p.state.value} ({p.reason})" for p in bad)
+        if any(p.traces for p in parts):
+            return self._to(SessionState.PARTIAL, detail, now)
+        return self._to(SessionState.FAILED, detail, now)
+
+    def _to(self, state: SessionState, reason: str, now: float) -> SessionState:
+        self.state = state
+        self.reason = reason
+        self.history.append((now, state, reason))
+        if state.is_terminal:
+            self.finished_at = now
+        return state

@@ -1,0 +1,79 @@
+"""Service settings: read once, from ``PROFD_*`` environment variables and flags.
+
+Precedence: explicit arguments (CLI flags) > ``PROFD_*`` environment > defaults. Settings wire
+the service; what to profile is a :class:`profd.config.SessionRequest`, never a setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from profd.constants import DEFAULT_PORT, DEFAULT_SAVE_SUBDIR
+
+__all__ = ["CoordinatorSettings", "ProfdSettings", "SidecarConfig"]
+
+
+class CoordinatorSettings(BaseModel):
+    """How the coordinator behaves; built by ``profd up`` / ``profd demo`` and passed in."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    save_root: str = Field(description="Absolute default save root; sessions go below it.")
+    base_dir: str = Field(description="Directory relative save paths resolve against.")
+    poll_timeout_s: float = Field(5.0, gt=0, description="Long-poll duration of agents.")
+    heartbeat_timeout_s: float = Field(30.0, gt=0, description="Silence before an agent is lost.")
+    align_timeout_s: float = Field(1.0, ge=0, description="Wait for fresh steps (next_steps).")
+    align_lead_steps: int = Field(
+        1, ge=0, description="Extra steps between the most advanced target and a next_steps window."
+    )
+    session_timeout_s: float = Field(86_400.0, gt=0, description="Upper bound of a session.")
+    tick_s: float = Field(0.5, gt=0, description="Period of the coordinator's housekeeping.")
+    state_dir: str | None = Field(None, description="Where the coordinator keeps its state.")
+
+
+class ProfdSettings(BaseSettings):
+    """Settings read from ``PROFD_*`` environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="PROFD_", frozen=True, extra="ignore")
+
+    state_dir: Path = Field(Path.home() / ".profd", description="Per-user state directory.")
+    host: str = Field("127.0.0.1", description="Sidecar bind address.")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="Sidecar port (0 = any free).")
+    save_root: Path | None = Field(None, description="Default save root (./outputs/profile).")
+    poll_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = 30.0
+    align_timeout_s: float = 1.0
+    align_lead_steps: int = 1
+    session_timeout_s: float = 86_400.0
+
+    def coordinator(self, cwd: Path | None = None) -> CoordinatorSettings:
+        base = (cwd or Path.cwd()).resolve()
+        root = self.save_root or base / DEFAULT_SAVE_SUBDIR
+        root = root if root.is_absolute() else base / root
+        return CoordinatorSettings(
+            save_root=str(root),
+            base_dir=str(base),
+            poll_timeout_s=self.poll_timeout_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            align_timeout_s=self.align_timeout_s,
+            align_lead_steps=self.align_lead_steps,
+            session_timeout_s=self.session_timeout_s,
+            state_dir=str(self.state_dir),
+        )
+
+
+class SidecarConfig(BaseModel):
+    """How the HTTP sidecar is served."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="Port (0 = any free port).")
+    token: str | None = Field(None, description="Bearer token required to change anything.")
+    allow_hook_commands: bool = Field(
+        False, description="Accept finish_hook_cmd over HTTP (off unless the operator allows)."
+    )
+    ray_address: str | None = Field(None, description="Ray address when run outside Ray.")

@@ -1,0 +1,68 @@
+"""Resolve a session request against the registered agents (pure logic).
+
+Every requested role and rank ends up either as a target or in ``ignored`` with the reason:
+role absent, role governed by another block (colocated), rank out of range, no agent for the
+rank, tool unavailable on the agent. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from profd.config import RoleProfilerConfig, SessionRequest
+from profd.protocol import AgentInfo
+from profd.selection import WILDCARD, Ignored, match_role_block, role_components, select_ranks
+
+__all__ = ["Target", "Targeting", "resolve_targets"]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    agent: AgentInfo
+    block_key: str
+    block: RoleProfilerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Targeting:
+    targets: tuple[Target, ...]
+    ignored: tuple[Ignored, ...]
+
+
+def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeting:
+    by_role: dict[str, dict[int, AgentInfo]] = {}
+    for info in agents:
+        # Several agents on one (role, rank) happen after a worker restart: the last wins.
+        by_role.setdefault(info.role, {})[info.rank] = info
+    targets: list[Target] = []
+    ignored: list[Ignored] = []
+    used_keys: set[str] = set()
+    for role in sorted(by_role):
+        ranks = by_role[role]
+        matched = match_role_block(role, req.roles)
+        if matched is None:
+            continue
+        key, block = matched
+        used_keys.add(key)
+        worlds = [i.world_size for i in ranks.values() if i.world_size]
+        sel = select_ranks(role, block, ranks.keys(), max(worlds) if worlds else None)
+        ignored.extend(sel.ignored)
+        for rank in sel.selected:
+            info = ranks[rank]
+            reason = info.capabilities.get(req.tool.value, "the agent did not report this tool")
+            if reason is not None:
+                ignored.append(Ignored(role, rank, f"tool {req.tool.value} unavailable: {reason}"))
+                continue
+            targets.append(Target(info, key, block))
+    for key in req.roles:
+        if key in used_keys or key == WILDCARD:
+            continue
+        hosts = [r for r in by_role if key in role_components(r)]
+        if hosts:
+            reason = f"role {key} runs inside {', '.join(hosts)}, governed by another block"
+        else:
+            known = ", ".join(sorted(by_role)) or "none"
+            reason = f"no registered agent has role {key} (registered roles: {known})"
+        ignored.append(Ignored(key, None, reason))
+    return Targeting(tuple(targets), tuple(ignored))

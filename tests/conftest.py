@@ -1,0 +1,69 @@
+"""Shared fixtures: one real local Ray per test session (on 127.0.0.1), a fresh coordinator
+per test, a real uvicorn sidecar, and an in-process coordinator for fast agent tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import coordinator_settings, wait_until
+
+for _k, _v in {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """A real local Ray, started once for the whole test session."""
+    import ray
+
+    from profd.constants import NAMESPACE
+
+    ctx = ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+    )
+    yield ctx
+    ray.shutdown()
+
+
+def _kill_services() -> None:
+    from profd.actors import get_coordinator, get_sidecar
+    from profd.cluster import stop_services
+
+    stop_services()
+    wait_until(lambda: get_coordinator() is None and get_sidecar() is None, 30, what="actors gone")
+
+
+@pytest.fixture
+def ray_coordinator(ray_session: Any, tmp_path: Path) -> Iterator[Any]:
+    """A fresh named coordinator actor for one test."""
+    from profd.actors import get_or_create_coordinator
+
+    _kill_services()
+    handle, created = get_or_create_coordinator(coordinator_settings(tmp_path), detached=False)
+    assert created
+    yield handle
+    _kill_services()
+
+
+@pytest.fixture
+def local_coordinator(tmp_path: Path) -> Iterator[Any]:
+    """A coordinator running in this process on its own event-loop thread."""
+    from profd.actors.coordinator import ProfileCoordinator
+    from profd.agent.local import InProcessCoordinator
+
+    owner = InProcessCoordinator(ProfileCoordinator(coordinator_settings(tmp_path)))
+    yield owner
+    owner.close()

@@ -1,0 +1,68 @@
+"""Helpers shared by the tests (importable because pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def wait_until(
+    predicate: Any, timeout: float = 30.0, interval: float = 0.05, what: str = ""
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+
+
+def coordinator_settings(tmp_path: Path, **overrides: Any) -> Any:
+    from profd.settings import CoordinatorSettings
+
+    values = dict(
+        save_root=str(tmp_path / "profile"),
+        base_dir=str(tmp_path),
+        poll_timeout_s=1.0,
+        heartbeat_timeout_s=6.0,
+        align_timeout_s=1.0,
+        tick_s=0.2,
+    )
+    values.update(overrides)
+    return CoordinatorSettings(**values)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class UvicornThread:
+    """A real uvicorn server on 127.0.0.1 in a thread of the test process."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> UvicornThread:
+        self.thread.start()
+        wait_until(lambda: self.server.started, 20, what="uvicorn start")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
