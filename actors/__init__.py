@@ -39,6 +39,24 @@ def get_sidecar() -> Any | None:
     return _get(SIDECAR_NAME)
 
 
+def _alive(handle: Any, timeout: float = 10.0) -> bool:
+    import ray
+
+    try:
+        ray.get(handle.ping.remote(), timeout=timeout)
+        return True
+    except Exception:
+        return False
+
+
+def _wait_name_free(name: str, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _get(name) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _head_affinity() -> Any:
     """Pin to the node of the calling process (the head, for ``profd up``)."""
     import ray
@@ -55,7 +73,9 @@ def get_or_create_coordinator(settings: Any, *, detached: bool = True) -> tuple[
 
     existing = get_coordinator()
     if existing is not None:
-        return existing, False
+        if _alive(existing):
+            return existing, False
+        _wait_name_free(COORDINATOR_NAME)  # a coordinator that is going away
     opts: dict[str, Any] = dict(
         name=COORDINATOR_NAME,
         namespace=NAMESPACE,
@@ -80,7 +100,9 @@ def get_or_create_sidecar(config: Any, *, detached: bool = True) -> tuple[Any, b
 
     existing = get_sidecar()
     if existing is not None:
-        return existing, False
+        if _alive(existing):
+            return existing, False
+        _wait_name_free(SIDECAR_NAME)
     opts: dict[str, Any] = dict(
         name=SIDECAR_NAME,
         namespace=NAMESPACE,

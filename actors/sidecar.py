@@ -49,6 +49,11 @@ class SidecarServer:
         self._port = int(sock.getsockname()[1])
         log.info("profd sidecar listening on http://%s:%d", self.config.host, self._port)
 
+    def ping(self) -> str:
+        from profd import __version__
+
+        return __version__
+
     def address(self) -> dict[str, Any]:
         return {
             "host": self.config.host,

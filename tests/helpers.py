@@ -66,3 +66,17 @@ class UvicornThread:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class LoopClient:
+    """Calls a coordinator that lives on an :class:`InProcessCoordinator` loop from any loop
+    (uvicorn's, in API tests)."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    async def call(self, method: str, *args: Any) -> Any:
+        import asyncio
+
+        coro = getattr(self.owner.coordinator, method)(*args)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.owner.loop))

@@ -151,8 +151,9 @@ class ProfilerAgent:
             log.exception("profd: closing the recorder failed")
             ok = False
         if self._channel is not None:
-            self._emit(AgentEvent(EventKind.CLOSED, None, self._current_step))
-            self._channel.flush(min(10.0, timeout))
+            if self._channel.connected:  # events cannot leave an agent that never connected
+                self._emit(AgentEvent(EventKind.CLOSED, None, self._current_step))
+                self._channel.flush(min(10.0, timeout))
             self._channel.stop()
         with _AGENTS_LOCK:
             key = (self.info.role, self.info.rank)

@@ -152,10 +152,12 @@ class Channel:
         return self._events.unfinished_tasks == 0
 
     def stop(self, timeout: float = 2.0) -> None:
+        """Stop both threads. The reporter is joined (it may be sending the last events); the
+        poller may sit in a long-poll and exits on its own when it returns."""
         self._stop.set()
-        for t in self._threads:
-            if t.is_alive():
-                t.join(timeout)
+        reporter = self._threads[1]
+        if reporter.is_alive():
+            reporter.join(timeout)
 
     # -- internals ----------------------------------------------------------------------
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:

@@ -92,7 +92,7 @@ def run_demo(
 ) -> DemoResult:
     import ray
 
-    from profd.demo.workload import DemoWorker
+    from profd.demo.workload import DemoWorker, StepBudget
 
     apply_loopback_env()
     started_ray = False
@@ -122,11 +122,11 @@ def run_demo(
             f"Coordinator up; sidecar at [cyan]{addr['url']}[/cyan]; "
             f"traces under [cyan]{coord_settings.save_root}[/cyan]"
         )
-        # max_concurrency 2: `extend_to` runs while `run` is looping.
-        remote = ray.remote(DemoWorker).options(num_cpus=0, max_concurrency=2)
+        remote = ray.remote(DemoWorker).options(num_cpus=0)
         workers = [remote.remote(role, rank, world, seed=7) for role, rank, world in WORKERS]
+        budget = ray.remote(StepBudget).options(num_cpus=0).remote()
         ray.get([w.ready.remote() for w in workers], timeout=120)
-        runs = [w.run.remote(steps, min_step_s) for w in workers]
+        runs = [w.run.remote(steps, min_step_s, 1, budget) for w in workers]
         console.print(
             f"Started {len(workers)} workers (2 x actor_rollout_ref, 1 x critic), "
             f"{steps} steps each"
@@ -147,7 +147,7 @@ def run_demo(
         session = api.post("/api/v1/sessions", body)
         sid = session["session_id"]
         # Workers whose loop would end before the window keep going until it is over.
-        ray.get([w.extend_to.remote(max(session["steps"]) + 1) for w in workers])
+        ray.get(budget.extend_to.remote(max(session["steps"]) + 1))
         console.print(
             f"Session [bold]{sid}[/bold]: steps {session['steps']} on "
             f"{len(session['targets'])} targets, {len(session['ignored'])} ignored"

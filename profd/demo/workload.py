@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["DemoWorker"]
+__all__ = ["DemoWorker", "StepBudget"]
 
 VOCAB = 64
 HIDDEN = 96
@@ -52,7 +52,6 @@ class DemoWorker:
             self.model = mlp(VOCAB)
             self.ref = mlp(VOCAB).requires_grad_(False)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self._last_step = 0
         self.agent = profd.attach(
             role=role, rank=rank, world_size=world_size, topology={"dp": rank}
         )
@@ -96,7 +95,7 @@ class DemoWorker:
                             logp = self._log_prob(self.model, micro)
                             loss = -(logp * micro_t[:, 1:]).mean()
                         loss.backward()
-                        total += float(loss)
+                        total += loss.item()
                 self.optim.step()
         return total
 
@@ -124,25 +123,31 @@ class DemoWorker:
             return self._update(tokens, returns)
 
     # -- loop -----------------------------------------------------------------------------
-    def extend_to(self, last_step: int) -> int:
-        """Keep stepping at least until ``last_step`` (so a window chosen late still runs)."""
-        self._last_step = max(self._last_step, last_step)
-        return self._last_step
-
-    def run(self, num_steps: int, min_step_s: float = 0.5, first_step: int = 1) -> dict[str, Any]:
-        """Run ``num_steps`` steps (or more, see :meth:`extend_to`); each takes at least
-        ``min_step_s`` (standing in for the time a real job waits on rollouts and collectives).
+    def run(
+        self,
+        num_steps: int,
+        min_step_s: float = 0.5,
+        first_step: int = 1,
+        budget: Any = None,
+    ) -> dict[str, Any]:
+        """Run ``num_steps`` steps, or up to ``budget.last()`` when that is later (the demo
+        extends the run so a window chosen late still happens). Each step takes at least
+        ``min_step_s``, standing in for time a real job waits on rollouts and collectives.
         """
+        last = first_step + num_steps - 1
         losses = []
-        self._last_step = max(self._last_step, first_step + num_steps - 1)
         step = first_step
-        while step <= self._last_step:
+        while step <= last:
             started = time.perf_counter()
             with self.agent.step(step):
                 losses.append(self._critic_step() if self.role == "critic" else self._actor_step())
                 spare = min_step_s - (time.perf_counter() - started)
                 if spare > 0:
                     time.sleep(spare)
+            if budget is not None:
+                import ray
+
+                last = max(last, ray.get(budget.last.remote()))
             step += 1
         written = self.agent.close(timeout=120)
         return {
@@ -152,3 +157,17 @@ class DemoWorker:
             "traces_written": written,
             "final_loss": losses[-1] if losses else None,
         }
+
+
+class StepBudget:
+    """The last step the demo workers should run (an actor the driver can raise)."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def extend_to(self, step: int) -> int:
+        self._last = max(self._last, step)
+        return self._last
+
+    def last(self) -> int:
+        return self._last

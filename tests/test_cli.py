@@ -1,0 +1,124 @@
+"""The `profd` command line as a user runs it: real subprocesses against a real Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import wait_until
+
+PROFD = [sys.executable, "-m", "profd.cli.main"]
+
+
+def cli(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*PROFD, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=env["HOME"]
+    )
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path, ray_session: Any) -> dict[str, str]:
+    from profd.actors import get_coordinator
+    from profd.cluster import stop_services
+
+    stop_services()
+    wait_until(lambda: get_coordinator() is None, 30, what="no coordinator")
+    env = dict(os.environ)
+    env.update(
+        HOME=str(tmp_path),
+        PROFD_STATE_DIR=str(tmp_path / "state"),
+        PROFD_POLL_TIMEOUT_S="1",
+        COLUMNS="200",
+    )
+    yield env
+    stop_services()
+
+
+def test_help_lists_every_command() -> None:
+    out = subprocess.run([*PROFD, "--help"], capture_output=True, text=True, timeout=60).stdout
+    for cmd in ("up", "down", "status", "profile", "sessions", "traces", "demo"):
+        assert cmd in out
+
+
+def test_unreachable_sidecar_is_exit_3_with_a_hint(tmp_path: Path) -> None:
+    env = dict(os.environ, HOME=str(tmp_path), PROFD_STATE_DIR=str(tmp_path / "s"))
+    r = cli(["status", "--url", "http://127.0.0.1:9"], env, timeout=60)
+    assert r.returncode == 3
+    assert "cannot reach the profd sidecar" in r.stderr and "profd up" in r.stderr
+
+
+def test_bad_usage_is_exit_2(tmp_path: Path) -> None:
+    env = dict(os.environ, HOME=str(tmp_path), PROFD_STATE_DIR=str(tmp_path / "s"))
+    r = cli(["profile", "--steps", "a,b"], env, timeout=60)
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+
+
+def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_path: Path) -> None:
+    import ray
+
+    from profd.demo.workload import DemoWorker, StepBudget
+
+    address = ray_session.address_info["address"]
+    r = cli(["up", "--address", address, "--port", "0"], cli_env)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "profd is up: sidecar http://127.0.0.1:" in r.stdout
+    state_dir = Path(cli_env["PROFD_STATE_DIR"])
+    token_file = state_dir / "token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
+    state = json.loads((state_dir / "sidecar.json").read_text())
+    assert state["started_ray"] is False and state["ray_address"] == address
+
+    again = cli(["up", "--address", address, "--port", "0"], cli_env)
+    assert again.returncode == 0 and "already up" in again.stdout
+
+    remote = ray.remote(DemoWorker).options(num_cpus=0)
+    workers = [remote.remote("actor", r, 2, seed=3) for r in range(2)]
+    budget = ray.remote(StepBudget).options(num_cpus=0).remote()
+    try:
+        ray.get([w.ready.remote() for w in workers], timeout=120)
+        runs = [w.run.remote(8, 0.4, 1, budget) for w in workers]
+
+        def stepping() -> bool:
+            st = cli(["status", "--json"], cli_env, timeout=60)
+            agents = json.loads(st.stdout)["agents"]
+            return len([a for a in agents if a["current_step"] is not None]) == 2
+
+        wait_until(stepping, 60, 0.2, what="agents stepping")
+        ray.get(budget.extend_to.remote(30))  # the window is chosen by the coordinator
+        r = cli(["profile", "--next-steps", "1", "--all-ranks", "--wait", "--json"], cli_env)
+        assert r.returncode == 0, r.stderr + r.stdout
+        view = json.loads(r.stdout)
+        assert view["state"] == "done" and len(view["traces"]) == 2
+        sid = view["session_id"]
+
+        listed = cli(["sessions", "--json"], cli_env)
+        assert [s["session_id"] for s in json.loads(listed.stdout)] == [sid]
+        dest = tmp_path / "downloaded"
+        r = cli(["traces", "--session", sid, "--download", str(dest)], cli_env)
+        assert r.returncode == 0, r.stderr
+        files = sorted(p.name for p in dest.iterdir())
+        assert files == sorted(t["file_name"] for t in view["traces"])
+        assert all((dest / f).stat().st_size > 0 for f in files)
+
+        bad = cli(["profile", "--next-steps", "1", "--role", "nobody"], cli_env)
+        assert bad.returncode == 1 and "no registered agent has role nobody" in bad.stderr
+        ray.get(budget.extend_to.remote(0))
+        ray.get(runs, timeout=120)
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+    r = cli(["down"], cli_env)
+    assert r.returncode == 0 and "profd_sidecar" in r.stdout and "profd_coordinator" in r.stdout
+    assert not (state_dir / "sidecar.json").exists()
+    from profd.actors import get_coordinator
+
+    wait_until(lambda: get_coordinator() is None, 30, what="coordinator stopped")
