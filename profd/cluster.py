@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,8 @@ __all__ = [
     "Services",
     "apply_loopback_env",
     "connect_ray",
+    "gcs_reachable",
+    "is_local_address",
     "load_state",
     "read_or_create_token",
     "read_token",
@@ -59,10 +64,15 @@ def _ray_cli() -> str:
     return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
 
 
-def start_local_ray(num_cpus: int | None = None) -> str:
-    """``ray start --head`` on 127.0.0.1 in the background; return its address."""
+def start_local_ray(num_cpus: int | None = None) -> tuple[str, str]:
+    """``ray start --head`` on 127.0.0.1 in the background; return (address, temp dir).
+
+    The cluster gets a temp dir of its own so :func:`stop_local_ray` can stop exactly this
+    cluster and no other Ray the user runs on the machine.
+    """
     apply_loopback_env()
     port = _free_port()
+    temp_dir = f"/tmp/profd-ray-{os.getuid()}-{port}"
     cmd = [
         _ray_cli(),
         "start",
@@ -71,24 +81,77 @@ def start_local_ray(num_cpus: int | None = None) -> str:
         f"--port={port}",
         "--include-dashboard=false",
         "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"`ray start` failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{port}", temp_dir
 
 
-def stop_local_ray() -> None:
-    subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, env=os.environ.copy())
+def _pids_mentioning(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def stop_local_ray(temp_dir: str | None, timeout: float = 15.0) -> int:
+    """Stop the cluster started by :func:`start_local_ray`; return how many processes ended."""
+    if not temp_dir or not Path("/proc").is_dir():
+        subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, env=os.environ.copy())
+        return -1
+    pids = _pids_mentioning(temp_dir)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(pids)
+
+
+def is_local_address(address: str | None) -> bool:
+    return address in (None, "auto", "local") or str(address).split(":")[0] in (
+        "127.0.0.1",
+        "localhost",
+    )
+
+
+def gcs_reachable(address: str, timeout: float = 3.0) -> bool:
+    """A quick TCP check, so a vanished cluster fails fast instead of Ray retrying for minutes."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def connect_ray(address: str | None) -> None:
-    """Join the cluster at ``address`` (``auto`` = the local one)."""
+    """Join the cluster at ``address`` (``auto`` = the one on this node).
+
+    For a cluster on this machine the loopback settings are applied *before* Ray is imported
+    (Ray reads them at import); for remote clusters nothing is changed.
+    """
+    if is_local_address(address):
+        apply_loopback_env()
+    if address not in (None, "auto", "local") and not gcs_reachable(str(address)):
+        raise ConnectionError(f"no Ray cluster answers at {address}")
     import ray
 
-    apply_loopback_env()
     if not ray.is_initialized():
         ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
 
@@ -105,6 +168,8 @@ class ServiceState:
     save_root: str
     coordinator_created: bool = True
     sidecar_created: bool = True
+    #: Temp dir of the local Ray that `profd up` started (identifies its processes).
+    ray_temp_dir: str | None = None
 
 
 @dataclass

@@ -91,9 +91,10 @@ def up(
         console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
         return
     started_ray = False
+    temp_dir = None
     if address is None:
         console.print("Starting a local Ray head on 127.0.0.1 ...")
-        address = start_local_ray(num_cpus)
+        address, temp_dir = start_local_ray(num_cpus)
         started_ray = True
     connect_ray(address)
     token, token_path = read_or_create_token(settings.state_dir)
@@ -123,6 +124,7 @@ def up(
         save_root=coord.save_root,
         coordinator_created=coord_new,
         sidecar_created=side_new,
+        ray_temp_dir=temp_dir,
     )
     save_state(settings.state_dir, state)
     console.print(f"profd is up: sidecar [cyan]{addr['url']}[/cyan]")
@@ -161,9 +163,12 @@ def down(
         stopped = stop_services()
     except Exception as exc:  # the cluster may already be gone
         stopped = []
-        err_console.print(f"could not reach Ray at {target}: {exc}")
+        err_console.print(f"could not reach Ray at {target} ({exc}); cleaning up local state")
     if state is not None and state.started_ray:
-        stop_local_ray()
+        import ray
+
+        ray.shutdown()  # disconnect first, so the driver does not echo the cluster's shutdown
+        stop_local_ray(state.ray_temp_dir)
         stopped.append("local ray")
     (settings.state_dir / STATE_FILE).unlink(missing_ok=True)
     console.print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
