@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from profd import __version__
 from profd.actors.planbook import PlanBook
-from profd.config import RoleProfilerConfig, SessionRequest, field_errors
+from profd.config import RoleProfilerConfig, SessionRequest, ToolKind, field_errors
 from profd.errors import ConflictError, NotFoundError, RequestInvalid
 from profd.protocol import AgentEvent, AgentInfo, EventKind, PollReply, WindowPlan
 from profd.registry import AgentRecord, AgentRegistry
@@ -311,11 +311,13 @@ class ProfileCoordinator:
     def _window(self, s: Session, part: Part) -> WindowPlan:
         block = self._blocks[s.session_id][part.role_block]
         tool = s.request.tool
+        # One allocator snapshot per step: the memory tool never groups steps.
+        groups = tuple((x,) for x in s.steps or ()) if tool is ToolKind.TORCH_MEMORY else s.groups
         return WindowPlan(
             session_id=s.session_id,
             tool=tool.value,
             steps=s.steps or (),
-            groups=s.groups,
+            groups=groups,
             discrete=block.discrete,
             tool_config=block.tool_config.for_tool(tool).model_dump(mode="json"),
             save_dir=s.save_dir,
@@ -392,6 +394,7 @@ class ProfileCoordinator:
             ],
             ignored=[IgnoredView(role=i.role, rank=i.rank, reason=i.reason) for i in s.ignored],
             traces=[t for t in self._traces.values() if t.session_id == s.session_id],
+            warnings=list(s.warnings),
             request=s.request.model_dump(mode="json"),
         )
 

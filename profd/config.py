@@ -146,8 +146,14 @@ class TorchMemoryToolConfig(_Frozen):
 class NsysToolConfig(_Frozen):
     """Options of the ``nsys`` tool; workers must run under profd's Nsight launcher."""
 
-    trace: str = Field("cuda,nvtx,cublas,ucx", description="nsys --trace value.")
-    extra_args: tuple[str, ...] = Field((), description="Extra arguments for `nsys start`.")
+    trace: str = Field("cuda,nvtx,cublas,ucx", description="nsys --trace value (at launch).")
+    extra_args: tuple[str, ...] = Field((), description="Extra nsys arguments (at launch).")
+    flush_timeout_s: float = Field(
+        600.0, gt=0, description="How long to wait for nsys to finish writing a report."
+    )
+    settle_s: float = Field(
+        2.0, gt=0, description="A report is complete once its size is unchanged this long."
+    )
 
 
 class NpuToolConfig(_Frozen):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -26,23 +27,24 @@ def temp_path(save_dir: Path, stem: str, ext: str) -> Path:
     return save_dir / f".{stem}.{os.getpid()}.{id(object()):x}{ext}.tmp"
 
 
-def gzip_file(src: Path, dst: Path, level: int = 6) -> int:
-    """gzip ``src`` into ``dst`` in 1 MiB chunks; return the compressed size.
+def gzip_file(src: Path, dst: Path, level: int = 6, find: re.Pattern[bytes] | None = None) -> bool:
+    """gzip ``src`` into ``dst`` in 1 MiB chunks; return whether ``find`` matched anywhere.
 
     Level 6 is about 13x faster than the level 9 torch uses for ``.json.gz`` and within about
-    10 % of its size on Kineto JSON.
+    10 % of its size on Kineto JSON. ``find`` is searched on the way (chunks overlap by 256
+    bytes so a match across a chunk boundary is not missed).
     """
     comp = zlib.compressobj(level, zlib.DEFLATED, 31)  # wbits 31 = gzip container
-    size = 0
+    found = False
+    tail = b""
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         while chunk := fin.read(_CHUNK):
-            out = comp.compress(chunk)
-            fout.write(out)
-            size += len(out)
-        out = comp.flush()
-        fout.write(out)
-        size += len(out)
-    return size
+            if find is not None and not found:
+                found = find.search(tail + chunk) is not None
+                tail = chunk[-256:]
+            fout.write(comp.compress(chunk))
+        fout.write(comp.flush())
+    return found
 
 
 def publish_unique(tmp: Path, save_dir: Path, stem: str, suffix: str, ext: str = TRACE_EXT) -> Path:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-__all__ = ["group_steps"]
+from profd.naming import mb_suffix, part_suffix
+
+__all__ = [
+    "SCHEDULE_KEYS",
+    "continuous_schedule",
+    "discrete_schedule",
+    "group_steps",
+    "mini_batch_window",
+    "window_suffix",
+]
+
+SCHEDULE_KEYS = ("skip_first", "wait", "warmup", "active", "repeat")
 
 
 def group_steps(steps: Iterable[int], continuous: bool) -> tuple[tuple[int, ...], ...]:
@@ -24,3 +35,57 @@ def group_steps(steps: Iterable[int], continuous: bool) -> tuple[tuple[int, ...]
         else:
             groups.append([s])
     return tuple(tuple(g) for g in groups)
+
+
+def continuous_schedule(schedule: Mapping[str, int] | None) -> dict[str, int] | None:
+    """Schedule of a continuous collection (reference §5.2): ``None`` records the whole
+    window; otherwise the values as configured, except ``repeat`` 0 becomes 1."""
+    if not schedule or int(schedule.get("active", 0)) <= 0:
+        return None
+    out = {k: int(schedule.get(k, 0)) for k in SCHEDULE_KEYS}
+    out["repeat"] = out["repeat"] or 1
+    return out
+
+
+def discrete_schedule(schedule: Mapping[str, int] | None) -> dict[str, int] | None:
+    """Schedule of a discrete update stage: the configured values verbatim (0 = unlimited)."""
+    if not schedule or int(schedule.get("active", 0)) <= 0:
+        return None
+    return {k: int(schedule.get(k, 0)) for k in SCHEDULE_KEYS}
+
+
+def mini_batch_window(step_num: int, schedule: Mapping[str, int]) -> tuple[int, int]:
+    """Mini-batches ``(first, last)`` held by a window torch saves at ``step_num`` (§6.2).
+
+    ``step()`` runs once after each mini-batch, so ``step_num`` is one past the last
+    mini-batch that ran; a window cut short by the end of the loop reports fewer mini-batches.
+    """
+    skip, wait, warmup = schedule["skip_first"], schedule["wait"], schedule["warmup"]
+    active = max(schedule["active"] or 1, 1)
+    last = max(step_num - 1, 0)
+    cycle_len = wait + warmup + active
+    cycle = max(last - skip, 0) // cycle_len if cycle_len else 0
+    first = skip + cycle * cycle_len + wait + warmup
+    return min(first, last), last
+
+
+def window_suffix(
+    step_num: int,
+    previous_step_num: int | None,
+    save_index: int,
+    schedule: Mapping[str, int] | None,
+    name_mini_batches: bool,
+) -> str:
+    """Suffix of one saved window.
+
+    Discrete update stages with a schedule name windows by their mini-batches (``_mb3-4``).
+    A window in which no mini-batch ran since the previous save (the tail torch saves when a
+    loop ends exactly at a window boundary) gets a ``_part<N>`` name instead, so it can never
+    replace the real window of the same mini-batches (reference §13 item 1). Other windows
+    are ``""`` for the first save and ``_part<N>`` after.
+    """
+    ran_mini_batches = step_num > (previous_step_num if previous_step_num is not None else 0)
+    if name_mini_batches and schedule is not None and ran_mini_batches:
+        first, last = mini_batch_window(step_num, schedule)
+        return mb_suffix(first, last)
+    return part_suffix(save_index)

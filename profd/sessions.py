@@ -59,6 +59,8 @@ class Session:
     reason: str = "waiting for targets to report their step"
     finished_at: float | None = None
     cancel_reason: str | None = None
+    #: Things the user should know that do not change the state (no device events, ...).
+    warnings: list[str] = field(default_factory=list)
     history: list[tuple[float, SessionState, str]] = field(default_factory=list)
 
     @property
@@ -89,6 +91,9 @@ class Session:
         elif kind is EventKind.COLLECTING:
             part.state = PartState.COLLECTING
         elif kind is EventKind.TRACE and event.data:
+            for w in event.data.get("warnings") or ():
+                name = str(event.data.get("path", "")).rsplit("/", 1)[-1]
+                self.warnings.append(f"{part.role} rank {part.rank} {name}: {w}")
             part.recorded.update(int(s) for s in event.data.get("steps") or ())
             trace_id = event.data.get("trace_id")
             if trace_id and trace_id not in part.traces:
@@ -99,6 +104,10 @@ class Session:
         elif kind is EventKind.ERROR:
             part.errors.append(event.message)
         elif kind is EventKind.PART_DONE:
+            data = event.data or {}
+            part.recorded.update(int(s) for s in data.get("recorded") or ())
+            part.missed.update(int(s) for s in data.get("missed") or ())
+            part.missed -= part.recorded
             self._close_part(part)
         elif kind is EventKind.CLOSED:
             # An agent that shut down before finishing its window cannot finish it later.

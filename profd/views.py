@@ -149,6 +149,7 @@ class SessionView(_View):
     targets: list[PartView] = Field(description="Every matched agent and its progress.")
     ignored: list[IgnoredView] = Field(description="Requested targets that were not used, why.")
     traces: list[TraceView] = Field(description="Traces written so far.")
+    warnings: list[str] = Field(description="Problems that did not stop the session.")
     request: dict = Field(description="The request as validated (defaults filled in).")
 
 

@@ -80,3 +80,28 @@ class LoopClient:
 
         coro = getattr(self.owner.coordinator, method)(*args)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.owner.loop))
+
+
+def start_agents(owner: Any, n: int = 1, role: str = "actor", **kw: Any) -> list[Any]:
+    """``n`` agents of one role, registered with an in-process coordinator."""
+    from profd.agent import ProfilerAgent
+
+    agents = [ProfilerAgent(role, r, n, find_link=owner.link, **kw).start() for r in range(n)]
+    wait_until(lambda: all(a.connected for a in agents), 10, what="agents registered")
+    return agents
+
+
+def wait_terminal(owner: Any, sid: str, timeout: float = 20.0) -> Any:
+    def done() -> Any:
+        view = owner.call("get_session", sid)
+        return view if view.state.is_terminal else None
+
+    return wait_until(done, timeout, what=f"session {sid} terminal")
+
+
+def wait_armed(agent: Any, sid: str) -> None:
+    wait_until(lambda: any(w.session_id == sid for w in agent.plan.windows), 10, what="plan")
+
+
+def user_ranges(trace: dict) -> list[str]:
+    return [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from profd.backends import NULL_RANGE
 from profd.backends.torch_backend import read_trace
 from profd.naming import parse_trace_name
 
-from helpers import wait_until
+from helpers import start_agents, user_ranges, wait_armed, wait_terminal, wait_until
 
 MODEL = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
@@ -32,28 +31,6 @@ def train_step(agent: ProfilerAgent, step: int, pause: float = 0.0) -> None:
                             MODEL(torch.randn(4, 16)).sum().backward()
         if pause:
             time.sleep(pause)
-
-
-def start_agents(owner: Any, n: int = 1, role: str = "actor", **kw: Any) -> list[ProfilerAgent]:
-    agents = [ProfilerAgent(role, r, n, find_link=owner.link, **kw).start() for r in range(n)]
-    wait_until(lambda: all(a.connected for a in agents), 10, what="agents registered")
-    return agents
-
-
-def wait_terminal(owner: Any, sid: str, timeout: float = 20.0) -> Any:
-    def done() -> Any:
-        view = owner.call("get_session", sid)
-        return view if view.state.is_terminal else None
-
-    return wait_until(done, timeout, what=f"session {sid} terminal")
-
-
-def wait_armed(agent: ProfilerAgent, sid: str) -> None:
-    wait_until(lambda: any(w.session_id == sid for w in agent.plan.windows), 10, what="plan")
-
-
-def user_ranges(trace: dict) -> list[str]:
-    return [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
 
 
 def test_idle_marks_share_one_noop_and_make_no_files(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
 from profd.agent.recorder import IDLE, ArmedPlan, Recorder
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
 from profd.naming import sanitize
+from profd.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
 
 __all__ = ["ProfilerAgent", "attach", "attached_agents"]
@@ -125,6 +126,7 @@ class ProfilerAgent:
         if find is None:
             log.info("profd: not inside a Ray job; agent %s stays inert", self.info.agent_id)
             return self
+        apply_nvtx_guard(under_nsys=os.environ.get("PROFD_NSYS") == "1")
         self._channel = Channel(
             self.info,
             find,

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from profd.backends.base import PendingOutput, WrittenFile
 
@@ -29,6 +30,8 @@ class ExportJob:
     scope: str
     tool: str
     output: PendingOutput
+    #: Whatever the submitter needs back in the callback (the recorder's ticket).
+    context: Any = None
 
 
 class Exporter:

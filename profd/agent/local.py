@@ -7,6 +7,7 @@ The coordinator's async methods run on a private event-loop thread; agents reach
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from typing import Any
 
@@ -67,8 +68,8 @@ class LocalLink:
             raise LinkDown("coordinator down")
         try:
             return self._owner.call(method, *args, timeout=timeout)
-        except RuntimeError as exc:  # loop stopped
-            raise LinkDown(str(exc)) from exc
+        except (RuntimeError, concurrent.futures.CancelledError) as exc:  # loop stopped
+            raise LinkDown(str(exc) or type(exc).__name__) from exc
 
     def register(self, info: AgentInfo, step: int | None) -> Any:
         return self._call("register", info, step)

@@ -1,16 +1,21 @@
 """Turning step / stage / mini-batch marks into collections, on the training thread.
 
 The recorder owns one :class:`_WindowState` per session in the agent's plan. At each step
-boundary it opens, continues or closes collections; stopped collections go to the exporter
+boundary it opens, continues or closes collections; finished windows go to the exporter
 thread. Every planned step ends *recorded* (a file holds it) or *missed* (with the reason);
 when all are resolved and every file is written the agent reports ``part_done``.
 
 Modes (reference §5):
 
 * continuous (``discrete: false``): one collection per step group, scope ``train``; each
-  step is a ``step<n>`` range and stages are ranges inside it;
+  step is a ``step<n>`` range and stages are ranges inside it. A torch schedule counts the
+  group's update mini-batches, with ``repeat`` 0 read as 1;
 * discrete (``discrete: true``): no collection per step; each stage inside a profiled step
-  opens its own collection whose scope is the stage label.
+  opens its own collection whose scope is the stage label. Only ``update_loop`` stages use
+  the schedule (verbatim) and name their windows by mini-batch (``_mb3-4``).
+
+Every collection has a :class:`_Ticket` that follows its files through the exporter, so a
+step counts as recorded only once a file holding it is on disk.
 
 Any failure in here is caught, logged once and reported; the window is then given up and the
 training loop goes on.
@@ -32,6 +37,7 @@ from profd.agent.export import Exporter, ExportJob, trace_id_for
 from profd.backends.base import NULL_RANGE, Backend, Collection, CollectionSpec, WrittenFile
 from profd.naming import trace_stem
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, WindowPlan
+from profd.schedule import continuous_schedule, discrete_schedule
 
 __all__ = ["IDLE", "ArmedPlan", "Recorder"]
 
@@ -54,6 +60,39 @@ class ArmedPlan:
 
 
 IDLE = ArmedPlan(AgentPlan(version=0))
+
+
+@dataclass
+class _WindowState:
+    window: WindowPlan
+    group_of: dict[int, tuple[int, ...]]
+    received_at_step: int | None
+    handled: set[int] = field(default_factory=set)  # no collection will take these any more
+    recorded: set[int] = field(default_factory=set)  # a written file holds them
+    missed: set[int] = field(default_factory=set)
+    open_tickets: int = 0  # collections whose files are not all written yet
+    scope: _Scope | None = None
+    recording_sent: bool = False
+    collecting_sent: bool = False
+    done_sent: bool = False
+
+    @property
+    def all_handled(self) -> bool:
+        return self.handled >= set(self.window.steps)
+
+
+@dataclass
+class _Ticket:
+    """One collection's way through the exporter."""
+
+    ws: _WindowState
+    label: str
+    steps: list[int]
+    pending: int = 0
+    files: int = 0
+    errors: list[str] = field(default_factory=list)
+    closed: bool = False
+    settled: bool = False
 
 
 class _SafeRange:
@@ -84,26 +123,6 @@ class _SafeRange:
         return False
 
 
-@dataclass
-class _WindowState:
-    window: WindowPlan
-    group_of: dict[int, tuple[int, ...]]
-    received_at_step: int | None
-    handled: set[int] = field(default_factory=set)  # closed into a collection, or missed
-    recorded: set[int] = field(default_factory=set)
-    missed: set[int] = field(default_factory=set)
-    scope: _Scope | None = None
-    pending_exports: int = 0
-    failed: bool = False
-    recording_sent: bool = False
-    collecting_sent: bool = False
-    done_sent: bool = False
-
-    @property
-    def all_handled(self) -> bool:
-        return len(self.handled) >= len(self.window.steps)
-
-
 class _Scope:
     """What stage / mini-batch marks talk to while a window is active on this agent."""
 
@@ -111,6 +130,9 @@ class _Scope:
         self.recorder = recorder
         self.ws = ws
         self.in_update_loop = False
+        #: The collection ranges go to (continuous: the group's; discrete: the stage's).
+        self.current: Collection | None = None
+        self.ticket: _Ticket | None = None
 
     def fault(self, exc: BaseException) -> None:
         self.recorder.fault(self.ws, exc)
@@ -118,11 +140,21 @@ class _Scope:
     def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
         raise NotImplementedError
 
+    def _after_mini_batch(self) -> None:
+        if self.in_update_loop and self.current is not None and self.ticket is not None:
+            self.current.step()
+            self.recorder.submit(self.ticket, self.current.take_ready())
+
     def mini_batch(self, index: int) -> AbstractContextManager[Any]:
-        raise NotImplementedError
+        if self.current is None:
+            return NULL_RANGE
+        cm = self.current.annotate(f"mini_batch{index}")
+        return _SafeRange(self, cm, self._after_mini_batch)
 
     def micro_batch(self, index: int) -> AbstractContextManager[Any]:
-        raise NotImplementedError
+        if self.current is None:
+            return NULL_RANGE
+        return _SafeRange(self, self.current.annotate(f"micro_batch{index}"))
 
 
 class _ContinuousScope(_Scope):
@@ -132,11 +164,12 @@ class _ContinuousScope(_Scope):
         super().__init__(recorder, ws)
         self.group = group
         self.done: list[int] = []
-        self.collection: Collection = recorder.open_collection(ws, CONTINUOUS_SCOPE, group[0])
-        self._step_range: AbstractContextManager[Any] | None = None
+        self.current, self.ticket = recorder.open_collection(ws, CONTINUOUS_SCOPE, group[0])
+        self._step_range: _SafeRange | None = None
 
     def enter_step(self, step: int) -> None:
-        self._step_range = _SafeRange(self, self.collection.annotate(f"step{step}"))
+        self.ticket.steps.append(step)  # type: ignore[union-attr]
+        self._step_range = _SafeRange(self, self.current.annotate(f"step{step}"))  # type: ignore[union-attr]
         self._step_range.__enter__()
 
     def exit_step(self, step: int) -> None:
@@ -149,74 +182,56 @@ class _ContinuousScope(_Scope):
         self.in_update_loop = False
 
     def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
+        cm = self.current.annotate(label)  # type: ignore[union-attr]
         if update_loop:
             self.in_update_loop = True
-            return _SafeRange(self, self.collection.annotate(label), self._end_update_loop)
-        return _SafeRange(self, self.collection.annotate(label))
+            return _SafeRange(self, cm, self._end_update_loop)
+        return _SafeRange(self, cm)
 
-    def _after_mini_batch(self) -> None:
-        if self.in_update_loop:
-            self.collection.step()
-
-    def mini_batch(self, index: int) -> AbstractContextManager[Any]:
-        return _SafeRange(
-            self, self.collection.annotate(f"mini_batch{index}"), self._after_mini_batch
-        )
-
-    def micro_batch(self, index: int) -> AbstractContextManager[Any]:
-        return _SafeRange(self, self.collection.annotate(f"micro_batch{index}"))
-
-    def close(self) -> ExportJob:
+    def close(self) -> None:
         if self._step_range is not None:  # closing mid-step (cancel, job end)
             self._step_range.__exit__(None, None, None)
             self._step_range = None
-        output = self.collection.close()
-        return ExportJob(
-            session_id=self.ws.window.session_id,
-            steps=tuple(self.done),
-            scope=CONTINUOUS_SCOPE,
-            tool=self.ws.window.tool,
-            output=output,
-        )
+        collection, ticket = self.current, self.ticket
+        self.current = None
+        self.recorder.close_ticket(ticket, collection)  # type: ignore[arg-type]
 
 
 class _DiscreteStage:
     """A stage that opens its own collection (discrete mode); the stage is a range inside."""
 
-    __slots__ = ("_collection", "_label", "_range", "_scope", "_update_loop")
+    __slots__ = ("_label", "_range", "_scope", "_update_loop")
 
     def __init__(self, scope: _DiscreteScope, label: str, update_loop: bool) -> None:
         self._scope = scope
         self._label = label
         self._update_loop = update_loop
-        self._collection: Collection | None = None
         self._range: _SafeRange | None = None
 
     def __enter__(self) -> None:
         scope = self._scope
         try:
-            self._collection = scope.recorder.open_collection(scope.ws, self._label, scope.step)
+            scope.current, scope.ticket = scope.recorder.open_collection(
+                scope.ws, self._label, scope.step, update_loop=self._update_loop
+            )
         except Exception as exc:
             scope.fault(exc)
             return
-        scope.current = self._collection
         scope.in_update_loop = self._update_loop
-        self._range = _SafeRange(scope, self._collection.annotate(self._label))
+        self._range = _SafeRange(scope, scope.current.annotate(self._label))
         self._range.__enter__()
 
     def __exit__(self, *exc_info: Any) -> bool:
         scope = self._scope
         if self._range is not None:
             self._range.__exit__(*exc_info)
-        scope.current = None
+        collection, ticket = scope.current, scope.ticket
+        scope.current = scope.ticket = None
         scope.in_update_loop = False
-        if self._collection is not None:
+        if collection is not None and ticket is not None:
             try:
-                output = self._collection.close()
-                window = scope.ws.window
-                job = ExportJob(window.session_id, (scope.step,), self._label, window.tool, output)
-                scope.recorder.submit(scope.ws, job)
-                scope.wrote = True
+                scope.recorder.close_ticket(ticket, collection)
+                scope.stages += 1
             except Exception as exc:
                 scope.fault(exc)
         return False
@@ -228,27 +243,12 @@ class _DiscreteScope(_Scope):
     def __init__(self, recorder: Recorder, ws: _WindowState, step: int) -> None:
         super().__init__(recorder, ws)
         self.step = step
-        self.current: Collection | None = None
-        self.wrote = False
+        self.stages = 0
 
     def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
         if self.current is not None:  # nested stage: a range in the enclosing collection
             return _SafeRange(self, self.current.annotate(label))
         return _DiscreteStage(self, label, update_loop)
-
-    def _after_mini_batch(self) -> None:
-        if self.in_update_loop and self.current is not None:
-            self.current.step()
-
-    def mini_batch(self, index: int) -> AbstractContextManager[Any]:
-        if self.current is None:
-            return NULL_RANGE
-        return _SafeRange(self, self.current.annotate(f"mini_batch{index}"), self._after_mini_batch)
-
-    def micro_batch(self, index: int) -> AbstractContextManager[Any]:
-        if self.current is None:
-            return NULL_RANGE
-        return _SafeRange(self, self.current.annotate(f"micro_batch{index}"))
 
 
 class Recorder:
@@ -314,7 +314,7 @@ class Recorder:
         else:
             if ws.scope is None:
                 ws.scope = _ContinuousScope(self, ws, ws.group_of[step])
-            ws.scope.enter_step(step)
+            ws.scope.enter_step(step)  # type: ignore[union-attr]
         if not ws.recording_sent:
             ws.recording_sent = True
             self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id, step))
@@ -334,9 +334,8 @@ class Recorder:
             self.active = None
             with self._lock:
                 ws.handled.add(step)
-                if not scope.wrote:
-                    ws.missed.add(step)
-                    self._emit_missed(ws, [step], "no stage ran inside this profiled step")
+            if not scope.stages:
+                self._mark_missed(ws, [step], "no stage ran inside this profiled step")
         elif isinstance(scope, _ContinuousScope) and step in scope.group:
             scope.exit_step(step)
             if step == scope.group[-1]:
@@ -355,25 +354,34 @@ class Recorder:
             reason = f"the plan arrived during step {arrived}, after step {late[0]} had begun"
         else:
             reason = "the loop never entered these steps"
-        with self._lock:
-            ws.handled.update(late)
-            ws.missed.update(late)
-        self._emit_missed(ws, late, reason)
+        self._mark_missed(ws, late, reason)
 
-    def _emit_missed(self, ws: _WindowState, steps: list[int], reason: str) -> None:
+    def _mark_missed(self, ws: _WindowState, steps: list[int], reason: str) -> None:
+        with self._lock:
+            ws.handled.update(steps)
+            ws.missed.update(steps)
         self._emit(
             AgentEvent(
                 EventKind.MISSED, ws.window.session_id, steps[0], reason, {"steps": list(steps)}
             )
         )
 
-    # -- collections --------------------------------------------------------------------
-    def open_collection(self, ws: _WindowState, scope: str, step: int) -> Collection:
+    # -- collections and tickets ----------------------------------------------------------
+    def open_collection(
+        self, ws: _WindowState, label: str, step: int, update_loop: bool = False
+    ) -> tuple[Collection, _Ticket]:
         info = self.info
         window = ws.window
+        backend = self._make_backend(window.tool, window.tool_config)
+        if not window.discrete:
+            schedule, by_mini_batch = continuous_schedule(backend.schedule), False
+        elif update_loop:
+            schedule, by_mini_batch = discrete_schedule(backend.schedule), True
+        else:
+            schedule, by_mini_batch = None, False
         stem = trace_stem(
             prefix=info.role,
-            scope=scope,
+            scope=label,
             step=step,
             rank=info.rank,
             world_size=info.world_size,
@@ -381,16 +389,24 @@ class Recorder:
             pid=os.getpid(),
             when=datetime.now(),
         )
-        backend = self._make_backend(window.tool, window.tool_config)
-        return backend.open(
-            CollectionSpec(Path(window.save_dir), stem, self._metadata(ws, scope, step))
+        spec = CollectionSpec(
+            save_dir=Path(window.save_dir),
+            stem=stem,
+            metadata=self._metadata(ws, label, step),
+            schedule=schedule,
+            name_mini_batches=by_mini_batch,
         )
+        collection = backend.open(spec)
+        ticket = _Ticket(ws, label, [] if not window.discrete else [step])
+        with self._lock:
+            ws.open_tickets += 1
+        return collection, ticket
 
     def _metadata(self, ws: _WindowState, scope: str, step: int) -> dict[str, Any]:
         from profd import __version__
 
         info = self.info
-        dist = {"rank": info.rank}
+        dist: dict[str, Any] = {"rank": info.rank}
         if info.world_size:
             dist["world_size"] = info.world_size
         return {
@@ -413,10 +429,31 @@ class Recorder:
             },
         }
 
-    def submit(self, ws: _WindowState, job: ExportJob) -> None:
+    def submit(self, ticket: _Ticket, outputs: list[Any]) -> None:
+        if not outputs:
+            return
+        window = ticket.ws.window
         with self._lock:
-            ws.pending_exports += 1
-        self._exporter.submit(job)
+            ticket.pending += len(outputs)
+        for output in outputs:
+            self._exporter.submit(
+                ExportJob(
+                    window.session_id,
+                    tuple(ticket.steps),
+                    ticket.label,
+                    window.tool,
+                    output,
+                    context=ticket,
+                )
+            )
+
+    def close_ticket(self, ticket: _Ticket, collection: Collection) -> None:
+        try:
+            outputs = collection.close()
+        finally:
+            ticket.closed = True
+        self.submit(ticket, outputs)
+        self._settle(ticket)
 
     def _close_scope(
         self, ws: _WindowState, leftover_reason: str = "the loop left the step group early"
@@ -425,25 +462,28 @@ class Recorder:
         ws.scope = None
         if self.active is scope:
             self.active = None
+        if isinstance(scope, _DiscreteScope):
+            if scope.current is not None and scope.ticket is not None:  # ended mid-stage
+                collection, ticket = scope.current, scope.ticket
+                scope.current = scope.ticket = None
+                self.close_ticket(ticket, collection)
+            with self._lock:
+                ws.handled.add(scope.step)
+            return
         if not isinstance(scope, _ContinuousScope):
             return
-        job = scope.close()
         leftover = [s for s in scope.group if s not in scope.done]
         with self._lock:
             ws.handled.update(scope.group)
-            ws.missed.update(leftover)
+        scope.close()
         if leftover:
-            self._emit_missed(ws, leftover, leftover_reason)
-        if job.steps:
-            self.submit(ws, job)
+            self._mark_missed(ws, leftover, leftover_reason)
 
     def _on_export_done(self, job: ExportJob, files: list[WrittenFile], error: str | None) -> None:
-        ws = self._windows.get(job.session_id)
+        ticket: _Ticket = job.context
         if error is not None:
             self._emit(
-                AgentEvent(
-                    EventKind.ERROR, job.session_id, job.steps[0], error, {"steps": list(job.steps)}
-                )
+                AgentEvent(EventKind.ERROR, job.session_id, None, error, {"steps": list(job.steps)})
             )
         for f in files:
             path = str(f.path)
@@ -459,17 +499,37 @@ class Recorder:
                         "steps": list(job.steps),
                         "scope": job.scope,
                         "tool": job.tool,
+                        "warnings": list(f.warnings),
                     },
                 )
             )
-        if ws is None:
-            return
         with self._lock:
-            ws.pending_exports -= 1
-            if error is None and files:
-                ws.recorded.update(job.steps)
-            else:
-                ws.failed = True
+            ticket.pending -= 1
+            ticket.files += len(files)
+            if error is not None:
+                ticket.errors.append(error)
+        self._settle(ticket)
+
+    def _settle(self, ticket: _Ticket) -> None:
+        """A closed collection whose files are all written: its steps are now resolved."""
+        ws = ticket.ws
+        with self._lock:
+            if ticket.settled or not ticket.closed or ticket.pending > 0:
+                return
+            ticket.settled = True
+            ws.open_tickets -= 1
+            if ticket.files:
+                ws.recorded.update(ticket.steps)
+        if not ticket.files and not ticket.errors and ticket.steps:
+            self._emit(
+                AgentEvent(
+                    EventKind.MISSED,
+                    ws.window.session_id,
+                    ticket.steps[0],
+                    f"{ticket.label}: the schedule saved no window in these steps",
+                    {"steps": list(ticket.steps)},
+                )
+            )
         self._maybe_done(ws)
 
     def _maybe_done(self, ws: _WindowState) -> None:
@@ -479,17 +539,16 @@ class Recorder:
             if not ws.collecting_sent:
                 ws.collecting_sent = True
                 self._emit(AgentEvent(EventKind.COLLECTING, ws.window.session_id))
-            if ws.pending_exports > 0:
+            if ws.open_tickets > 0:
                 return
             ws.done_sent = True
             sid = ws.window.session_id
             self._finished.add(sid)
             self._windows.pop(sid, None)
+            missed = sorted(set(ws.window.steps) - ws.recorded)
         self._emit(
             AgentEvent(
-                EventKind.PART_DONE,
-                sid,
-                data={"recorded": sorted(ws.recorded), "missed": sorted(ws.missed)},
+                EventKind.PART_DONE, sid, data={"recorded": sorted(ws.recorded), "missed": missed}
             )
         )
 
@@ -509,9 +568,9 @@ class Recorder:
         ws.scope = None
         if self.active is scope:
             self.active = None
-        if isinstance(scope, _ContinuousScope):
+        if scope is not None and scope.current is not None and scope.ticket is not None:
             try:
-                scope.collection.close()
+                self.close_ticket(scope.ticket, scope.current)
             except Exception:
                 pass
         self._emit(
@@ -524,9 +583,7 @@ class Recorder:
         )
         remaining = [s for s in ws.window.steps if s not in ws.handled]
         with self._lock:
-            ws.failed = True
             ws.handled.update(remaining)
-            ws.missed.update(remaining)
         self._maybe_done(ws)
 
     def _abandon(self, ws: _WindowState, reason: str) -> None:
@@ -537,10 +594,7 @@ class Recorder:
             return
         remaining = [s for s in ws.window.steps if s not in ws.handled]
         if remaining:
-            with self._lock:
-                ws.handled.update(remaining)
-                ws.missed.update(remaining)
-            self._emit_missed(ws, remaining, reason)
+            self._mark_missed(ws, remaining, reason)
         self._maybe_done(ws)
 
     def close(self, timeout: float) -> bool:

@@ -29,14 +29,24 @@ __all__ = [
 ]
 
 
-def backend_class(kind: ToolKind | str) -> type[Backend] | None:
-    """The class implementing ``kind``; ``None`` when profd has no implementation yet."""
-    kind = ToolKind(kind)  # raises ValueError naming the bad value
-    if kind is ToolKind.TORCH:
-        from profd.backends.torch_backend import TorchBackend
+_CLASSES = {
+    ToolKind.TORCH: ("profd.backends.torch_backend", "TorchBackend"),
+    ToolKind.TORCH_MEMORY: ("profd.backends.torch_memory", "TorchMemoryBackend"),
+    ToolKind.NSYS: ("profd.backends.nsys", "NsysBackend"),
+    ToolKind.NPU: ("profd.backends.npu", "NpuBackend"),
+    ToolKind.PY_SPY: ("profd.backends.py_spy", "PySpyBackend"),
+}
 
-        return TorchBackend
-    return None
+
+def backend_class(kind: ToolKind | str) -> type[Backend] | None:
+    """The class implementing ``kind`` (imported on first use); ``None`` when profd has no
+    implementation of it."""
+    import importlib
+
+    entry = _CLASSES.get(ToolKind(kind))  # ToolKind() raises ValueError naming a bad value
+    if entry is None:
+        return None
+    return getattr(importlib.import_module(entry[0]), entry[1])
 
 
 def make_backend(kind: ToolKind | str, options: dict[str, Any]) -> Backend:

@@ -12,7 +12,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,8 +41,10 @@ class CollectionSpec:
     stem: str
     #: Written inside the trace: ``distributedInfo`` and profd's own keys.
     metadata: Mapping[str, Any]
-    #: The session tool's options for this role, as plain data.
-    options: Mapping[str, Any] = field(default_factory=dict)
+    #: Mini-batch schedule (already resolved for the mode), or ``None`` for whole windows.
+    schedule: Mapping[str, int] | None = None
+    #: Name saved windows by their mini-batches (discrete update stages).
+    name_mini_batches: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,8 @@ class WrittenFile:
     bytes: int
     #: Suffix used in the name (``""``, ``_mb3-4``, ``_part1``).
     suffix: str = ""
+    #: Things the user should know about this file (reported in the session).
+    warnings: tuple[str, ...] = ()
 
 
 class PendingOutput(ABC):
@@ -71,9 +75,13 @@ class Collection(ABC):
     def step(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Advance the mini-batch schedule (no-op for backends without one)."""
 
+    def take_ready(self) -> list[PendingOutput]:
+        """Windows the backend finished while the collection stays open (schedules)."""
+        return []
+
     @abstractmethod
-    def close(self) -> PendingOutput:
-        """Stop recording and hand over what must be written."""
+    def close(self) -> list[PendingOutput]:
+        """Stop recording and hand over what is left to write."""
 
 
 class Backend(ABC):
@@ -83,6 +91,11 @@ class Backend(ABC):
     @abstractmethod
     def unavailable_reason(cls) -> str | None:
         """``None`` when this backend can run in this process, else why it cannot."""
+
+    @property
+    def schedule(self) -> Mapping[str, int] | None:
+        """The configured mini-batch schedule, if the backend has one."""
+        return None
 
     @abstractmethod
     def open(self, spec: CollectionSpec) -> Collection:
@@ -95,8 +108,8 @@ class _NoopOutput(PendingOutput):
 
 
 class _NoopCollection(Collection):
-    def close(self) -> PendingOutput:
-        return _NoopOutput()
+    def close(self) -> list[PendingOutput]:
+        return [_NoopOutput()]
 
 
 class NoopBackend(Backend):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -29,6 +31,7 @@ from profd.backends.base import (
 )
 from profd.config import ToolKind, TorchToolConfig
 from profd.files import TRACE_EXT, gzip_file, publish_unique, temp_path
+from profd.schedule import window_suffix
 
 __all__ = ["TorchBackend", "torch_profiler_kwargs"]
 
@@ -60,11 +63,31 @@ def _distributed_info_present() -> bool:
         return False
 
 
+#: Kineto categories of events recorded on the device (not launches seen from the CPU).
+DEVICE_EVENTS = re.compile(rb'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
+NO_DEVICE_EVENTS = (
+    "asked for CUDA activity but the trace holds no device events (CUPTI taken by another "
+    "subscriber? check NVTX_INJECTION64_PATH and other profilers in the process)"
+)
+
+
+def _quiet(fn: Any, **kwargs: Any) -> Any:
+    """Call a torch.profiler constructor without its schedule warnings ("won't be using
+    warmup", "clears events at the end of each cycle"): profd exports every window on its
+    own and a schedule without warmup is the user's explicit choice."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(warmup|clears events).*")
+        return fn(**kwargs)
+
+
 class _TorchOutput(PendingOutput):
-    def __init__(self, prof: Any, spec: CollectionSpec, suffix: str = "") -> None:
-        self._prof = prof
+    """One saved window: the autograd profile of that window and its file name suffix."""
+
+    def __init__(self, window: Any, spec: CollectionSpec, suffix: str, expect_device: bool) -> None:
+        self._window = window
         self._spec = spec
         self._suffix = suffix
+        self._expect_device = expect_device
 
     def write(self) -> list[WrittenFile]:
         spec = self._spec
@@ -72,31 +95,79 @@ class _TorchOutput(PendingOutput):
         raw = temp_path(spec.save_dir, spec.stem, ".json")
         packed = temp_path(spec.save_dir, spec.stem, TRACE_EXT)
         try:
-            self._prof.export_chrome_trace(str(raw))
-            gzip_file(raw, packed)
+            self._window.export_chrome_trace(str(raw))
+            has_device = gzip_file(raw, packed, find=DEVICE_EVENTS if self._expect_device else None)
             final = publish_unique(packed, spec.save_dir, spec.stem, self._suffix)
         finally:
             raw.unlink(missing_ok=True)
             packed.unlink(missing_ok=True)
-            self._prof = None  # free the events as soon as they are on disk
+            self._window = None  # free the events as soon as they are on disk
         suffix = final.name[len(spec.stem) : -len(TRACE_EXT)]
-        return [WrittenFile(path=final, bytes=final.stat().st_size, suffix=suffix)]
+        warnings = (NO_DEVICE_EVENTS,) if self._expect_device and not has_device else ()
+        return [WrittenFile(final, final.stat().st_size, suffix, warnings)]
 
 
 class _TorchCollection(Collection):
-    def __init__(self, prof: Any, spec: CollectionSpec) -> None:
-        self._prof = prof
-        self._spec = spec
-        from torch.profiler import record_function
+    """A torch.profiler run; with a schedule it may save several windows while open."""
 
-        self._record_function = record_function
+    def __init__(self, spec: CollectionSpec, kwargs: dict[str, Any]) -> None:
+        import torch.profiler as tp
+
+        self._spec = spec
+        self._record_function = tp.record_function
+        self._ready: list[PendingOutput] = []
+        self._saves = 0
+        self._last_saved_step: int | None = None
+        sched = spec.schedule
+        if sched is not None:
+            kwargs["schedule"] = _quiet(
+                tp.schedule,
+                wait=sched["wait"],
+                warmup=sched["warmup"],
+                active=sched["active"],
+                repeat=sched["repeat"],
+                skip_first=sched["skip_first"],
+            )
+        self._expect_device = tp.ProfilerActivity.CUDA in kwargs["activities"]
+        self._prof = _quiet(tp.profile, on_trace_ready=self._on_trace_ready, **kwargs)
+        self._prof.record_steps = False  # no ProfilerStep#N rows
+        for key, value in spec.metadata.items():
+            if key == "distributedInfo" and _distributed_info_present():
+                continue
+            # preset: torch adds it to every window it starts, not only the first
+            self._prof.preset_metadata_json(key, json.dumps(value))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(warmup|clears events).*")
+            self._prof.start()
+
+    def _on_trace_ready(self, prof: Any) -> None:
+        """Runs inside torch's step()/stop(): only capture the window; export comes later."""
+        step_num = int(prof.step_num)
+        suffix = window_suffix(
+            step_num,
+            self._last_saved_step,
+            self._saves,
+            self._spec.schedule,
+            self._spec.name_mini_batches,
+        )
+        self._ready.append(_TorchOutput(prof.profiler, self._spec, suffix, self._expect_device))
+        self._saves += 1
+        self._last_saved_step = step_num
 
     def annotate(self, label: str) -> AbstractContextManager[Any]:
         return self._record_function(label)
 
-    def close(self) -> PendingOutput:
+    def step(self) -> None:
+        self._prof.step()
+
+    def take_ready(self) -> list[PendingOutput]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def close(self) -> list[PendingOutput]:
+        # torch saves a window cut short in RECORD on stop() (the partial-window flush).
         self._prof.stop()
-        return _TorchOutput(self._prof, self._spec)
+        return self.take_ready()
 
 
 class TorchBackend(Backend):
@@ -116,23 +187,16 @@ class TorchBackend(Backend):
             return f"torch.profiler cannot be imported: {exc}"
         return None
 
+    @property
+    def schedule(self) -> dict[str, int] | None:
+        sched = self.options.schedule
+        return sched.model_dump() if sched is not None else None
+
     def open(self, spec: CollectionSpec) -> Collection:
         import torch
-        from torch.profiler import profile
 
         kwargs = torch_profiler_kwargs(self.options, torch.cuda.is_available())
-        prof = profile(**kwargs)
-        prof.record_steps = False  # no ProfilerStep#N rows
-        prof.start()
-        try:
-            for key, value in spec.metadata.items():
-                if key == "distributedInfo" and _distributed_info_present():
-                    continue
-                prof.add_metadata_json(key, json.dumps(value))
-        except Exception:
-            prof.stop()
-            raise
-        return _TorchCollection(prof, spec)
+        return _TorchCollection(spec, kwargs)
 
 
 def read_trace(path: Path) -> dict[str, Any]:

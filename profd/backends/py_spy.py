@@ -1,0 +1,116 @@
+"""The ``py_spy`` backend: sample the worker process for the window (speedscope output).
+
+Beyond the reference: for Python-bound stages (agent loops, reward functions, data
+preparation) a sampling profile says more than an operator trace. A window starts
+``py-spy record`` on this process (non-blocking, so the worker is never paused) and stops it
+with SIGINT when the window closes; py-spy then writes the profile, which the exporter thread
+waits for and publishes as ``<stem>.speedscope.json`` (open it at https://www.speedscope.app).
+
+py-spy ships with ``ray[default]``; without it, or without permission to trace the process,
+the tool is refused for the agent with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
+from profd.config import PySpyToolConfig, ToolKind
+from profd.files import publish_unique, temp_path
+
+__all__ = ["PySpyBackend", "find_py_spy", "py_spy_command"]
+
+log = logging.getLogger(__name__)
+
+EXT = ".speedscope.json"
+#: How long py-spy may take to write its profile after SIGINT.
+WRITE_TIMEOUT_S = 120.0
+
+
+def find_py_spy() -> str | None:
+    beside = Path(sys.executable).with_name("py-spy")
+    if beside.exists():
+        return str(beside)
+    return shutil.which("py-spy")
+
+
+def py_spy_command(exe: str, pid: int, output: Path, options: PySpyToolConfig) -> list[str]:
+    cmd = [
+        exe, "record", "--pid", str(pid), "--rate", str(options.rate_hz),
+        "--format", "speedscope", "--output", str(output), "--nonblocking",
+    ]  # fmt: skip
+    if options.native:
+        cmd.append("--native")
+    if options.gil_only:
+        cmd.append("--gil")
+    if options.idle:
+        cmd.append("--idle")
+    return cmd
+
+
+class _PySpyOutput(PendingOutput):
+    def __init__(self, proc: subprocess.Popen, tmp: Path, spec: CollectionSpec) -> None:
+        self._proc = proc
+        self._tmp = tmp
+        self._spec = spec
+
+    def write(self) -> list[WrittenFile]:
+        try:
+            _, err = self._proc.communicate(timeout=WRITE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"py-spy did not finish within {WRITE_TIMEOUT_S:.0f} s") from None
+        if not self._tmp.exists() or self._tmp.stat().st_size == 0:
+            msg = (err or b"").decode(errors="replace").strip()[-500:]
+            raise RuntimeError(f"py-spy wrote no profile (exit {self._proc.returncode}): {msg}")
+        final = publish_unique(self._tmp, self._spec.save_dir, self._spec.stem, "", EXT)
+        return [WrittenFile(final, final.stat().st_size)]
+
+
+class _PySpyCollection(Collection):
+    def __init__(self, exe: str, spec: CollectionSpec, options: PySpyToolConfig) -> None:
+        spec.save_dir.mkdir(parents=True, exist_ok=True)
+        self._spec = spec
+        self._tmp = temp_path(spec.save_dir, spec.stem, EXT)
+        cmd = py_spy_command(exe, os.getpid(), self._tmp, options)
+        self._started = time.monotonic()
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+
+    def close(self) -> list[PendingOutput]:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        return [_PySpyOutput(self._proc, self._tmp, self._spec)]
+
+
+class PySpyBackend(Backend):
+    kind = ToolKind.PY_SPY
+
+    def __init__(self, options: Mapping[str, Any] | PySpyToolConfig | None = None) -> None:
+        if isinstance(options, PySpyToolConfig):
+            self.options = options
+        else:
+            self.options = PySpyToolConfig.model_validate(dict(options or {}))
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if find_py_spy() is None:
+            return "py-spy is not installed (it comes with ray[default])"
+        return None
+
+    def open(self, spec: CollectionSpec) -> Collection:
+        exe = find_py_spy()
+        if exe is None:
+            raise RuntimeError("py-spy is not installed")
+        return _PySpyCollection(exe, spec, self.options)
