@@ -72,6 +72,9 @@ class ProfileCoordinator:
         self._traces: dict[str, TraceView] = {}
         self._align_waiters: list[tuple[set[str], asyncio.Event]] = []
         self._ticker: asyncio.Task | None = None
+        #: Last step announced by a single-controller driver, and when.
+        self._controller_step: int | None = None
+        self._controller_seen = 0.0
 
     # -- agents -------------------------------------------------------------------------
     async def register(self, info: AgentInfo, step: int | None) -> Registration:
@@ -80,6 +83,7 @@ class ProfileCoordinator:
         self._registry.upsert(info, now, step)
         self._plans.ensure(info.agent_id)
         log.info("agent %s registered (role %s rank %s)", info.agent_id, info.role, info.rank)
+        self._adopt(info)
         return Registration(self._plans.plan(info.agent_id), self.settings.poll_timeout_s)
 
     async def poll(
@@ -144,6 +148,35 @@ class ProfileCoordinator:
         )
         self._traces[view.trace_id] = view
 
+    # -- single-controller drivers ---------------------------------------------------------
+    async def controller_step(self, step: int, timeout: float = 10.0) -> dict[str, Any]:
+        """A driver starts step ``step``: every agent of a live session learns it before this
+        returns (or ``timeout`` passes; the slow agents are named). Cheap when nothing is
+        being profiled: no agent is contacted."""
+        self._ensure_ticker()
+        self._controller_step = step
+        self._controller_seen = self._clock()
+        targets = {
+            aid
+            for s in self._live_sessions()
+            if s.steps is not None
+            for aid, part in s.targets.items()
+            if not part.state.is_terminal
+        }
+        if not targets:
+            return {"step": step, "agents": 0, "slow": []}
+        versions = {aid: self._plans.set_controller_step(aid, step) for aid in targets}
+        slow = await self._plans.wait_delivered(versions, timeout)
+        if slow:
+            log.warning(
+                "controller step %s: %d agent(s) did not confirm in %.0f s: %s",
+                step,
+                len(slow),
+                timeout,
+                ", ".join(slow),
+            )
+        return {"step": step, "agents": len(targets), "slow": slow}
+
     # -- sessions -----------------------------------------------------------------------
     async def create_session(self, request: dict | SessionRequest) -> SessionView:
         self._ensure_ticker()
@@ -160,7 +193,7 @@ class ProfileCoordinator:
                 "finish_hook_cmd", "finish hooks are not available in this profd build yet"
             )
         targeting = resolve_targets(req, [r.info for r in self._registry.alive()])
-        if not targeting.targets:
+        if not targeting.targets and not req.wait_for_agents:
             detail = "; ".join(
                 f"{i.role}{'' if i.rank is None else f' rank {i.rank}'}: {i.reason}"
                 for i in targeting.ignored
@@ -172,6 +205,7 @@ class ProfileCoordinator:
         if req.steps is not None:
             self._check_reachable(req.steps, targeting.targets)
         session = self._new_session(req, targeting)
+        session.open_targeting = req.wait_for_agents
         if req.steps is not None:
             session.resolve_steps(req.steps)
         else:
@@ -271,8 +305,28 @@ class ProfileCoordinator:
             self._align_waiters.remove(waiter)
         steps = [self._registry.get(a).current_step for a in session.targets]  # type: ignore[union-attr]
         known = [s for s in steps if s is not None]
+        if self._controller_step is not None:  # a driver announces steps: it is authoritative
+            known.append(self._controller_step)
         first = (max(known) + 1 if known else 0) + self.settings.align_lead_steps
         session.resolve_steps(tuple(range(first, first + count)))
+
+    def _adopt(self, info: AgentInfo) -> None:
+        """Add a newly registered agent to launch-time sessions whose window has not begun."""
+        for s in self._live_sessions():
+            if not s.open_targeting or info.agent_id in s.targets:
+                continue
+            t = resolve_targets(s.request, [info])
+            if not t.targets:
+                continue
+            try:
+                self._check_conflicts(t.targets)
+            except ConflictError as exc:
+                s.warnings.append(f"{info.role} rank {info.rank} not adopted: {exc.message}")
+                continue
+            target = t.targets[0]
+            s.targets[info.agent_id] = Part(info.agent_id, info.role, info.rank, target.block_key)
+            self._publish([info.agent_id])
+            log.info("session %s adopted %s rank %s", s.session_id, info.role, info.rank)
 
     def _note_fresh_step(self, agent_id: str) -> None:
         for pending, done in self._align_waiters:
@@ -334,9 +388,13 @@ class ProfileCoordinator:
             self._plans.set(aid, windows)
 
     def _advance(self, s: Session) -> None:
-        was_live = s.is_live
+        was_live, was_open = s.is_live, s.open_targeting
         while s.advance(self._clock()) is not None:
             pass
+        if was_open and not s.open_targeting:
+            # A launch-time session's window began: report what never showed up.
+            found = resolve_targets(s.request, [r.info for r in self._registry.alive()])
+            s.ignored = [i for i in found.ignored]
         if was_live and not s.is_live:
             log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
         self._publish([aid for aid, p in s.targets.items() if p.state.is_terminal or not s.is_live])

@@ -15,6 +15,9 @@ __all__ = ["PlanBook"]
 class _Entry:
     plan: AgentPlan
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The plan version the agent last said it holds (from its polls).
+    delivered: int = 0
+    acked: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PlanBook:
@@ -43,10 +46,43 @@ class PlanBook:
         entry = self._entries.setdefault(agent_id, _Entry(AgentPlan(version=0)))
         if entry.plan.windows == windows:
             return False
-        self._version += 1
-        entry.plan = AgentPlan(version=self._version, windows=windows)
-        self.wake(agent_id)
+        self._install(agent_id, entry, windows, entry.plan.controller_step)
         return True
+
+    def set_controller_step(self, agent_id: str, step: int) -> int:
+        """Announce a controller step to an agent; return the plan version that carries it."""
+        entry = self._entries.setdefault(agent_id, _Entry(AgentPlan(version=0)))
+        if entry.plan.controller_step != step:
+            self._install(agent_id, entry, entry.plan.windows, step)
+        return entry.plan.version
+
+    def _install(
+        self, agent_id: str, entry: _Entry, windows: tuple[WindowPlan, ...], step: int | None
+    ) -> None:
+        self._version += 1
+        entry.plan = AgentPlan(version=self._version, windows=windows, controller_step=step)
+        self.wake(agent_id)
+
+    async def wait_delivered(self, versions: dict[str, int], timeout: float) -> list[str]:
+        """Wait until every agent holds at least its version; return the ones that do not."""
+        deadline = time.monotonic() + timeout
+        pending = dict(versions)
+        while pending:
+            pending = {
+                a: v
+                for a, v in pending.items()
+                if a in self._entries and self._entries[a].delivered < v
+            }
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            waits = [asyncio.ensure_future(self._entries[a].acked.wait()) for a in pending]
+            _done, rest = await asyncio.wait(
+                waits, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            for w in rest:
+                w.cancel()
+        return sorted(pending)
 
     def wake(self, agent_id: str) -> None:
         entry = self._entries.get(agent_id)
@@ -59,6 +95,10 @@ class PlanBook:
         entry = self._entries.get(agent_id)
         if entry is None:
             return None
+        if known_version != entry.delivered:
+            entry.delivered = known_version
+            entry.acked.set()
+            entry.acked = asyncio.Event()
         if entry.plan.version != known_version:
             return entry.plan
         if timeout > 0:

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["ProfilerAgent", "SessionRequest", "__version__", "attach"]
+__all__ = [
+    "ProfilerAgent",
+    "SessionRequest",
+    "__version__",
+    "attach",
+    "controller",
+    "start_session",
+]
 
 if TYPE_CHECKING:
     from profd.agent import ProfilerAgent
@@ -36,6 +43,20 @@ def attach(
     from profd.agent import attach as _attach
 
     return _attach(role, rank, world_size, topology, **kwargs)
+
+
+def controller() -> Any:
+    """The single-controller driver's handle: ``with profd.controller().step(n): ...``."""
+    from profd.single_controller import controller as _controller
+
+    return _controller()
+
+
+def start_session(config: Any, **kwargs: Any) -> Any:
+    """Declare a session at job start (verl or profd layout); see :mod:`profd.launch`."""
+    from profd.launch import start_session as _start
+
+    return _start(config, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -263,6 +263,11 @@ class SessionRequest(GlobalProfilerConfig):
     roles: dict[RoleName, RoleProfilerConfig] = Field(
         default_factory=dict, description="Role name (or '*') to its profiling block."
     )
+    wait_for_agents: StrictBool = Field(
+        False,
+        description="Launch-time sessions: also target matching agents that register later, "
+        "until the window begins (needs explicit steps).",
+    )
 
     @model_validator(mode="after")
     def _one_window(self) -> SessionRequest:
@@ -272,6 +277,8 @@ class SessionRequest(GlobalProfilerConfig):
                 "steps: give exactly one of `steps` or `next_steps`"
                 + (f" (got {', '.join(given)})" if given else "")
             )
+        if self.wait_for_agents and self.steps is None:
+            raise ValueError("wait_for_agents: needs explicit `steps` (no agent to align with)")
         return self
 
 

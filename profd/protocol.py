@@ -60,6 +60,9 @@ class WindowPlan:
 class AgentPlan:
     version: int
     windows: tuple[WindowPlan, ...] = ()
+    #: The step a single-controller driver announced (``profd.controller().step(n)``);
+    #: agents whose workers never call ``step()`` follow it.
+    controller_step: int | None = None
 
 
 EMPTY_PLAN = AgentPlan(version=0)

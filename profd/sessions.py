@@ -61,6 +61,8 @@ class Session:
     cancel_reason: str | None = None
     #: Things the user should know that do not change the state (no device events, ...).
     warnings: list[str] = field(default_factory=list)
+    #: Launch-time sessions adopt agents that register later, until recording starts.
+    open_targeting: bool = False
     history: list[tuple[float, SessionState, str]] = field(default_factory=list)
 
     @property
@@ -160,12 +162,17 @@ class Session:
             if self.steps is None:
                 return None
             return self._to(SessionState.ARMED, f"waiting for step {self.steps[0]}", now)
+        if not parts:  # only launch-time sessions exist without targets
+            if self.state is SessionState.ARMED and "agents" not in self.reason:
+                self.reason = "waiting for agents to register"
+            return None
         if all(p.state.is_terminal for p in parts):
             return self._finish(parts, now)
         started = any(
             p.recorded or p.state not in (PartState.PENDING, PartState.ARMED) for p in parts
         )
         if self.state is SessionState.ARMED and started:
+            self.open_targeting = False  # the window began: late agents cannot join any more
             return self._to(SessionState.RECORDING, "recording", now)
         still_recording = any(
             p.state in (PartState.PENDING, PartState.ARMED, PartState.RECORDING) for p in parts

@@ -180,3 +180,116 @@ def test_demo_runs_against_an_existing_cluster(ray_session, tmp_path, monkeypatc
         assert Path(t["path"]).is_file() and t["file_name"] in text
         assert Path(t["path"]).parent.parent == tmp_path / "out"
     assert "ui.perfetto.dev" in text
+
+
+def test_single_controller_driver_announces_steps(ray_coordinator) -> None:
+    """verl style: the driver marks the step, workers only mark stages."""
+    import ray
+
+    import profd
+    from profd.single_controller import Controller
+
+    ws = workers([("actor_rollout_ref", 0, 2), ("actor_rollout_ref", 1, 2)])
+    try:
+        wait_until(lambda: len(ray.get(ray_coordinator.list_agents.remote())) == 2, 30)
+        ctl = Controller()
+        with ctl.step(1):
+            ray.get([w.work.remote() for w in ws])
+        assert ctl.last_reply == {"step": 1, "agents": 0, "slow": []}  # idle: nobody contacted
+        view = ray.get(
+            ray_coordinator.create_session.remote(
+                {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}}
+            )
+        )
+        assert view.steps == [3]  # the driver's step 1, +1 reachable, +1 lead
+        for step in range(2, 6):
+            with ctl.step(step):
+                ray.get([w.work.remote() for w in ws])
+            if step in (3, 4):  # the window is open until step 4 begins on the workers
+                assert ctl.last_reply["agents"] == 2 and ctl.last_reply["slow"] == []
+        assert ray.get([w.close.remote() for w in ws]) == [True, True]
+        view = wait_until(
+            lambda: (
+                (
+                    v := ray.get(ray_coordinator.get_session.remote(view.session_id))
+                ).state.is_terminal
+                and v
+            ),
+            30,
+        )
+    finally:
+        for w in ws:
+            ray.kill(w)
+    assert view.state.value == "done", view.reason
+    assert sorted(t.rank for t in view.traces) == [0, 1]
+    for t in view.traces:
+        assert t.steps == [3]
+        names = [
+            e["name"]
+            for e in read_trace(t.path)["traceEvents"]
+            if e.get("cat") == "user_annotation"
+        ]
+        assert names.count("step3") == 1 and "step4" not in names
+        assert {"generate_sequences", "compute_log_prob", "update_actor", "mini_batch1"} <= set(
+            names
+        )
+        assert names.count("update_actor") == 1  # only step 3's stages
+    assert profd.controller() is profd.controller()
+
+
+VERL_CONFIG = {
+    "global_profiler": {"tool": "torch", "steps": [3], "save_path": None},
+    "actor_rollout_ref": {
+        "actor": {
+            "profiler": {
+                "enable": True,
+                "ranks": [0, 8],
+                "tool_config": {"torch": {"contents": ["cpu"], "discrete": False}},
+            }
+        },
+        "ref": {"profiler": {"enable": False}},
+    },
+    "critic": {"profiler": {"enable": True, "all_ranks": True}},
+}
+
+
+def test_launch_time_verl_config_adopts_workers_as_they_start(ray_coordinator) -> None:
+    """A verl config given at job start becomes a session that workers join on attach."""
+    import ray
+
+    import profd
+    from profd.demo.workload import StepBudget
+
+    view = profd.start_session(VERL_CONFIG)
+    assert view.state.value == "armed" and view.targets == [] and view.steps == [3]
+    ws = workers([("actor_rollout_ref", 0, 2), ("actor_rollout_ref", 1, 2), ("critic", 0, 1)])
+    try:
+
+        def adopted() -> Any:
+            v = ray.get(ray_coordinator.get_session.remote(view.session_id))
+            return v if len(v.targets) == 2 else None
+
+        v = wait_until(adopted, 30, what="adoption")
+        assert sorted((t.role, t.rank, t.role_block) for t in v.targets) == [
+            ("actor_rollout_ref", 0, "actor"),
+            ("critic", 0, "critic"),
+        ]
+        budget = ray.remote(StepBudget).options(num_cpus=0).remote()
+        ray.get([w.run.remote(5, 0.2, 1, budget) for w in ws], timeout=120)
+    finally:
+        for w in ws:
+            ray.kill(w)
+    view = wait_until(
+        lambda: (
+            (v := ray.get(ray_coordinator.get_session.remote(view.session_id))).state.is_terminal
+            and v
+        ),
+        30,
+    )
+    assert view.state.value == "done", view.reason
+    assert sorted((t.role, t.rank, t.steps[0]) for t in view.traces) == [
+        ("actor_rollout_ref", 0, 3),
+        ("critic", 0, 3),
+    ]
+    reasons = {(i.role, i.rank): i.reason for i in view.ignored}
+    assert "out of range (world_size 2)" in reasons[("actor_rollout_ref", 8)]

@@ -49,6 +49,7 @@ class _StepMark:
         agent = self._agent
         step = agent._next_step
         agent._current_step = step
+        agent._spmd = True
         armed = agent._armed
         if armed.plan.windows or agent._recorder.has_windows:
             agent._enter_step(step, armed)
@@ -111,6 +112,10 @@ class ProfilerAgent:
         self._current_step: int | None = None
         self._armed: ArmedPlan = IDLE
         self._step_mark = _StepMark(self)
+        #: Single-controller jobs: the step the driver announced, and the one followed.
+        self._spmd = False
+        self._announced: int | None = None
+        self._followed: int | None = None
         self._closed = False
         self._recorder = Recorder(self.info, self._emit, backend_factory)
         self._channel: Channel | None = None
@@ -147,6 +152,8 @@ class ProfilerAgent:
             return True
         self._closed = True
         ok = True
+        if not self._spmd and self._current_step is not None and self._recorder.has_windows:
+            self._exit_step(self._current_step)  # the driver's last step is over
         try:
             ok = self._recorder.close(timeout)
         except Exception:
@@ -203,7 +210,11 @@ class ProfilerAgent:
         """Mark a stage. The label is ``name``, or ``f"{role}_{name}"`` when ``role`` is given.
 
         ``update_loop=True`` marks the stage whose mini-batches drive the torch schedule.
+        In single-controller jobs the first stage of a new step is where the agent moves to the
+        step the driver announced.
         """
+        if self._announced != self._followed:
+            self._follow_controller()
         scope = self._recorder.active
         if scope is None:
             return NULL_RANGE
@@ -232,9 +243,25 @@ class ProfilerAgent:
         """Poller thread: publish a plan snapshot and acknowledge new windows."""
         old = {w.session_id for w in self._armed.plan.windows}
         self._armed = ArmedPlan(plan, self._current_step)
+        if plan.controller_step is not None:
+            self._announced = plan.controller_step
         for w in plan.windows:
             if w.session_id not in old:
                 self._emit(AgentEvent(EventKind.ARMED, w.session_id, self._current_step))
+
+    def _follow_controller(self) -> None:
+        """Training thread: leave the previous step and enter the one the driver announced."""
+        step = self._announced
+        self._followed = step
+        if self._spmd or step is None or step == self._current_step:
+            return
+        previous = self._current_step
+        if previous is not None and self._recorder.has_windows:
+            self._exit_step(previous)
+        self._current_step = step
+        armed = self._armed
+        if armed.plan.windows or self._recorder.has_windows:
+            self._enter_step(step, armed)
 
     def _enter_step(self, step: int | None, armed: ArmedPlan) -> None:
         if step is None:

@@ -122,6 +122,15 @@ class DemoWorker:
         with agent.stage("update_critic", update_loop=True):
             return self._update(tokens, returns)
 
+    # -- single-controller style ------------------------------------------------------------
+    def work(self) -> float:
+        """One step's stages, called by a driver that marks the step itself
+        (``profd.controller().step(n)``); the worker never calls ``agent.step``."""
+        return self._critic_step() if self.role == "critic" else self._actor_step()
+
+    def close(self) -> bool:
+        return self.agent.close(timeout=120)
+
     # -- loop -----------------------------------------------------------------------------
     def run(
         self,

@@ -1,0 +1,63 @@
+"""Launch-time profiling: a session declared when the job starts, from the driver.
+
+A verl user passes their config unchanged (``global_profiler`` + ``<role>.profiler``, as a
+dict, an OmegaConf container or a YAML path); profd's own request layout works too::
+
+    ray.init(...)
+    profd.start_session(OmegaConf.to_container(config, resolve=True))
+    # ... create workers (they call profd.attach) and train
+
+The session waits for agents: each worker that registers and matches a role block joins it,
+until the window's first step begins. When no coordinator runs yet (no ``profd up``), one is
+started for this job and lives as long as the driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from profd.config import SessionRequest
+from profd.views import SessionView
+
+__all__ = ["load_request", "start_session"]
+
+_OWNED: list[Any] = []
+
+
+def load_request(config: Mapping[str, Any] | SessionRequest | str | Path) -> SessionRequest:
+    """A :class:`SessionRequest` from a verl or profd config (mapping, model or YAML path)."""
+    from profd.verl_compat import looks_like_verl, request_from_verl
+
+    if isinstance(config, SessionRequest):
+        return config
+    if isinstance(config, str | Path):
+        config = yaml.safe_load(Path(config).read_text()) or {}
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config: expected a mapping or a YAML path, got {type(config).__name__}")
+    if looks_like_verl(config):
+        return request_from_verl(config)
+    return SessionRequest.model_validate(dict(config))
+
+
+def start_session(
+    config: Mapping[str, Any] | SessionRequest | str | Path, *, timeout: float = 60.0
+) -> SessionView:
+    """Create a launch-time session (``wait_for_agents``) on this job's coordinator."""
+    import ray
+
+    from profd.actors import get_coordinator, get_or_create_coordinator
+    from profd.settings import ProfdSettings
+
+    request = load_request(config).model_copy(update={"wait_for_agents": True})
+    SessionRequest.model_validate(request.model_dump())  # the copy must still be valid
+    if not ray.is_initialized():
+        raise RuntimeError("profd.start_session() needs Ray: call it after ray.init()")
+    handle = get_coordinator()
+    if handle is None:
+        handle, _ = get_or_create_coordinator(ProfdSettings().coordinator(), detached=False)
+        _OWNED.append(handle)  # a non-detached actor lives only while referenced
+    return ray.get(handle.create_session.remote(request), timeout=timeout)
