@@ -257,3 +257,38 @@ def test_second_session_on_busy_targets_is_refused(local_coordinator) -> None:
     with pytest.raises(ConflictError, match=first.session_id):
         owner.call("create_session", {"steps": [6]})
     agent.close()
+
+
+def test_colocated_roles_share_one_collection_named_by_the_combined_role(
+    local_coordinator,
+) -> None:
+    import profd
+
+    owner = local_coordinator
+    actor = profd.attach("actor", 0, 2, find_link=owner.link)
+    ref = profd.attach("ref", 0, find_link=owner.link)
+    assert profd.attach("ref", 0) is ref and profd.attach("actor", 0) is actor
+    with pytest.raises(ValueError, match="rank: this process is already attached"):
+        profd.attach("critic", 1)
+    wait_until(
+        lambda: [a.role for a in owner.call("list_agents")] == ["actor_ref"], 15, what="re-reg"
+    )
+    with actor.step(0):
+        pass
+    view = owner.call("create_session", {"steps": [1], "roles": {"ref": {}}})
+    assert [(t.role, t.role_block) for t in view.targets] == [("actor_ref", "ref")]
+    wait_armed(actor, view.session_id)
+    for s in (1, 2):
+        with actor.step(s):
+            with actor.stage("compute_log_prob"):
+                MODEL(torch.randn(2, 16))
+            with ref.stage("compute_log_prob"):
+                MODEL(torch.randn(2, 16))
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    (trace,) = view.traces
+    assert trace.file_name.startswith("actor-ref_train_step1_rank0-of-2_")
+    names = user_ranges(read_trace(trace.path))
+    assert "compute_log_prob" in names and "ref_compute_log_prob" in names
+    ref.close()
+    assert not actor.connected or actor._closed

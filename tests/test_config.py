@@ -49,6 +49,7 @@ def test_exactly_one_window_kind() -> None:
         ({"steps": [-1]}, "steps.0", "greater than or equal to 0"),
         ({"steps": [True]}, "steps.0", "valid integer"),
         ({"next_steps": 0}, "next_steps", "greater than 0"),
+        ({"next_steps": 2, "wait_for_agents": True}, "wait_for_agents", "explicit `steps`"),
         ({"next_steps": 1, "tool": "gpu"}, "tool", "'torch'"),
         ({"next_steps": 1, "bogus": 1}, "bogus", "Extra inputs"),
         ({"next_steps": 1, "finish_hook_cmd": "  "}, "finish_hook_cmd", "non-empty"),
@@ -62,6 +63,16 @@ def test_exactly_one_window_kind() -> None:
         ({"next_steps": 1, "roles": {"actor": {"enable": "yes"}}}, "roles.actor.enable", "bool"),
         ({"next_steps": 1, "roles": {"actor": {"rank": [0]}}}, "roles.actor.rank", "Extra"),
         ({"next_steps": 1, "roles": {"bad role!": {}}}, "roles.bad role!", "pattern"),
+        (
+            {"next_steps": 1, "roles": {"a": {"tool_config": {"py_spy": {"rate_hz": 0}}}}},
+            "roles.a.tool_config.py_spy.rate_hz",
+            "greater than or equal to 1",
+        ),
+        (
+            {"next_steps": 1, "roles": {"a": {"tool_config": {"nsys": {"settle_s": 0}}}}},
+            "roles.a.tool_config.nsys.settle_s",
+            "greater than 0",
+        ),
         (
             {"next_steps": 1, "roles": {"actor": {"tool_config": {"precision_debugger": {}}}}},
             "roles.actor.tool_config.precision_debugger",

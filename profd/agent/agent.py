@@ -12,11 +12,10 @@ it keeps looking for the coordinator in the background, so ``profd up`` can come
 
 from __future__ import annotations
 
-import atexit
+import dataclasses
 import logging
 import os
 import socket
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -29,12 +28,9 @@ from profd.naming import sanitize
 from profd.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
 
-__all__ = ["ProfilerAgent", "attach", "attached_agents"]
+__all__ = ["ProfilerAgent"]
 
 log = logging.getLogger(__name__)
-
-_AGENTS: dict[tuple[str, int], ProfilerAgent] = {}
-_AGENTS_LOCK = threading.Lock()
 
 
 class _StepMark:
@@ -121,6 +117,7 @@ class ProfilerAgent:
         self._channel: Channel | None = None
         self._find_link = find_link
         self._poll_timeout_s = poll_timeout_s
+        self._roles = [role]
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> ProfilerAgent:
@@ -164,10 +161,6 @@ class ProfilerAgent:
                 self._emit(AgentEvent(EventKind.CLOSED, None, self._current_step))
                 self._channel.flush(min(10.0, timeout))
             self._channel.stop()
-        with _AGENTS_LOCK:
-            key = (self.info.role, self.info.rank)
-            if _AGENTS.get(key) is self:
-                del _AGENTS[key]
         return ok
 
     def __enter__(self) -> ProfilerAgent:
@@ -176,6 +169,21 @@ class ProfilerAgent:
     def __exit__(self, *exc_info: Any) -> bool:
         self.close()
         return False
+
+    def add_role(self, role: str) -> None:
+        """Host another role in this process: one collection, named by the combined role
+        (``actor`` + ``ref`` → ``actor_ref``); the agent registers again under that name."""
+        if role in self._roles:
+            return
+        self._roles.append(role)
+        self.info = dataclasses.replace(self.info, role="_".join(self._roles))
+        self._recorder.info = self.info
+        if self._channel is not None:
+            self._channel.update_info(self.info)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(self._roles)
 
     # -- introspection --------------------------------------------------------------------
     @property
@@ -288,42 +296,3 @@ def _default_find_link() -> Callable[[], CoordinatorLink | None] | None:
     if not ray.is_initialized():
         return None
     return find_ray_link
-
-
-def attach(
-    role: str,
-    rank: int | None = None,
-    world_size: int | None = None,
-    topology: Mapping[str, int] | None = None,
-    **kwargs: Any,
-) -> ProfilerAgent:
-    """Create (or return) the agent of ``(role, rank)`` in this process and start it.
-
-    ``rank`` / ``world_size`` default to the ``RANK`` / ``WORLD_SIZE`` environment variables
-    (as set by torchrun and Ray Train), else 0 / unknown.
-    """
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    if world_size is None and os.environ.get("WORLD_SIZE"):
-        world_size = int(os.environ["WORLD_SIZE"])
-    with _AGENTS_LOCK:
-        agent = _AGENTS.get((role, rank))
-        if agent is not None and not agent._closed:
-            return agent
-        agent = ProfilerAgent(role, rank, world_size, topology, **kwargs)
-        _AGENTS[(role, rank)] = agent
-    return agent.start()
-
-
-def attached_agents() -> list[ProfilerAgent]:
-    with _AGENTS_LOCK:
-        return list(_AGENTS.values())
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    for agent in attached_agents():
-        try:
-            agent.close(timeout=30.0)
-        except Exception:
-            pass

@@ -120,6 +120,7 @@ class Channel:
         self._registered = threading.Event()
         self._stop = threading.Event()
         self._dropped = 0
+        self._reregister = False
         self._warned: set[str] = set()
         self._threads = [
             threading.Thread(target=self._poll_loop, name="profd-poller", daemon=True),
@@ -134,6 +135,11 @@ class Channel:
     @property
     def connected(self) -> bool:
         return self._registered.is_set()
+
+    def update_info(self, info: AgentInfo) -> None:
+        """Register again with new details (same agent id) at the next poll."""
+        self.info = info
+        self._reregister = True
 
     def send(self, event: AgentEvent) -> None:
         try:
@@ -198,6 +204,9 @@ class Channel:
                         self._backoff(attempt)
                         continue
                     attempt = 0
+                if self._reregister:
+                    self._reregister = False
+                    self._link.register(self.info, self._current_step())
                 reply = self._link.poll(
                     self.info.agent_id, self._version, self._current_step(), self._poll_timeout
                 )
