@@ -5,8 +5,9 @@ thread is blocked from the end of the window until it may continue is measured:
 
 * ``torch_gz``   – ``prof.stop()`` then torch's own ``export_chrome_trace("x.json.gz")``;
 * ``torch_json`` – ``prof.stop()`` then ``export_chrome_trace("x.json")`` (plain JSON);
-* ``profd``      – profd's torch collection: ``close()`` (stops the profiler) and hand-off;
-  the JSON export and gzip then run on profd's exporter thread (timed separately).
+* ``profd``      – profd's torch collection: ``close()`` (stops the profiler and writes plain
+  JSON, since Kineto's export must not overlap the next window's start) and hand-off; gzip,
+  the device-event check and publishing run on profd's exporter thread (timed separately).
 
 Targets: profd stall ≤ 1.2x the plain-JSON stall; profd's file ≤ 1.15x torch's .json.gz.
 

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 import zlib
 from pathlib import Path
 
@@ -24,7 +25,7 @@ _CHUNK = 1 << 20
 
 def temp_path(save_dir: Path, stem: str, ext: str) -> Path:
     """A hidden, process-unique temporary path next to the final file."""
-    return save_dir / f".{stem}.{os.getpid()}.{id(object()):x}{ext}.tmp"
+    return save_dir / f".{stem}.{os.getpid()}.{uuid.uuid4().hex[:12]}{ext}.tmp"
 
 
 def gzip_file(src: Path, dst: Path, level: int = 6, find: re.Pattern[bytes] | None = None) -> bool:

@@ -1,6 +1,6 @@
 """Turning step / stage / mini-batch marks into collections, on the training thread.
 
-The recorder owns one :class:`_WindowState` per session in the agent's plan. At each step
+The recorder owns one :class:`WindowState` per session in the agent's plan. At each step
 boundary it opens, continues or closes collections; finished windows go to the exporter
 thread. Every planned step ends *recorded* (a file holds it) or *missed* (with the reason);
 when all are resolved and every file is written the agent reports ``part_done``.
@@ -14,7 +14,7 @@ Modes (reference §5):
   opens its own collection whose scope is the stage label. Only ``update_loop`` stages use
   the schedule (verbatim) and name their windows by mini-batch (``_mb3-4``).
 
-Every collection has a :class:`_Ticket` that follows its files through the exporter, so a
+Every collection has a :class:`Ticket` that follows its files through the exporter, so a
 step counts as recorded only once a file holding it is on disk.
 
 Any failure in here is caught, logged once and reported; the window is then given up and the
@@ -27,14 +27,14 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from profd.agent.export import Exporter, ExportJob, trace_id_for
-from profd.backends.base import NULL_RANGE, Backend, Collection, CollectionSpec, WrittenFile
+from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope
+from profd.backends.base import Backend, Collection, CollectionSpec, WrittenFile
 from profd.naming import trace_stem
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, WindowPlan
 from profd.schedule import continuous_schedule, discrete_schedule
@@ -42,8 +42,6 @@ from profd.schedule import continuous_schedule, discrete_schedule
 __all__ = ["IDLE", "ArmedPlan", "Recorder"]
 
 log = logging.getLogger(__name__)
-
-CONTINUOUS_SCOPE = "train"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +61,7 @@ IDLE = ArmedPlan(AgentPlan(version=0))
 
 
 @dataclass
-class _WindowState:
+class WindowState:
     window: WindowPlan
     group_of: dict[int, tuple[int, ...]]
     received_at_step: int | None
@@ -71,7 +69,7 @@ class _WindowState:
     recorded: set[int] = field(default_factory=set)  # a written file holds them
     missed: set[int] = field(default_factory=set)
     open_tickets: int = 0  # collections whose files are not all written yet
-    scope: _Scope | None = None
+    scope: Scope | None = None
     recording_sent: bool = False
     collecting_sent: bool = False
     done_sent: bool = False
@@ -82,10 +80,10 @@ class _WindowState:
 
 
 @dataclass
-class _Ticket:
+class Ticket:
     """One collection's way through the exporter."""
 
-    ws: _WindowState
+    ws: WindowState
     label: str
     steps: list[int]
     pending: int = 0
@@ -93,162 +91,6 @@ class _Ticket:
     errors: list[str] = field(default_factory=list)
     closed: bool = False
     settled: bool = False
-
-
-class _SafeRange:
-    """A profiler range that never raises into user code and never swallows its exceptions."""
-
-    __slots__ = ("_cm", "_on_exit", "_scope")
-
-    def __init__(self, scope: _Scope, cm: AbstractContextManager[Any], on_exit=None) -> None:
-        self._scope = scope
-        self._cm: AbstractContextManager[Any] | None = cm
-        self._on_exit = on_exit
-
-    def __enter__(self) -> None:
-        try:
-            self._cm.__enter__()  # type: ignore[union-attr]
-        except Exception as exc:
-            self._cm = None
-            self._scope.fault(exc)
-
-    def __exit__(self, *exc_info: Any) -> bool:
-        try:
-            if self._cm is not None:
-                self._cm.__exit__(*exc_info)
-            if self._on_exit is not None:
-                self._on_exit()
-        except Exception as exc:
-            self._scope.fault(exc)
-        return False
-
-
-class _Scope:
-    """What stage / mini-batch marks talk to while a window is active on this agent."""
-
-    def __init__(self, recorder: Recorder, ws: _WindowState) -> None:
-        self.recorder = recorder
-        self.ws = ws
-        self.in_update_loop = False
-        #: The collection ranges go to (continuous: the group's; discrete: the stage's).
-        self.current: Collection | None = None
-        self.ticket: _Ticket | None = None
-
-    def fault(self, exc: BaseException) -> None:
-        self.recorder.fault(self.ws, exc)
-
-    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
-        raise NotImplementedError
-
-    def _after_mini_batch(self) -> None:
-        if self.in_update_loop and self.current is not None and self.ticket is not None:
-            self.current.step()
-            self.recorder.submit(self.ticket, self.current.take_ready())
-
-    def mini_batch(self, index: int) -> AbstractContextManager[Any]:
-        if self.current is None:
-            return NULL_RANGE
-        cm = self.current.annotate(f"mini_batch{index}")
-        return _SafeRange(self, cm, self._after_mini_batch)
-
-    def micro_batch(self, index: int) -> AbstractContextManager[Any]:
-        if self.current is None:
-            return NULL_RANGE
-        return _SafeRange(self, self.current.annotate(f"micro_batch{index}"))
-
-
-class _ContinuousScope(_Scope):
-    """One collection for a group of consecutive steps; stages are ranges inside it."""
-
-    def __init__(self, recorder: Recorder, ws: _WindowState, group: tuple[int, ...]) -> None:
-        super().__init__(recorder, ws)
-        self.group = group
-        self.done: list[int] = []
-        self.current, self.ticket = recorder.open_collection(ws, CONTINUOUS_SCOPE, group[0])
-        self._step_range: _SafeRange | None = None
-
-    def enter_step(self, step: int) -> None:
-        self.ticket.steps.append(step)  # type: ignore[union-attr]
-        self._step_range = _SafeRange(self, self.current.annotate(f"step{step}"))  # type: ignore[union-attr]
-        self._step_range.__enter__()
-
-    def exit_step(self, step: int) -> None:
-        if self._step_range is not None:
-            self._step_range.__exit__(None, None, None)
-            self._step_range = None
-        self.done.append(step)
-
-    def _end_update_loop(self) -> None:
-        self.in_update_loop = False
-
-    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
-        cm = self.current.annotate(label)  # type: ignore[union-attr]
-        if update_loop:
-            self.in_update_loop = True
-            return _SafeRange(self, cm, self._end_update_loop)
-        return _SafeRange(self, cm)
-
-    def close(self) -> None:
-        if self._step_range is not None:  # closing mid-step (cancel, job end)
-            self._step_range.__exit__(None, None, None)
-            self._step_range = None
-        collection, ticket = self.current, self.ticket
-        self.current = None
-        self.recorder.close_ticket(ticket, collection)  # type: ignore[arg-type]
-
-
-class _DiscreteStage:
-    """A stage that opens its own collection (discrete mode); the stage is a range inside."""
-
-    __slots__ = ("_label", "_range", "_scope", "_update_loop")
-
-    def __init__(self, scope: _DiscreteScope, label: str, update_loop: bool) -> None:
-        self._scope = scope
-        self._label = label
-        self._update_loop = update_loop
-        self._range: _SafeRange | None = None
-
-    def __enter__(self) -> None:
-        scope = self._scope
-        try:
-            scope.current, scope.ticket = scope.recorder.open_collection(
-                scope.ws, self._label, scope.step, update_loop=self._update_loop
-            )
-        except Exception as exc:
-            scope.fault(exc)
-            return
-        scope.in_update_loop = self._update_loop
-        self._range = _SafeRange(scope, scope.current.annotate(self._label))
-        self._range.__enter__()
-
-    def __exit__(self, *exc_info: Any) -> bool:
-        scope = self._scope
-        if self._range is not None:
-            self._range.__exit__(*exc_info)
-        collection, ticket = scope.current, scope.ticket
-        scope.current = scope.ticket = None
-        scope.in_update_loop = False
-        if collection is not None and ticket is not None:
-            try:
-                scope.recorder.close_ticket(ticket, collection)
-                scope.stages += 1
-            except Exception as exc:
-                scope.fault(exc)
-        return False
-
-
-class _DiscreteScope(_Scope):
-    """A profiled step in discrete mode: every stage inside it is its own collection."""
-
-    def __init__(self, recorder: Recorder, ws: _WindowState, step: int) -> None:
-        super().__init__(recorder, ws)
-        self.step = step
-        self.stages = 0
-
-    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
-        if self.current is not None:  # nested stage: a range in the enclosing collection
-            return _SafeRange(self, self.current.annotate(label))
-        return _DiscreteStage(self, label, update_loop)
 
 
 class Recorder:
@@ -265,13 +107,13 @@ class Recorder:
         self._emit = emit
         self._make_backend = make_backend
         self._exporter = Exporter(self._on_export_done)
-        self._windows: dict[str, _WindowState] = {}
+        self._windows: dict[str, WindowState] = {}
         self._finished: set[str] = set()
         self._seen: ArmedPlan = IDLE
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
         #: The scope stage marks talk to; ``None`` while nothing records.
-        self.active: _Scope | None = None
+        self.active: Scope | None = None
 
     @property
     def has_windows(self) -> bool:
@@ -289,7 +131,7 @@ class Recorder:
             if sid in self._windows or sid in self._finished:
                 continue
             group_of = {s: g for g in window.groups for s in g}
-            self._windows[sid] = _WindowState(window, group_of, armed.received_at_step)
+            self._windows[sid] = WindowState(window, group_of, armed.received_at_step)
 
     # -- step boundaries ----------------------------------------------------------------
     def enter_step(self, step: int, armed: ArmedPlan) -> None:
@@ -301,19 +143,19 @@ class Recorder:
             except Exception as exc:
                 self.fault(ws, exc)
 
-    def _enter(self, ws: _WindowState, step: int) -> None:
+    def _enter(self, ws: WindowState, step: int) -> None:
         scope = ws.scope
-        if isinstance(scope, _ContinuousScope) and step not in scope.group:
+        if isinstance(scope, ContinuousScope) and step not in scope.group:
             self._close_scope(ws)  # the loop jumped out of the group
         self._miss_before(ws, step)
         if step not in ws.group_of or step in ws.handled:
             self._maybe_done(ws)
             return
         if ws.window.discrete:
-            ws.scope = _DiscreteScope(self, ws, step)
+            ws.scope = DiscreteScope(self, ws, step)
         else:
             if ws.scope is None:
-                ws.scope = _ContinuousScope(self, ws, ws.group_of[step])
+                ws.scope = ContinuousScope(self, ws, ws.group_of[step])
             ws.scope.enter_step(step)  # type: ignore[union-attr]
         if not ws.recording_sent:
             ws.recording_sent = True
@@ -327,25 +169,25 @@ class Recorder:
             except Exception as exc:
                 self.fault(ws, exc)
 
-    def _exit(self, ws: _WindowState, step: int) -> None:
+    def _exit(self, ws: WindowState, step: int) -> None:
         scope = ws.scope
-        if isinstance(scope, _DiscreteScope) and scope.step == step:
+        if isinstance(scope, DiscreteScope) and scope.step == step:
             ws.scope = None
             self.active = None
             with self._lock:
                 ws.handled.add(step)
             if not scope.stages:
                 self._mark_missed(ws, [step], "no stage ran inside this profiled step")
-        elif isinstance(scope, _ContinuousScope) and step in scope.group:
+        elif isinstance(scope, ContinuousScope) and step in scope.group:
             scope.exit_step(step)
             if step == scope.group[-1]:
                 self._close_scope(ws)
         self._maybe_done(ws)
 
-    def _miss_before(self, ws: _WindowState, step: int) -> None:
+    def _miss_before(self, ws: WindowState, step: int) -> None:
         late = [s for s in ws.window.steps if s < step and s not in ws.handled]
         scope = ws.scope
-        if isinstance(scope, _ContinuousScope):
+        if isinstance(scope, ContinuousScope):
             late = [s for s in late if s not in scope.group]
         if not late:
             return
@@ -356,7 +198,7 @@ class Recorder:
             reason = "the loop never entered these steps"
         self._mark_missed(ws, late, reason)
 
-    def _mark_missed(self, ws: _WindowState, steps: list[int], reason: str) -> None:
+    def _mark_missed(self, ws: WindowState, steps: list[int], reason: str) -> None:
         with self._lock:
             ws.handled.update(steps)
             ws.missed.update(steps)
@@ -368,8 +210,8 @@ class Recorder:
 
     # -- collections and tickets ----------------------------------------------------------
     def open_collection(
-        self, ws: _WindowState, label: str, step: int, update_loop: bool = False
-    ) -> tuple[Collection, _Ticket]:
+        self, ws: WindowState, label: str, step: int, update_loop: bool = False
+    ) -> tuple[Collection, Ticket]:
         info = self.info
         window = ws.window
         backend = self._make_backend(window.tool, window.tool_config)
@@ -397,12 +239,12 @@ class Recorder:
             name_mini_batches=by_mini_batch,
         )
         collection = backend.open(spec)
-        ticket = _Ticket(ws, label, [] if not window.discrete else [step])
+        ticket = Ticket(ws, label, [] if not window.discrete else [step])
         with self._lock:
             ws.open_tickets += 1
         return collection, ticket
 
-    def _metadata(self, ws: _WindowState, scope: str, step: int) -> dict[str, Any]:
+    def _metadata(self, ws: WindowState, scope: str, step: int) -> dict[str, Any]:
         from profd import __version__
 
         info = self.info
@@ -429,7 +271,7 @@ class Recorder:
             },
         }
 
-    def submit(self, ticket: _Ticket, outputs: list[Any]) -> None:
+    def submit(self, ticket: Ticket, outputs: list[Any]) -> None:
         if not outputs:
             return
         window = ticket.ws.window
@@ -447,22 +289,29 @@ class Recorder:
                 )
             )
 
-    def close_ticket(self, ticket: _Ticket, collection: Collection) -> None:
+    def close_ticket(self, ticket: Ticket, collection: Collection) -> None:
+        """Stop a collection and send its windows to the exporter. Whatever happens, the
+        ticket ends up settled, so the window can finish (a failure is re-raised)."""
+        outputs: list[Any] = []
         try:
             outputs = collection.close()
+        except Exception as exc:
+            with self._lock:
+                ticket.errors.append(f"stopping the profiler failed: {exc}")
+            raise
         finally:
             ticket.closed = True
-        self.submit(ticket, outputs)
-        self._settle(ticket)
+            self.submit(ticket, outputs)
+            self._settle(ticket)
 
     def _close_scope(
-        self, ws: _WindowState, leftover_reason: str = "the loop left the step group early"
+        self, ws: WindowState, leftover_reason: str = "the loop left the step group early"
     ) -> None:
         scope = ws.scope
         ws.scope = None
         if self.active is scope:
             self.active = None
-        if isinstance(scope, _DiscreteScope):
+        if isinstance(scope, DiscreteScope):
             if scope.current is not None and scope.ticket is not None:  # ended mid-stage
                 collection, ticket = scope.current, scope.ticket
                 scope.current = scope.ticket = None
@@ -470,7 +319,7 @@ class Recorder:
             with self._lock:
                 ws.handled.add(scope.step)
             return
-        if not isinstance(scope, _ContinuousScope):
+        if not isinstance(scope, ContinuousScope):
             return
         leftover = [s for s in scope.group if s not in scope.done]
         with self._lock:
@@ -480,7 +329,7 @@ class Recorder:
             self._mark_missed(ws, leftover, leftover_reason)
 
     def _on_export_done(self, job: ExportJob, files: list[WrittenFile], error: str | None) -> None:
-        ticket: _Ticket = job.context
+        ticket: Ticket = job.context
         if error is not None:
             self._emit(
                 AgentEvent(EventKind.ERROR, job.session_id, None, error, {"steps": list(job.steps)})
@@ -510,7 +359,7 @@ class Recorder:
                 ticket.errors.append(error)
         self._settle(ticket)
 
-    def _settle(self, ticket: _Ticket) -> None:
+    def _settle(self, ticket: Ticket) -> None:
         """A closed collection whose files are all written: its steps are now resolved."""
         ws = ticket.ws
         with self._lock:
@@ -532,7 +381,7 @@ class Recorder:
             )
         self._maybe_done(ws)
 
-    def _maybe_done(self, ws: _WindowState) -> None:
+    def _maybe_done(self, ws: WindowState) -> None:
         with self._lock:
             if ws.done_sent or not ws.all_handled or ws.scope is not None:
                 return
@@ -553,7 +402,7 @@ class Recorder:
         )
 
     # -- faults and shutdown --------------------------------------------------------------
-    def fault(self, ws: _WindowState, exc: BaseException) -> None:
+    def fault(self, ws: WindowState, exc: BaseException) -> None:
         """Give up a window after a failure inside profd; training goes on."""
         key = (ws.window.session_id, type(exc).__name__)
         if key not in self._warned:
@@ -586,7 +435,7 @@ class Recorder:
             ws.handled.update(remaining)
         self._maybe_done(ws)
 
-    def _abandon(self, ws: _WindowState, reason: str) -> None:
+    def _abandon(self, ws: WindowState, reason: str) -> None:
         try:
             self._close_scope(ws, reason)
         except Exception as exc:

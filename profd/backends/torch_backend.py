@@ -7,12 +7,13 @@ Reference §5 semantics: CPU activity is always on (stage ranges need it); CUDA 
 while the profiler runs, because torch drops metadata added after ``stop()``.
 
 Export: torch's own ``.json.gz`` export gzips at level 9 on the calling thread (about 9 s per
-100 MB here). The training thread here only calls ``stop()``; JSON export and gzip run on the
-agent's exporter thread.
+100 MB here). profd writes plain JSON when the window ends (Kineto's export is not thread-safe
+against the next window's start) and gzips at level 6 on the agent's exporter thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -81,27 +82,42 @@ def _quiet(fn: Any, **kwargs: Any) -> Any:
 
 
 class _TorchOutput(PendingOutput):
-    """One saved window: the autograd profile of that window and its file name suffix."""
+    """One saved window.
+
+    Kineto's trace export is not safe to run while another window starts on the training
+    thread (adding trace metadata races with the export and corrupts the heap), so the plain
+    JSON is written right away, on the thread that ended the window — as fast as torch's own
+    plain-JSON export. Compression, the device-event check and publishing run later on the
+    exporter thread.
+    """
 
     def __init__(self, window: Any, spec: CollectionSpec, suffix: str, expect_device: bool) -> None:
-        self._window = window
         self._spec = spec
         self._suffix = suffix
         self._expect_device = expect_device
+        self._error: Exception | None = None
+        self._raw = temp_path(spec.save_dir, spec.stem, ".json")
+        try:
+            spec.save_dir.mkdir(parents=True, exist_ok=True)
+            window.export_chrome_trace(str(self._raw))
+        except Exception as exc:  # reported by write(), on the exporter thread
+            with contextlib.suppress(OSError):
+                self._raw.unlink(missing_ok=True)
+            self._error = exc
 
     def write(self) -> list[WrittenFile]:
+        if self._error is not None:
+            raise self._error
         spec = self._spec
-        spec.save_dir.mkdir(parents=True, exist_ok=True)
-        raw = temp_path(spec.save_dir, spec.stem, ".json")
         packed = temp_path(spec.save_dir, spec.stem, TRACE_EXT)
         try:
-            self._window.export_chrome_trace(str(raw))
-            has_device = gzip_file(raw, packed, find=DEVICE_EVENTS if self._expect_device else None)
+            has_device = gzip_file(
+                self._raw, packed, find=DEVICE_EVENTS if self._expect_device else None
+            )
             final = publish_unique(packed, spec.save_dir, spec.stem, self._suffix)
         finally:
-            raw.unlink(missing_ok=True)
+            self._raw.unlink(missing_ok=True)
             packed.unlink(missing_ok=True)
-            self._window = None  # free the events as soon as they are on disk
         suffix = final.name[len(spec.stem) : -len(TRACE_EXT)]
         warnings = (NO_DEVICE_EVENTS,) if self._expect_device and not has_device else ()
         return [WrittenFile(final, final.stat().st_size, suffix, warnings)]

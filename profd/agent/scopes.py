@@ -1,0 +1,178 @@
+"""What stage / mini-batch marks talk to while a window is active (training thread).
+
+A *scope* exists while a window records on an agent: :class:`ContinuousScope` holds one
+collection for a group of steps (stages are ranges in it); :class:`DiscreteScope` opens a
+collection per stage. Both route mini-batch marks to the collection's schedule. Every range
+goes through :class:`SafeRange`, which never raises into user code and never swallows the
+user's own exceptions.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from profd.backends.base import NULL_RANGE, Collection
+
+if TYPE_CHECKING:
+    from profd.agent.recorder import Recorder, Ticket, WindowState
+
+__all__ = ["CONTINUOUS_SCOPE", "ContinuousScope", "DiscreteScope", "SafeRange", "Scope"]
+
+CONTINUOUS_SCOPE = "train"
+
+
+class SafeRange:
+    """A profiler range that never raises into user code and never swallows its exceptions."""
+
+    __slots__ = ("_cm", "_on_exit", "_scope")
+
+    def __init__(self, scope: Scope, cm: AbstractContextManager[Any], on_exit=None) -> None:
+        self._scope = scope
+        self._cm: AbstractContextManager[Any] | None = cm
+        self._on_exit = on_exit
+
+    def __enter__(self) -> None:
+        try:
+            self._cm.__enter__()  # type: ignore[union-attr]
+        except Exception as exc:
+            self._cm = None
+            self._scope.fault(exc)
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        try:
+            if self._cm is not None:
+                self._cm.__exit__(*exc_info)
+            if self._on_exit is not None:
+                self._on_exit()
+        except Exception as exc:
+            self._scope.fault(exc)
+        return False
+
+
+class Scope:
+    """What stage / mini-batch marks talk to while a window is active on this agent."""
+
+    def __init__(self, recorder: Recorder, ws: WindowState) -> None:
+        self.recorder = recorder
+        self.ws = ws
+        self.in_update_loop = False
+        #: The collection ranges go to (continuous: the group's; discrete: the stage's).
+        self.current: Collection | None = None
+        self.ticket: Ticket | None = None
+
+    def fault(self, exc: BaseException) -> None:
+        self.recorder.fault(self.ws, exc)
+
+    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def _after_mini_batch(self) -> None:
+        if self.in_update_loop and self.current is not None and self.ticket is not None:
+            self.current.step()
+            self.recorder.submit(self.ticket, self.current.take_ready())
+
+    def mini_batch(self, index: int) -> AbstractContextManager[Any]:
+        if self.current is None:
+            return NULL_RANGE
+        cm = self.current.annotate(f"mini_batch{index}")
+        return SafeRange(self, cm, self._after_mini_batch)
+
+    def micro_batch(self, index: int) -> AbstractContextManager[Any]:
+        if self.current is None:
+            return NULL_RANGE
+        return SafeRange(self, self.current.annotate(f"micro_batch{index}"))
+
+
+class ContinuousScope(Scope):
+    """One collection for a group of consecutive steps; stages are ranges inside it."""
+
+    def __init__(self, recorder: Recorder, ws: WindowState, group: tuple[int, ...]) -> None:
+        super().__init__(recorder, ws)
+        self.group = group
+        self.done: list[int] = []
+        self.current, self.ticket = recorder.open_collection(ws, CONTINUOUS_SCOPE, group[0])
+        self._step_range: SafeRange | None = None
+
+    def enter_step(self, step: int) -> None:
+        self.ticket.steps.append(step)  # type: ignore[union-attr]
+        self._step_range = SafeRange(self, self.current.annotate(f"step{step}"))  # type: ignore[union-attr]
+        self._step_range.__enter__()
+
+    def exit_step(self, step: int) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        self.done.append(step)
+
+    def _end_update_loop(self) -> None:
+        self.in_update_loop = False
+
+    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
+        cm = self.current.annotate(label)  # type: ignore[union-attr]
+        if update_loop:
+            self.in_update_loop = True
+            return SafeRange(self, cm, self._end_update_loop)
+        return SafeRange(self, cm)
+
+    def close(self) -> None:
+        if self._step_range is not None:  # closing mid-step (cancel, job end)
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        collection, ticket = self.current, self.ticket
+        self.current = None
+        self.recorder.close_ticket(ticket, collection)  # type: ignore[arg-type]
+
+
+class DiscreteStage:
+    """A stage that opens its own collection (discrete mode); the stage is a range inside."""
+
+    __slots__ = ("_label", "_range", "_scope", "_update_loop")
+
+    def __init__(self, scope: DiscreteScope, label: str, update_loop: bool) -> None:
+        self._scope = scope
+        self._label = label
+        self._update_loop = update_loop
+        self._range: SafeRange | None = None
+
+    def __enter__(self) -> None:
+        scope = self._scope
+        try:
+            scope.current, scope.ticket = scope.recorder.open_collection(
+                scope.ws, self._label, scope.step, update_loop=self._update_loop
+            )
+        except Exception as exc:
+            scope.fault(exc)
+            return
+        scope.in_update_loop = self._update_loop
+        self._range = SafeRange(scope, scope.current.annotate(self._label))
+        self._range.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        scope = self._scope
+        if self._range is not None:
+            self._range.__exit__(*exc_info)
+        collection, ticket = scope.current, scope.ticket
+        scope.current = scope.ticket = None
+        scope.in_update_loop = False
+        if collection is not None and ticket is not None:
+            try:
+                scope.recorder.close_ticket(ticket, collection)
+                scope.stages += 1
+            except Exception as exc:
+                scope.fault(exc)
+        return False
+
+
+class DiscreteScope(Scope):
+    """A profiled step in discrete mode: every stage inside it is its own collection."""
+
+    def __init__(self, recorder: Recorder, ws: WindowState, step: int) -> None:
+        super().__init__(recorder, ws)
+        self.step = step
+        self.stages = 0
+
+    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
+        if self.current is not None:  # nested stage: a range in the enclosing collection
+            return SafeRange(self, self.current.annotate(label))
+        return DiscreteStage(self, label, update_loop)
