@@ -5,7 +5,8 @@
   SGLang ``/start_profile`` bodies, with warnings for what an engine cannot honour;
 * :mod:`~profd.rollout.engines` — HTTP (vLLM, SGLang) and in-process engine adapters;
 * :mod:`~profd.rollout.relocate` — waiting for complete files, naming and moving them;
-* :mod:`~profd.rollout.rollout_agent` — one agent per replica: start / finish a window.
+* :mod:`~profd.rollout.rollout_agent` — one agent per replica: start / finish a window;
+* :mod:`~profd.rollout.windows` — what an agent registers and what a window reports.
 
 No Ray or torch import anywhere in this package.
 """
@@ -51,14 +52,8 @@ from profd.rollout.replicas import (
     ReplicaSelection,
     select_replicas,
 )
-from profd.rollout.rollout_agent import (
-    RolloutAgent,
-    RolloutAgentInfo,
-    WindowMode,
-    WindowOutcome,
-    WindowStart,
-    engine_trace_dir,
-)
+from profd.rollout.rollout_agent import RolloutAgent, engine_trace_dir
+from profd.rollout.windows import RolloutAgentInfo, WindowMode, WindowOutcome, WindowStart
 
 __all__ = [
     "ROLLOUT_ROLE",

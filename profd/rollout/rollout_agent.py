@@ -27,12 +27,10 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from profd.config import ToolKind
-from profd.protocol import AgentEvent, AgentInfo, EventKind
 from profd.rollout.engine_args import (
     EngineProfileOptions,
     VllmLaunchSettings,
@@ -48,7 +46,8 @@ from profd.rollout.relocate import (
     replica_subdir_name,
     snapshot_dir,
 )
-from profd.rollout.replicas import ROLLOUT_ROLE, ReplicaParallelism
+from profd.rollout.replicas import ReplicaParallelism
+from profd.rollout.windows import RolloutAgentInfo, WindowMode, WindowOutcome, WindowStart
 from profd.views import PartState
 
 __all__ = [
@@ -58,141 +57,17 @@ __all__ = [
     "WindowOutcome",
     "WindowStart",
     "engine_trace_dir",
-]
+]  # the records live in profd.rollout.windows; re-exported for convenience
 
 log = logging.getLogger(__name__)
 
 _ENGINE_TOOLS = (ToolKind.TORCH.value, ToolKind.NPU.value)
 
 
-class WindowMode(StrEnum):
-    """The session's mode for the role; both are profiled, it is only recorded."""
-
-    CONTINUOUS = "continuous"
-    DISCRETE = "discrete"
-
-
 def engine_trace_dir(save_root: str | Path, replica: int) -> Path:
     """Where a vLLM replica launched by profd writes (fixed for the server's lifetime); files
     are moved out of it into each session's directory."""
     return Path(save_root) / f"rollout-engine-replica{replica}"
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutAgentInfo:
-    """What a rollout agent registers with the coordinator."""
-
-    replica_index: int
-    world_size: int
-    parallelism: dict[str, int]
-    #: Global GPU ranks ``[start, stop)`` owned by the replica.
-    global_ranks: tuple[int, int]
-    engine_kind: str
-    engine_flavor: str
-    endpoint: str
-    trace_dir: str | None
-    #: tool → ``None`` when the replica can run it, else the reason it cannot.
-    capabilities: dict[str, str | None]
-    role: str = ROLLOUT_ROLE
-
-    def to_agent_info(
-        self,
-        agent_id: str,
-        hostname: str,
-        pid: int,
-        node_id: str | None = None,
-        node_ip: str | None = None,
-        replicas: int | None = None,
-    ) -> AgentInfo:
-        """As the coordinator's :class:`AgentInfo`: rank = replica index, world size = the
-        number of replicas (when known); the layout and rank range go into ``topology``."""
-        topology = {
-            **self.parallelism,
-            "replica_world_size": self.world_size,
-            "global_rank_start": self.global_ranks[0],
-            "global_rank_stop": self.global_ranks[1],
-        }
-        return AgentInfo(
-            agent_id=agent_id,
-            role=self.role,
-            rank=self.replica_index,
-            world_size=replicas,
-            topology=topology,
-            hostname=hostname,
-            pid=pid,
-            node_id=node_id,
-            node_ip=node_ip,
-            capabilities=dict(self.capabilities),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class WindowStart:
-    session_id: str
-    replica_index: int
-    ok: bool
-    reason: str = ""
-    #: Directory the engine writes this window's files to.
-    trace_dir: str = ""
-    warnings: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class WindowOutcome:
-    """One replica's share of a session, after its window."""
-
-    session_id: str
-    replica_index: int
-    state: PartState
-    reason: str
-    mode: WindowMode
-    #: Files brought up into the session directory (requested ranks, or unidentified ones).
-    traces: tuple[RelocatedFile, ...] = ()
-    #: tp peers, kept in ``<session>/rollout-replica<n>/``.
-    kept_in_subdir: tuple[RelocatedFile, ...] = ()
-    #: Files the engine had not finished writing when the wait ended; left where they are.
-    incomplete: tuple[IncompleteFile, ...] = ()
-    warnings: tuple[str, ...] = ()
-    started_at: float | None = None
-    finished_at: float | None = None
-
-    def events(
-        self, tool: str, steps: Sequence[int] = (), node_id: str | None = None
-    ) -> list[AgentEvent]:
-        """The outcome as coordinator events: one ``trace`` per surfaced file, an ``error``
-        with the reason when partial, then ``part_done`` carrying peers, incomplete files and
-        warnings."""
-        from profd.agent.export import trace_id_for  # the same ids as training traces
-
-        first = steps[0] if steps else None
-        out = [
-            AgentEvent(
-                EventKind.TRACE,
-                self.session_id,
-                first,
-                data={
-                    "trace_id": trace_id_for(node_id, f.path),
-                    "path": f.path,
-                    "bytes": f.bytes,
-                    "steps": list(steps),
-                    "scope": ROLLOUT_ROLE,
-                    "tool": tool,
-                    "replica": f.replica,
-                    "global_rank": f.global_rank,
-                },
-            )
-            for f in self.traces
-        ]
-        if self.state is not PartState.DONE:
-            out.append(AgentEvent(EventKind.ERROR, self.session_id, first, self.reason))
-        summary: dict[str, Any] = {
-            "replica": self.replica_index,
-            "kept_in_subdir": [f.path for f in self.kept_in_subdir],
-            "incomplete": [{"path": i.path, "reason": i.reason} for i in self.incomplete],
-            "warnings": list(self.warnings),
-        }
-        out.append(AgentEvent(EventKind.PART_DONE, self.session_id, first, data=summary))
-        return out
 
 
 @dataclass
@@ -474,7 +349,7 @@ class RolloutAgent:
                 f"{len(reloc.incomplete)} file(s) still being written after {waited.waited_s:g}s; "
                 f"left in {w.window_dir}"
             )
-        problems.extend(self._missing_ranks(w, reloc.moved, warnings))
+        problems.extend(self._missing_ranks(w, reloc.files, warnings))
         return self._outcome(
             w.session_id,
             w.mode,
@@ -504,14 +379,14 @@ class RolloutAgent:
         return reason
 
     def _missing_ranks(
-        self, w: _Window, surfaced: Sequence[RelocatedFile], warnings: list[str]
+        self, w: _Window, files: Sequence[RelocatedFile], warnings: list[str]
     ) -> list[str]:
-        if w.keep is None:
-            return []
-        wanted = sorted(g for g in w.keep if g in self.global_ranks)
-        found = {f.global_rank for f in surfaced}
-        missing = [g for g in wanted if g not in found]
-        if not missing or not surfaced:
+        """Requested global ranks of this replica that no file was identified for."""
+        if w.keep is None or not files:
+            return []  # without files the reason already says so
+        found = {f.global_rank for f in files}
+        missing = [g for g in sorted(w.keep) if g in self.global_ranks and g not in found]
+        if not missing:
             return []
         if None in found:
             warnings.append(
