@@ -3,9 +3,11 @@ other replicas are unaffected; slow flushes are waited for and unfinished files 
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
+import pytest
 from fake_engines import read_trace
 from rollout_helpers import FAST, names, sglang_pair, vllm_pair
 
@@ -13,6 +15,7 @@ from profd.rollout import (
     EngineProfileOptions,
     EngineTimeouts,
     FlushWait,
+    InProcessEngine,
     RolloutAgent,
     SglangHttpEngine,
     VllmHttpEngine,
@@ -129,8 +132,6 @@ def test_requested_rank_without_file_is_a_partial(tmp_path) -> None:
         def stop_profile(self):
             (self.out / "9.1-TP-0.trace.json").write_text("{}")
 
-    from profd.rollout import InProcessEngine
-
     agent = RolloutAgent(0, (2, 1, 1), InProcessEngine(Engine(), "sglang"), flush=FAST)
     agent.start_window("s1", tmp_path / "s", OPTS, {1})
     out = agent.finish_window("s1")
@@ -186,7 +187,7 @@ def test_flush_slower_than_the_timeout_is_reported_not_moved(tmp_path) -> None:
     flush = FlushWait(
         settle_s=0.15, poll_s=0.03, timeout_s=0.8, first_file_timeout_s=0.6, peer_grace_s=0.5
     )
-    fake, agent = vllm_pair(tmp_path, tp=2, flush=flush, stop_blocks=False, flush_s=3.0)
+    fake, agent = vllm_pair(tmp_path, tp=2, flush=flush, stop_blocks=False, flush_s=2.0)
     with fake:
         agent.start_window("s1", tmp_path / "s", OPTS)
         fake.advance(2)
@@ -199,3 +200,36 @@ def test_flush_slower_than_the_timeout_is_reported_not_moved(tmp_path) -> None:
         # Left where the engine writes, and complete once the engine is done.
         assert Path(inc.path).parent == agent.trace_dir and gzip_complete(inc.path)
     assert names(tmp_path / "s") == []
+
+
+def test_a_timed_out_start_is_followed_by_a_stop(tmp_path) -> None:
+    release = threading.Event()
+
+    class Slow:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def start_profile(self, **kw):
+            release.wait(5)  # the engine starts, but answers too late
+            self.calls.append("start")
+
+        def stop_profile(self):
+            self.calls.append("stop")
+
+    slow = Slow()
+    timeouts = EngineTimeouts(connect_s=1, start_s=0.3, stop_s=2)
+    engine = InProcessEngine(slow, "sglang", timeouts=timeouts)
+    agent = RolloutAgent(0, (1, 1, 1), engine, flush=FAST)
+    started = agent.start_window("s1", tmp_path / "s", OPTS)
+    assert not started.ok and "did not return within 0.3s" in started.reason
+    release.set()
+    out = agent.finish_window("s1")
+    assert out.state is PartState.PARTIAL and "stop" in slow.calls
+    assert any("sent a stop after the timed-out start" in w for w in out.warnings)
+
+
+def test_bad_mode_fails_early_naming_the_field(tmp_path) -> None:
+    agent = RolloutAgent(0, (1, 1, 1), VllmHttpEngine("http://127.0.0.1:9"), trace_dir=tmp_path)
+    with pytest.raises(ValueError, match="mode: must be continuous or discrete"):
+        agent.start_window("s1", tmp_path / "s", OPTS, mode="sometimes")
+    assert agent.busy_with is None

@@ -25,10 +25,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from profd.config import ToolKind
 from profd.rollout.engine_args import (
@@ -64,6 +63,13 @@ log = logging.getLogger(__name__)
 _ENGINE_TOOLS = (ToolKind.TORCH.value, ToolKind.NPU.value)
 
 
+def _mode(mode: WindowMode | str) -> WindowMode:
+    try:
+        return WindowMode(mode)
+    except ValueError:
+        raise ValueError(f"mode: must be continuous or discrete, got {mode!r}") from None
+
+
 def engine_trace_dir(save_root: str | Path, replica: int) -> Path:
     """Where a vLLM replica launched by profd writes (fixed for the server's lifetime); files
     are moved out of it into each session's directory."""
@@ -82,6 +88,8 @@ class _Window:
     started_at: float
     warnings: list[str] = field(default_factory=list)
     start_error: str | None = None
+    #: The start timed out: the engine may have started anyway.
+    start_uncertain: bool = False
     finishing: bool = False
 
 
@@ -99,7 +107,7 @@ class RolloutAgent:
         *,
         vllm_launch: VllmLaunchSettings | None = None,
         flush: FlushWait | None = None,
-        clock: Any = time.time,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if (
             isinstance(replica_index, bool)
@@ -200,7 +208,7 @@ class RolloutAgent:
                 )
                 return WindowStart(session_id, self.replica_index, False, reason)
             window = self._open(
-                session_id, Path(session_dir), options, keep_global_ranks, mode, relocate
+                session_id, Path(session_dir), options, keep_global_ranks, _mode(mode), relocate
             )
             self._window = window
         if window.start_error is None:
@@ -209,6 +217,7 @@ class RolloutAgent:
                 window.warnings.extend(self.engine.start(engine_window))
             except EngineError as exc:
                 window.start_error = f"start failed: {exc.reason}"
+                window.start_uncertain = exc.kind is EngineErrorKind.TIMEOUT
             except Exception as exc:  # an adapter bug must not reach the caller either
                 log.exception("replica %d: engine start raised", self.replica_index)
                 window.start_error = f"start failed: {type(exc).__name__}: {exc}"
@@ -231,7 +240,7 @@ class RolloutAgent:
         session_dir: Path,
         options: EngineProfileOptions,
         keep: Iterable[int] | None,
-        mode: WindowMode | str,
+        mode: WindowMode,
         relocate: bool,
     ) -> _Window:
         warnings: list[str] = []
@@ -259,7 +268,7 @@ class RolloutAgent:
             # Files already there belong to earlier windows (or flushed after their wait).
             baseline=snapshot_dir(window_dir),
             keep=None if keep is None else frozenset(int(g) for g in keep),
-            mode=WindowMode(mode),
+            mode=mode,
             relocate=relocate,
             started_at=self._clock(),
             warnings=warnings,
@@ -318,6 +327,8 @@ class RolloutAgent:
         problems: list[str] = []
         warnings = list(w.warnings)
         if w.start_error:
+            if w.start_uncertain:
+                warnings.append(self._stop_quietly())
             return self._outcome(w.session_id, w.mode, [w.start_error], warnings, w.started_at)
         policy = self.flush
         try:
@@ -360,6 +371,15 @@ class RolloutAgent:
             reloc.kept_in_subdir,
             reloc.incomplete,
         )
+
+    def _stop_quietly(self) -> str:
+        """Stop an engine whose start timed out, so it does not record until the next
+        session; its files, if any, stay in the engine's directory."""
+        try:
+            self.engine.stop()
+        except Exception as exc:
+            return f"stop after the timed-out start also failed: {exc}"
+        return "sent a stop after the timed-out start, in case the engine started anyway"
 
     def _expected_files(self) -> int:
         extra = 1 if self.vllm_launch is not None and self.vllm_launch.frontend_trace else 0
