@@ -166,7 +166,10 @@ def test_engine_adapter_bug_is_contained(tmp_path) -> None:
 def test_slow_flush_is_waited_for(tmp_path) -> None:
     # The stop answers at once; files appear 0.3 s later and grow for 1.2 s, with pauses
     # longer than the settle interval.
-    fake, agent = sglang_pair(tmp_path, tp=2, stop_blocks=False, flush_s=1.2, appear_delay_s=0.3)
+    flush = FAST.model_copy(update={"first_file_timeout_s": 10})  # robust on a busy machine
+    fake, agent = sglang_pair(
+        tmp_path, tp=2, flush=flush, stop_blocks=False, flush_s=1.2, appear_delay_s=0.3
+    )
     with fake:
         agent.start_window("s1", tmp_path / "s", OPTS, {1})
         fake.advance(3)
