@@ -1,0 +1,443 @@
+"""The rollout agent: one per inference replica; profiles it through the engine's own profiler.
+
+It knows its replica (index, ``tp × dp × pp`` layout, global GPU ranks), drives the engine
+through an adapter (:mod:`profd.rollout.engines`) and brings the engine's files into the
+session directory (:mod:`profd.rollout.relocate`). The training side decides when a window
+ends, so a window is two calls:
+
+* :meth:`RolloutAgent.start_window` — start the engine's profiler for a session;
+* :meth:`RolloutAgent.finish_window` — stop it, wait for complete files, relocate them and
+  return a :class:`WindowOutcome` (``done``, or ``partial`` with the reason).
+
+:meth:`RolloutAgent.run_window` does both around a ``duration_s`` for rollout-only sessions.
+Engines are profiled in discrete and continuous modes alike (verl silently skips them unless
+discrete, reference §13 item 8). One window at a time: a replica is never profiled by two
+sessions at once.
+
+Nothing here raises on an engine failure: an endpoint that is down, a refused start, a stop
+that hangs or a stop that leaves no files all become the outcome's reason. The calls block
+(HTTP, file waits of up to :attr:`FlushWait.timeout_s`); a caller on an event loop runs them
+in a thread. No Ray import.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from profd.config import ToolKind
+from profd.rollout.engine_args import (
+    EngineProfileOptions,
+    VllmLaunchSettings,
+    vllm_launch_settings,
+    vllm_window_warnings,
+)
+from profd.rollout.engines import EngineError, EngineErrorKind, EngineWindow, ProfilingEngine
+from profd.rollout.relocate import (
+    FlushWait,
+    IncompleteFile,
+    RelocatedFile,
+    collect_engine_files,
+    replica_subdir_name,
+    snapshot_dir,
+)
+from profd.rollout.replicas import ReplicaParallelism
+from profd.rollout.windows import RolloutAgentInfo, WindowMode, WindowOutcome, WindowStart
+from profd.views import PartState
+
+__all__ = [
+    "RolloutAgent",
+    "RolloutAgentInfo",
+    "WindowMode",
+    "WindowOutcome",
+    "WindowStart",
+    "engine_trace_dir",
+]  # the records live in profd.rollout.windows; re-exported for convenience
+
+log = logging.getLogger(__name__)
+
+_ENGINE_TOOLS = (ToolKind.TORCH.value, ToolKind.NPU.value)
+
+
+def _mode(mode: WindowMode | str) -> WindowMode:
+    try:
+        return WindowMode(mode)
+    except ValueError:
+        raise ValueError(f"mode: must be continuous or discrete, got {mode!r}") from None
+
+
+def engine_trace_dir(save_root: str | Path, replica: int) -> Path:
+    """Where a vLLM replica launched by profd writes (fixed for the server's lifetime); files
+    are moved out of it into each session's directory."""
+    return Path(save_root) / f"rollout-engine-replica{replica}"
+
+
+@dataclass
+class _Window:
+    session_id: str
+    session_dir: Path
+    window_dir: Path
+    baseline: frozenset[str]
+    keep: frozenset[int] | None
+    mode: WindowMode
+    relocate: bool
+    started_at: float
+    warnings: list[str] = field(default_factory=list)
+    start_error: str | None = None
+    #: The start timed out: the engine may have started anyway.
+    start_uncertain: bool = False
+    finishing: bool = False
+
+
+class RolloutAgent:
+    """Profiles one rollout replica through its engine. Thread-safe; blocking calls."""
+
+    def __init__(
+        self,
+        replica_index: int,
+        parallelism: ReplicaParallelism | tuple[int, int, int] | dict,
+        engine: ProfilingEngine,
+        engine_kind: str | None = None,
+        endpoint: str | None = None,
+        trace_dir: str | Path | None = None,
+        *,
+        vllm_launch: VllmLaunchSettings | None = None,
+        flush: FlushWait | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if (
+            isinstance(replica_index, bool)
+            or not isinstance(replica_index, int)
+            or replica_index < 0
+        ):
+            raise ValueError(f"replica_index: must be an int >= 0, got {replica_index!r}")
+        self.replica_index = replica_index
+        self.parallelism = ReplicaParallelism.of(parallelism)
+        self.engine = engine
+        self.engine_kind = str(engine_kind or engine.kind)
+        self.endpoint = endpoint or engine.endpoint
+        if trace_dir is None and vllm_launch is not None:
+            trace_dir = vllm_launch.trace_dir
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.vllm_launch = vllm_launch
+        self.flush = flush or FlushWait()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window: _Window | None = None
+        self.windows_finished = 0
+
+    # -- identity --------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.world_size
+
+    @property
+    def global_ranks(self) -> range:
+        w = self.world_size
+        return range(self.replica_index * w, (self.replica_index + 1) * w)
+
+    def describe(self) -> RolloutAgentInfo:
+        caps: dict[str, str | None] = {
+            t.value: None
+            if t.value in _ENGINE_TOOLS
+            else "rollout engines profile with their own torch profiler (torch or npu)"
+            for t in ToolKind
+        }
+        r = self.global_ranks
+        return RolloutAgentInfo(
+            replica_index=self.replica_index,
+            world_size=self.world_size,
+            parallelism=self.parallelism.model_dump(),
+            global_ranks=(r.start, r.stop),
+            engine_kind=self.engine_kind,
+            engine_flavor=self.engine.flavor,
+            endpoint=self.endpoint,
+            trace_dir=str(self.trace_dir) if self.trace_dir else None,
+            capabilities=caps,
+        )
+
+    def launch_settings(
+        self,
+        options: EngineProfileOptions,
+        vllm_version: str | None,
+        *,
+        frontend_trace: bool = False,
+    ) -> VllmLaunchSettings:
+        """vLLM launch settings for this replica (its engine reads them only at launch); they
+        are remembered, so later sessions are told what the replica cannot change."""
+        if self.engine.flavor != "vllm":
+            raise ValueError(
+                f"engine: launch settings are for vLLM replicas, not {self.engine.flavor}"
+            )
+        if self.trace_dir is None:
+            raise ValueError("trace_dir: a vLLM replica needs a fixed trace directory")
+        settings = vllm_launch_settings(
+            options, str(self.trace_dir), vllm_version, frontend_trace=frontend_trace
+        )
+        self.vllm_launch = settings
+        return settings
+
+    @property
+    def busy_with(self) -> str | None:
+        """The session whose window is open on this replica, if any."""
+        w = self._window
+        return w.session_id if w is not None else None
+
+    # -- windows ---------------------------------------------------------------------------
+    def start_window(
+        self,
+        session_id: str,
+        session_dir: str | Path,
+        options: EngineProfileOptions,
+        keep_global_ranks: Iterable[int] | None = None,
+        mode: WindowMode | str = WindowMode.CONTINUOUS,
+        *,
+        relocate: bool = True,
+    ) -> WindowStart:
+        """Start the engine's profiler for ``session_id``. Never raises on engine failure:
+        a failed start is reported here and again by :meth:`finish_window`."""
+        with self._lock:
+            if self._window is not None:
+                reason = (
+                    f"replica {self.replica_index} is already profiling session "
+                    f"{self._window.session_id}; one window at a time"
+                )
+                return WindowStart(session_id, self.replica_index, False, reason)
+            window = self._open(
+                session_id, Path(session_dir), options, keep_global_ranks, _mode(mode), relocate
+            )
+            self._window = window
+        if window.start_error is None:
+            try:
+                engine_window = EngineWindow(str(window.window_dir), options)
+                window.warnings.extend(self.engine.start(engine_window))
+            except EngineError as exc:
+                window.start_error = f"start failed: {exc.reason}"
+                window.start_uncertain = exc.kind is EngineErrorKind.TIMEOUT
+            except Exception as exc:  # an adapter bug must not reach the caller either
+                log.exception("replica %d: engine start raised", self.replica_index)
+                window.start_error = f"start failed: {type(exc).__name__}: {exc}"
+        if window.start_error:
+            log.warning(
+                "replica %d, session %s: %s", self.replica_index, session_id, window.start_error
+            )
+        return WindowStart(
+            session_id,
+            self.replica_index,
+            window.start_error is None,
+            window.start_error or "",
+            str(window.window_dir),
+            tuple(window.warnings),
+        )
+
+    def _open(
+        self,
+        session_id: str,
+        session_dir: Path,
+        options: EngineProfileOptions,
+        keep: Iterable[int] | None,
+        mode: WindowMode,
+        relocate: bool,
+    ) -> _Window:
+        warnings: list[str] = []
+        error = None
+        if self.engine.output_dir_per_window:
+            window_dir = session_dir / replica_subdir_name(self.replica_index)
+        elif self.trace_dir is not None:
+            window_dir = self.trace_dir
+            if self.vllm_launch is not None:
+                warnings.extend(vllm_window_warnings(self.vllm_launch, options))
+        else:
+            window_dir = session_dir / replica_subdir_name(self.replica_index)
+            error = (
+                "start failed: the engine writes where it was launched to write, and this "
+                "agent was not told where (trace_dir)"
+            )
+        try:
+            window_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = error or f"start failed: cannot create {window_dir}: {exc}"
+        return _Window(
+            session_id=session_id,
+            session_dir=session_dir,
+            window_dir=window_dir,
+            # Files already there belong to earlier windows (or flushed after their wait).
+            baseline=snapshot_dir(window_dir),
+            keep=None if keep is None else frozenset(int(g) for g in keep),
+            mode=mode,
+            relocate=relocate,
+            started_at=self._clock(),
+            warnings=warnings,
+            start_error=error,
+        )
+
+    def finish_window(self, session_id: str) -> WindowOutcome:
+        """Stop the engine's profiler, wait for its files, relocate them. Never raises."""
+        with self._lock:
+            window = self._window
+            if window is None or window.session_id != session_id or window.finishing:
+                why = (
+                    f"the window of session {session_id} is already being finished"
+                    if window is not None and window.session_id == session_id
+                    else f"no window of session {session_id} is open on this replica"
+                )
+                return self._outcome(session_id, WindowMode.CONTINUOUS, [why], [], None)
+            window.finishing = True
+        try:
+            return self._finish(window)
+        except Exception as exc:
+            log.exception("replica %d: finishing session %s failed", self.replica_index, session_id)
+            return self._outcome(
+                session_id,
+                window.mode,
+                [f"internal error: {type(exc).__name__}: {exc}"],
+                window.warnings,
+                window.started_at,
+            )
+        finally:
+            with self._lock:
+                self._window = None
+                self.windows_finished += 1
+
+    def run_window(
+        self,
+        session_id: str,
+        session_dir: str | Path,
+        options: EngineProfileOptions,
+        duration_s: float,
+        keep_global_ranks: Iterable[int] | None = None,
+        mode: WindowMode | str = WindowMode.CONTINUOUS,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> WindowOutcome:
+        """A ``duration_s`` window (rollout-only sessions); ``cancel`` ends it early."""
+        if duration_s <= 0:
+            raise ValueError(f"duration_s: must be > 0, got {duration_s}")
+        started = self.start_window(session_id, session_dir, options, keep_global_ranks, mode)
+        if started.ok:
+            (cancel or threading.Event()).wait(duration_s)
+        return self.finish_window(session_id)
+
+    # -- internals -------------------------------------------------------------------------
+    def _finish(self, w: _Window) -> WindowOutcome:
+        problems: list[str] = []
+        warnings = list(w.warnings)
+        if w.start_error:
+            if w.start_uncertain:
+                warnings.append(self._stop_quietly())
+            return self._outcome(w.session_id, w.mode, [w.start_error], warnings, w.started_at)
+        policy = self.flush
+        try:
+            warnings.extend(self.engine.stop())
+        except EngineError as exc:
+            problems.append(f"stop failed: {exc.reason}")
+            if exc.kind is EngineErrorKind.UNREACHABLE:
+                # The engine is gone: take what is on disk without waiting for more.
+                policy = policy.model_copy(update={"first_file_timeout_s": policy.settle_s})
+        except Exception as exc:
+            log.exception("replica %d: engine stop raised", self.replica_index)
+            problems.append(f"stop failed: {type(exc).__name__}: {exc}")
+        waited, reloc = collect_engine_files(
+            w.window_dir,
+            w.baseline,
+            replica=self.replica_index,
+            parallelism=self.parallelism,
+            session_dir=w.session_dir,
+            keep_global_ranks=w.keep,
+            policy=policy,
+            expected=self._expected_files(),
+            move=w.relocate,
+        )
+        warnings.extend(reloc.warnings)
+        if not reloc.files and not reloc.incomplete:
+            problems.append(self._no_files_reason(w, policy))
+        if reloc.incomplete:
+            problems.append(
+                f"{len(reloc.incomplete)} file(s) still being written after {waited.waited_s:g}s; "
+                f"left in {w.window_dir}"
+            )
+        problems.extend(self._missing_ranks(w, reloc.files, warnings))
+        return self._outcome(
+            w.session_id,
+            w.mode,
+            problems,
+            warnings,
+            w.started_at,
+            reloc.moved,
+            reloc.kept_in_subdir,
+            reloc.incomplete,
+        )
+
+    def _stop_quietly(self) -> str:
+        """Stop an engine whose start timed out, so it does not record until the next
+        session; its files, if any, stay in the engine's directory."""
+        try:
+            self.engine.stop()
+        except Exception as exc:
+            return f"stop after the timed-out start also failed: {exc}"
+        return "sent a stop after the timed-out start, in case the engine started anyway"
+
+    def _expected_files(self) -> int:
+        extra = 1 if self.vllm_launch is not None and self.vllm_launch.frontend_trace else 0
+        return self.world_size + extra
+
+    def _no_files_reason(self, w: _Window, policy: FlushWait) -> str:
+        reason = (
+            f"no trace file appeared in {w.window_dir} within "
+            f"{policy.first_file_timeout_s:g}s after stop"
+        )
+        if self.engine.flavor == "vllm":
+            reason += (
+                " (vLLM writes nothing when the window ended before delay_iterations engine "
+                "iterations ran, and is known to write nothing after a repeated start/stop in "
+                "one server process)"
+            )
+        return reason
+
+    def _missing_ranks(
+        self, w: _Window, files: Sequence[RelocatedFile], warnings: list[str]
+    ) -> list[str]:
+        """Requested global ranks of this replica that no file was identified for."""
+        if w.keep is None or not files:
+            return []  # without files the reason already says so
+        found = {f.global_rank for f in files}
+        missing = [g for g in sorted(w.keep) if g in self.global_ranks and g not in found]
+        if not missing:
+            return []
+        if None in found:
+            warnings.append(
+                f"global rank(s) {missing} cannot be told apart in the engine's file names; "
+                f"replica {self.replica_index}'s files are named by replica only"
+            )
+            return []
+        return [f"no trace for requested global rank(s) {missing}"]
+
+    def _outcome(
+        self,
+        session_id: str,
+        mode: WindowMode,
+        problems: list[str],
+        warnings: list[str],
+        started_at: float | None,
+        traces: tuple[RelocatedFile, ...] = (),
+        kept: tuple[RelocatedFile, ...] = (),
+        incomplete: tuple[IncompleteFile, ...] = (),
+    ) -> WindowOutcome:
+        reason = "; ".join(dict.fromkeys(problems))
+        return WindowOutcome(
+            session_id=session_id,
+            replica_index=self.replica_index,
+            state=PartState.PARTIAL if problems else PartState.DONE,
+            reason=f"replica {self.replica_index}: {reason}" if reason else "",
+            mode=mode,
+            traces=traces,
+            kept_in_subdir=kept,
+            incomplete=incomplete,
+            warnings=tuple(dict.fromkeys(warnings)),
+            started_at=started_at,
+            finished_at=self._clock(),
+        )
