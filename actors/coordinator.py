@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from profd import __version__
+from profd.actors.admission import check_conflicts, check_reachable, new_session_id, session_dir
+from profd.actors.finisher import Finisher
 from profd.actors.planbook import PlanBook
+from profd.actors.runner import NodeRunner, default_runner
+from profd.actors.store import Store, open_store
 from profd.config import RoleProfilerConfig, SessionRequest, ToolKind, field_errors
 from profd.errors import ConflictError, NotFoundError, RequestInvalid
 from profd.protocol import AgentEvent, AgentInfo, EventKind, PollReply, WindowPlan
@@ -26,14 +29,16 @@ from profd.registry import AgentRecord, AgentRegistry
 from profd.selection import WILDCARD
 from profd.sessions import Part, Session
 from profd.settings import CoordinatorSettings
-from profd.targeting import Target, resolve_targets
+from profd.targeting import resolve_targets
 from profd.views import (
     AgentView,
+    HookView,
     IgnoredView,
     PartView,
     SessionView,
     StatusView,
     TraceView,
+    UploadView,
 )
 
 __all__ = ["ProfileCoordinator", "Registration"]
@@ -58,7 +63,12 @@ class ProfileCoordinator:
     """Owns agents, sessions and the trace index; computes each agent's plan."""
 
     def __init__(
-        self, settings: CoordinatorSettings | dict, clock: Callable[[], float] = time.time
+        self,
+        settings: CoordinatorSettings | dict,
+        clock: Callable[[], float] = time.time,
+        *,
+        store: Store | None = None,
+        runner: NodeRunner | None = None,
     ) -> None:
         if isinstance(settings, dict):
             settings = CoordinatorSettings.model_validate(settings)
@@ -75,6 +85,40 @@ class ProfileCoordinator:
         #: Last step announced by a single-controller driver, and when.
         self._controller_step: int | None = None
         self._controller_seen = 0.0
+        self._store = store if store is not None else open_store(settings.state_dir)
+        self._finisher = Finisher(runner or default_runner(), self._changed, settings.base_dir)
+        self._restored: list[Session] = []
+        self._restore()
+
+    def _restore(self) -> None:
+        """Pick up sessions and the trace index a previous incarnation persisted."""
+        saved = self._store.load()
+        for d in saved["sessions"]:
+            s = Session.from_dict(d)
+            self._sessions[s.session_id] = s
+            self._blocks[s.session_id] = self._blocks_of(s.request)
+            if s.is_live:
+                self._restored.append(s)
+        for d in saved["traces"]:
+            view = TraceView.model_validate(d)
+            self._traces[view.trace_id] = view
+        if saved["sessions"]:
+            log.info(
+                "coordinator restored %d session(s), %d trace(s); %d live",
+                len(saved["sessions"]),
+                len(saved["traces"]),
+                len(self._restored),
+            )
+
+    @staticmethod
+    def _blocks_of(req: SessionRequest) -> dict[str, RoleProfilerConfig]:
+        blocks = dict(req.roles)
+        blocks.setdefault(WILDCARD, RoleProfilerConfig())
+        return blocks
+
+    def _changed(self, s: Session) -> None:
+        """A session changed outside an agent event (upload or hook finished)."""
+        self._advance(s)
 
     # -- agents -------------------------------------------------------------------------
     async def register(self, info: AgentInfo, step: int | None) -> Registration:
@@ -84,6 +128,7 @@ class ProfileCoordinator:
         self._plans.ensure(info.agent_id)
         log.info("agent %s registered (role %s rank %s)", info.agent_id, info.role, info.rank)
         self._adopt(info)
+        self._publish([info.agent_id])  # a re-registering agent gets its windows back
         return Registration(self._plans.plan(info.agent_id), self.settings.poll_timeout_s)
 
     async def poll(
@@ -146,7 +191,13 @@ class ProfileCoordinator:
             hostname=info.hostname,
             created_at=ev.time,
         )
+        if view.trace_id in self._traces:
+            return  # a re-sent event (agent retried after an outage): indexed once
         self._traces[view.trace_id] = view
+        self._store.save_trace(view.trace_id, view.session_id, view.model_dump(mode="json"))
+        session = self._sessions.get(view.session_id)
+        if session is not None:
+            self._finisher.upload(session, view)
 
     # -- single-controller drivers ---------------------------------------------------------
     async def controller_step(self, step: int, timeout: float = 10.0) -> dict[str, Any]:
@@ -188,10 +239,6 @@ class ProfileCoordinator:
             )
         except ValidationError as exc:
             raise RequestInvalid.from_fields(field_errors(exc)) from None
-        if req.finish_hook_cmd is not None:
-            raise RequestInvalid.at(
-                "finish_hook_cmd", "finish hooks are not available in this profd build yet"
-            )
         targeting = resolve_targets(req, [r.info for r in self._registry.alive()])
         if not targeting.targets and not req.wait_for_agents:
             detail = "; ".join(
@@ -201,9 +248,9 @@ class ProfileCoordinator:
             raise RequestInvalid.at(
                 "roles", f"no registered agent matches the request ({detail or 'no agents'})"
             )
-        self._check_conflicts(targeting.targets)
+        check_conflicts(self._live_sessions(), self._registry, targeting.targets)
         if req.steps is not None:
-            self._check_reachable(req.steps, targeting.targets)
+            check_reachable(req.steps, self._registry, targeting.targets)
         session = self._new_session(req, targeting)
         session.open_targeting = req.wait_for_agents
         if req.steps is not None:
@@ -224,10 +271,7 @@ class ProfileCoordinator:
 
     def _new_session(self, req: SessionRequest, targeting: Any) -> Session:
         now = self._clock()
-        sid = self._new_id(now)
-        root = Path(req.save_path) if req.save_path else Path(self.settings.save_root)
-        if not root.is_absolute():
-            root = Path(self.settings.base_dir) / root
+        sid = new_session_id(now, self._sessions)
         parts = {
             t.agent.agent_id: Part(t.agent.agent_id, t.agent.role, t.agent.rank, t.block_key)
             for t in targeting.targets
@@ -235,58 +279,15 @@ class ProfileCoordinator:
         session = Session(
             session_id=sid,
             request=req,
-            save_dir=str(root / sid),
+            save_dir=session_dir(req, self.settings, sid),
             created_at=now,
             targets=parts,
             ignored=list(targeting.ignored),
             deadline=now + self.settings.session_timeout_s,
         )
         self._sessions[sid] = session
-        blocks = dict(req.roles)
-        blocks.setdefault(WILDCARD, RoleProfilerConfig())
-        self._blocks[sid] = blocks
+        self._blocks[sid] = self._blocks_of(req)
         return session
-
-    def _new_id(self, now: float) -> str:
-        while True:
-            sid = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + "-" + secrets.token_hex(2)
-            if sid not in self._sessions:
-                return sid
-
-    def _check_conflicts(self, targets: tuple[Target, ...]) -> None:
-        """Refuse targets that a live session holds (same agent, or same process)."""
-        held: dict[Any, tuple[str, Part]] = {}
-        for s in self._live_sessions():
-            for aid, part in s.targets.items():
-                if part.state.is_terminal:
-                    continue
-                held[aid] = (s.session_id, part)
-                rec = self._registry.get(aid)
-                if rec is not None:
-                    held[(rec.info.hostname, rec.info.pid)] = (s.session_id, part)
-        clashes = []
-        for t in targets:
-            hit = held.get(t.agent.agent_id) or held.get((t.agent.hostname, t.agent.pid))
-            if hit:
-                clashes.append((t, hit))
-        if clashes:
-            desc = "; ".join(
-                f"{t.agent.role} rank {t.agent.rank} is held by session {sid} "
-                f"({p.role} rank {p.rank}, {p.state.value})"
-                for t, (sid, p) in clashes
-            )
-            holders = sorted({sid for _, (sid, _) in clashes})
-            raise ConflictError(f"targets busy: {desc}", holders=holders)
-
-    def _check_reachable(self, steps: tuple[int, ...], targets: tuple[Target, ...]) -> None:
-        current = [self._registry.get(t.agent.agent_id).current_step for t in targets]  # type: ignore[union-attr]
-        known = [c for c in current if c is not None]
-        if known and len(known) == len(current) and min(known) >= steps[-1]:
-            raise RequestInvalid.at(
-                "steps",
-                f"every requested step has already begun on every target (targets are at "
-                f"steps {sorted(set(known))}); use next_steps or later steps",
-            )
 
     async def _align(self, session: Session, count: int) -> None:
         """Pick the first step every target can still reach, from fresh step reports."""
@@ -319,7 +320,7 @@ class ProfileCoordinator:
             if not t.targets:
                 continue
             try:
-                self._check_conflicts(t.targets)
+                check_conflicts(self._live_sessions(), self._registry, t.targets)
             except ConflictError as exc:
                 s.warnings.append(f"{info.role} rank {info.rank} not adopted: {exc.message}")
                 continue
@@ -335,14 +336,17 @@ class ProfileCoordinator:
                 done.set()
 
     async def get_session(self, session_id: str) -> SessionView:
+        self._ensure_ticker()
         return self._view(self._get(session_id))
 
     async def list_sessions(self) -> list[SessionView]:
+        self._ensure_ticker()
         return [self._view(s) for s in sorted(self._sessions.values(), key=lambda s: s.created_at)]
 
     async def cancel_session(
         self, session_id: str, reason: str = "cancelled by user"
     ) -> SessionView:
+        self._ensure_ticker()
         s = self._get(session_id)
         if s.state.is_terminal:
             raise ConflictError(
@@ -391,6 +395,11 @@ class ProfileCoordinator:
         was_live, was_open = s.is_live, s.open_targeting
         while s.advance(self._clock()) is not None:
             pass
+        if s.is_live and s.request.finish_hook_cmd is not None and not s.hooks_planned:
+            traces = [t for t in self._traces.values() if t.session_id == s.session_id]
+            self._finisher.start_hooks(s, self._registry.all(), traces)
+            while s.advance(self._clock()) is not None:
+                pass
         if was_open and not s.open_targeting:
             # A launch-time session's window began: report what never showed up.
             found = resolve_targets(s.request, [r.info for r in self._registry.alive()])
@@ -398,6 +407,7 @@ class ProfileCoordinator:
         if was_live and not s.is_live:
             log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
         self._publish([aid for aid, p in s.targets.items() if p.state.is_terminal or not s.is_live])
+        self._store.save_session(s.session_id, s.to_dict())
 
     def tick(self) -> None:
         """Housekeeping: lose silent agents, expire sessions past their deadline."""
@@ -407,12 +417,20 @@ class ProfileCoordinator:
             log.warning("agent %s lost: %s", rec.info.agent_id, reason)
             for s in self._live_sessions():
                 s.mark_lost(rec.info.agent_id, reason)
+        if self._restored and now - self._started > self.settings.heartbeat_timeout_s:
+            for s in self._restored:  # agents of restored sessions had their chance to return
+                for aid in list(s.targets):
+                    if self._registry.get(aid) is None:
+                        s.mark_lost(aid, "the agent did not come back after a coordinator restart")
+            self._restored = []
         for s in self._live_sessions():
             self._advance(s)
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+            for s in self._restored:
+                self._finisher.resume(s)
 
     async def _tick_loop(self) -> None:
         while True:
@@ -453,10 +471,18 @@ class ProfileCoordinator:
             ignored=[IgnoredView(role=i.role, rank=i.rank, reason=i.reason) for i in s.ignored],
             traces=[t for t in self._traces.values() if t.session_id == s.session_id],
             warnings=list(s.warnings),
+            hooks=[HookView.model_validate(h) for h in s.hooks],
+            uploads=[
+                UploadView(
+                    trace_id=tid, state=u["state"], path=u["path"], dest=u["dest"], error=u["error"]
+                )
+                for tid, u in s.uploads.items()
+            ],
             request=s.request.model_dump(mode="json"),
         )
 
     async def list_agents(self) -> list[AgentView]:
+        self._ensure_ticker()
         now = self._clock()
         recs = sorted(self._registry.all(), key=lambda r: (r.info.role, r.info.rank))
         return [r.view(now) for r in recs]
@@ -464,6 +490,7 @@ class ProfileCoordinator:
     async def list_traces(
         self, session_id: str | None = None, role: str | None = None, rank: int | None = None
     ) -> list[TraceView]:
+        self._ensure_ticker()
         out = [
             t
             for t in self._traces.values()
@@ -474,6 +501,7 @@ class ProfileCoordinator:
         return sorted(out, key=lambda t: (t.session_id, t.role, t.rank, t.steps, t.file_name))
 
     async def status(self) -> StatusView:
+        self._ensure_ticker()
         by_state: dict[str, int] = {}
         for s in self._sessions.values():
             by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
@@ -490,4 +518,5 @@ class ProfileCoordinator:
         )
 
     async def ping(self) -> str:
+        self._ensure_ticker()
         return __version__

@@ -230,6 +230,14 @@ class GlobalProfilerConfig(_Frozen):
     )
     finish_hook_all_ranks: StrictBool = Field(False, description="Run the hook on every rank.")
     finish_hook_ranks: tuple[NonNegInt, ...] = Field((), description="Ranks that run the hook.")
+    finish_hook_timeout_s: float = Field(
+        300.0, gt=0, le=86_400, description="The hook is killed after this long."
+    )
+    upload_uri: str | None = Field(
+        None,
+        description="Copy every trace once to <upload_uri>/<session>/ (any fsspec URL, e.g. "
+        "file:///mnt/traces or s3://bucket/prefix).",
+    )
 
     @field_validator("steps")
     @classmethod
@@ -239,6 +247,22 @@ class GlobalProfilerConfig(_Frozen):
         if not v:
             raise ValueError("must list at least one step")
         return tuple(sorted(set(v)))
+
+    @field_validator("upload_uri")
+    @classmethod
+    def _known_protocol(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        if not v.strip():
+            raise ValueError("must be a non-empty URL or null")
+        import fsspec
+
+        protocol = v.split("://", 1)[0] if "://" in v else "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            raise ValueError(f"unsupported protocol {protocol!r}: {exc}") from None
+        return v
 
     @field_validator("finish_hook_cmd")
     @classmethod

@@ -58,6 +58,8 @@ def start_session(
         raise RuntimeError("profd.start_session() needs Ray: call it after ray.init()")
     handle = get_coordinator()
     if handle is None:
-        handle, _ = get_or_create_coordinator(ProfdSettings().coordinator(), detached=False)
+        # A coordinator owned by this job: it ends with the driver and persists nothing.
+        settings = ProfdSettings().coordinator().model_copy(update={"state_dir": None})
+        handle, _ = get_or_create_coordinator(settings, detached=False)
         _OWNED.append(handle)  # a non-detached actor lives only while referenced
     return ray.get(handle.create_session.remote(request), timeout=timeout)

@@ -9,7 +9,8 @@ the state is never spread across flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from profd.config import SessionRequest
 from profd.protocol import AgentEvent, EventKind
@@ -43,6 +44,19 @@ class Part:
             self.state = state
             self.reason = reason
 
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["state"] = self.state.value
+        d["recorded"], d["missed"] = sorted(self.recorded), sorted(self.missed)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Part:
+        d = dict(d)
+        d["state"] = PartState(d["state"])
+        d["recorded"], d["missed"] = set(d["recorded"]), set(d["missed"])
+        return cls(**d)
+
 
 @dataclass
 class Session:
@@ -63,7 +77,68 @@ class Session:
     warnings: list[str] = field(default_factory=list)
     #: Launch-time sessions adopt agents that register later, until recording starts.
     open_targeting: bool = False
+    #: trace id -> {"state": pending | done | failed, "path", "dest", "error"}
+    uploads: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: One record per finish-hook run (agent, node, state, exit code, output).
+    hooks: list[dict[str, Any]] = field(default_factory=list)
+    hooks_planned: bool = False
+
+    def finish_pending(self) -> bool:
+        """Uploads or finish hooks still to run before the session may end."""
+        if any(u["state"] == "pending" for u in self.uploads.values()):
+            return True
+        if self.request.finish_hook_cmd is None:
+            return False
+        return not self.hooks_planned or any(
+            h["state"] in ("pending", "running") for h in self.hooks
+        )
+
     history: list[tuple[float, SessionState, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything needed to rebuild the session after a coordinator restart."""
+        return {
+            "session_id": self.session_id,
+            "request": self.request.model_dump(mode="json"),
+            "save_dir": self.save_dir,
+            "created_at": self.created_at,
+            "targets": {k: p.to_dict() for k, p in self.targets.items()},
+            "ignored": [[i.role, i.rank, i.reason] for i in self.ignored],
+            "deadline": self.deadline,
+            "steps": list(self.steps) if self.steps is not None else None,
+            "state": self.state.value,
+            "reason": self.reason,
+            "finished_at": self.finished_at,
+            "cancel_reason": self.cancel_reason,
+            "history": [[t, st.value, r] for t, st, r in self.history],
+            "warnings": list(self.warnings),
+            "open_targeting": self.open_targeting,
+            "uploads": self.uploads,
+            "hooks": self.hooks,
+            "hooks_planned": self.hooks_planned,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Session:
+        s = cls(
+            session_id=d["session_id"],
+            request=SessionRequest.model_validate(d["request"]),
+            save_dir=d["save_dir"],
+            created_at=d["created_at"],
+            targets={k: Part.from_dict(p) for k, p in d["targets"].items()},
+            ignored=[Ignored(role, rank, reason) for role, rank, reason in d["ignored"]],
+            deadline=d["deadline"],
+        )
+        s.steps = tuple(d["steps"]) if d["steps"] is not None else None
+        s.state = SessionState(d["state"])
+        s.reason, s.finished_at, s.cancel_reason = d["reason"], d["finished_at"], d["cancel_reason"]
+        s.history = [(t, SessionState(st), r) for t, st, r in d["history"]]
+        s.warnings = list(d["warnings"])
+        s.open_targeting = d["open_targeting"]
+        s.uploads = dict(d.get("uploads", {}))
+        s.hooks = list(d.get("hooks", []))
+        s.hooks_planned = bool(d.get("hooks_planned", False))
+        return s
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -167,6 +242,10 @@ class Session:
                 self.reason = "waiting for agents to register"
             return None
         if all(p.state.is_terminal for p in parts):
+            if self.finish_pending():
+                if self.state is SessionState.COLLECTING:
+                    return None
+                return self._to(SessionState.COLLECTING, "uploading traces / running hooks", now)
             return self._finish(parts, now)
         started = any(
             p.recorded or p.state not in (PartState.PENDING, PartState.ARMED) for p in parts
@@ -182,7 +261,11 @@ class Session:
         return None
 
     def _finish(self, parts: list[Part], now: float) -> SessionState:
+        failed = [u for u in self.uploads.values() if u["state"] == "failed"]
         done = [p for p in parts if p.state is PartState.DONE]
+        if failed:
+            detail = "; ".join(f"upload of {u['path']} failed: {u['error']}" for u in failed)
+            return self._to(SessionState.PARTIAL, detail, now)
         if len(done) == len(parts):
             n = sum(len(p.traces) for p in parts)
             return self._to(SessionState.DONE, f"{n} trace(s) from {len(parts)} target(s)", now)

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "AgentView",
+    "HookView",
+    "UploadView",
     "IgnoredView",
     "PartState",
     "PartView",
@@ -150,6 +152,8 @@ class SessionView(_View):
     ignored: list[IgnoredView] = Field(description="Requested targets that were not used, why.")
     traces: list[TraceView] = Field(description="Traces written so far.")
     warnings: list[str] = Field(description="Problems that did not stop the session.")
+    hooks: list[HookView] = Field(description="Finish-hook runs, one per hook agent.")
+    uploads: list[UploadView] = Field(description="Uploads to upload_uri, one per trace.")
     request: dict = Field(description="The request as validated (defaults filled in).")
 
 
@@ -163,3 +167,26 @@ class StatusView(_View):
     trace_bytes: int = Field(description="Total size of those files.")
     save_root: str = Field(description="Default directory sessions are saved under.")
     uptime_s: float = Field(description="Seconds since the coordinator started.")
+
+
+class HookView(_View):
+    agent_id: str = Field(description="Agent whose node ran the hook.")
+    role: str = Field(description="Role of that agent.")
+    rank: int = Field(description="Rank of that agent.")
+    node: str = Field(description="Node the hook ran on.")
+    state: str = Field(description="pending, running, done, failed or timed_out.")
+    exit_code: int | None = Field(description="Exit code of the command.")
+    output: str = Field(description="Last 64 KB of the command's output.")
+    duration_s: float | None = Field(description="How long the command ran.")
+    error: str = Field(description="Why it could not run, if it could not.")
+
+
+class UploadView(_View):
+    trace_id: str = Field(description="Trace uploaded.")
+    state: str = Field(description="pending, done or failed.")
+    path: str = Field(description="Source path on its node.")
+    dest: str = Field(description="Destination URL.")
+    error: str = Field(description="Why the upload failed, if it did.")
+
+
+SessionView.model_rebuild()

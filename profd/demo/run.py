@@ -110,7 +110,8 @@ def run_demo(
             )
             started_ray = True
     settings = ProfdSettings(save_root=save_root, poll_timeout_s=2.0)
-    coord_settings = settings.coordinator()
+    # The demo's coordinator lives and dies with the demo: nothing to persist.
+    coord_settings = settings.coordinator().model_copy(update={"state_dir": None})
     token = secrets.token_urlsafe(24)
     sidecar = SidecarConfig(host="127.0.0.1", port=port, token=token)
     workers: list[Any] = []

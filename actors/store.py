@@ -1,0 +1,100 @@
+"""Where the coordinator keeps sessions, the trace index and upload records.
+
+:class:`SqliteStore` writes them to one SQLite file in the state directory on the head node
+(WAL mode, one row per object as JSON), so a restarted coordinator — Ray restarts it after a
+crash — picks up where it stopped. :class:`MemoryStore` keeps nothing (the demo and tests
+that do not exercise restarts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+
+__all__ = ["MemoryStore", "SqliteStore", "Store", "open_store"]
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS traces (
+    id TEXT PRIMARY KEY, session_id TEXT NOT NULL, data BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS uploads (trace_id TEXT PRIMARY KEY, data BLOB NOT NULL);
+"""
+
+
+class Store(Protocol):
+    def load(self) -> dict[str, list[dict[str, Any]]]: ...
+
+    def save_session(self, session_id: str, data: dict[str, Any]) -> None: ...
+
+    def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None: ...
+
+    def save_upload(self, trace_id: str, data: dict[str, Any]) -> None: ...
+
+
+class MemoryStore:
+    """Keeps nothing: a coordinator with this store starts empty after a restart."""
+
+    def load(self) -> dict[str, list[dict[str, Any]]]:
+        return {"sessions": [], "traces": [], "uploads": []}
+
+    def save_session(self, session_id: str, data: dict[str, Any]) -> None:
+        pass
+
+    def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
+        pass
+
+    def save_upload(self, trace_id: str, data: dict[str, Any]) -> None:
+        pass
+
+
+class SqliteStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        os.chmod(path, 0o600)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def load(self) -> dict[str, list[dict[str, Any]]]:
+        with self._lock:
+            out = {}
+            for table in ("sessions", "traces", "uploads"):
+                rows = self._db.execute(f"SELECT data FROM {table}").fetchall()  # fixed table names
+                out[table] = [orjson.loads(r[0]) for r in rows]
+        return out
+
+    def _put(self, sql: str, *args: Any) -> None:
+        with self._lock:
+            self._db.execute(sql, args)
+
+    def save_session(self, session_id: str, data: dict[str, Any]) -> None:
+        self._put("INSERT OR REPLACE INTO sessions VALUES (?, ?)", session_id, orjson.dumps(data))
+
+    def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
+        self._put(
+            "INSERT OR REPLACE INTO traces VALUES (?, ?, ?)",
+            trace_id,
+            session_id,
+            orjson.dumps(data),
+        )
+
+    def save_upload(self, trace_id: str, data: dict[str, Any]) -> None:
+        self._put("INSERT OR REPLACE INTO uploads VALUES (?, ?)", trace_id, orjson.dumps(data))
+
+
+def open_store(state_dir: str | None) -> Store:
+    if not state_dir:
+        return MemoryStore()
+    return SqliteStore(Path(state_dir) / "coordinator.sqlite3")
