@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -520,3 +521,6 @@ class ProfileCoordinator:
     async def ping(self) -> str:
         self._ensure_ticker()
         return __version__
+
+    async def pid(self) -> int:
+        return os.getpid()

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from profd import __version__
+from profd.actors.runner import default_runner
 from profd.api.client import CoordinatorClient, RayCoordinatorClient
 from profd.api.routes import agents, sessions, status, traces
 from profd.config import field_errors
@@ -32,6 +33,17 @@ def _connect_ray(config: SidecarConfig) -> None:
         ray.init(address=config.ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
 
 
+def _local_node_id() -> str | None:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:
+        pass
+    return None
+
+
 def create_app(
     config: SidecarConfig | None = None, client: CoordinatorClient | None = None
 ) -> FastAPI:
@@ -45,6 +57,8 @@ def create_app(
             app.state.client = RayCoordinatorClient()
         else:
             app.state.client = client
+        app.state.runner = default_runner()
+        app.state.node_id = _local_node_id()
         yield
 
     app = FastAPI(
@@ -55,6 +69,8 @@ def create_app(
     )
     app.state.config = config
     app.state.client = client
+    app.state.runner = None
+    app.state.node_id = None
     for router in (status.router, agents.router, sessions.router, traces.router):
         app.include_router(router)
     _install_error_handlers(app)

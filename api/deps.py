@@ -7,10 +7,21 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
 
+from profd.actors.runner import NodeRunner
 from profd.api.client import CoordinatorClient
 from profd.settings import SidecarConfig
 
-__all__ = ["ClientDep", "ConfigDep", "get_client", "get_config", "require_token"]
+__all__ = [
+    "ClientDep",
+    "ConfigDep",
+    "NodeIdDep",
+    "RunnerDep",
+    "get_client",
+    "get_config",
+    "get_node_id",
+    "get_runner",
+    "require_token",
+]
 
 
 def get_client(request: Request) -> CoordinatorClient:
@@ -21,8 +32,18 @@ def get_config(request: Request) -> SidecarConfig:
     return request.app.state.config
 
 
+def get_runner(request: Request) -> NodeRunner:
+    return request.app.state.runner
+
+
+def get_node_id(request: Request) -> str | None:
+    return request.app.state.node_id
+
+
 ClientDep = Annotated[CoordinatorClient, Depends(get_client)]
 ConfigDep = Annotated[SidecarConfig, Depends(get_config)]
+RunnerDep = Annotated[NodeRunner, Depends(get_runner)]
+NodeIdDep = Annotated[str | None, Depends(get_node_id)]
 
 
 def require_token(request: Request, config: ConfigDep) -> None:

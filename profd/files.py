@@ -15,7 +15,7 @@ import uuid
 import zlib
 from pathlib import Path
 
-__all__ = ["TRACE_EXT", "gzip_file", "publish_unique", "temp_path"]
+__all__ = ["TRACE_EXT", "file_size", "gzip_file", "publish_unique", "read_chunk", "temp_path"]
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +73,18 @@ def publish_unique(tmp: Path, save_dir: Path, stem: str, suffix: str, ext: str =
                 continue
         tmp.unlink(missing_ok=True)
         return candidate
+
+
+def file_size(path: str) -> int | None:
+    """Size of a file on this node, or ``None`` when it is not there (runs on its node)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def read_chunk(path: str, offset: int, size: int) -> bytes:
+    """``size`` bytes of a file from ``offset`` (runs on the node that holds the file)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)

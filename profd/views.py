@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "AgentView",
     "HookView",
-    "UploadView",
     "IgnoredView",
     "PartState",
     "PartView",
@@ -20,6 +19,7 @@ __all__ = [
     "SessionView",
     "StatusView",
     "TraceView",
+    "UploadView",
 ]
 
 

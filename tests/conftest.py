@@ -21,21 +21,41 @@ for _k, _v in {
 
 
 @pytest.fixture(scope="session")
-def ray_session() -> Iterator[Any]:
-    """A real local Ray, started once for the whole test session."""
+def cluster() -> Iterator[Any]:
+    """A real two-node Ray cluster on 127.0.0.1, started once for the whole test session.
+
+    The head runs the driver, the coordinator and the sidecar; the second node carries the
+    custom resource ``node_b`` so tests can place workers there.
+    """
     import ray
+    from ray.cluster_utils import Cluster
 
     from profd.constants import NAMESPACE
 
-    ctx = ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        namespace=NAMESPACE,
-        log_to_driver=False,
+    c = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={"num_cpus": 4, "include_dashboard": False},
     )
-    yield ctx
+    c.add_node(num_cpus=2, resources={"node_b": 1})
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    yield c
     ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_session(cluster: Any) -> Any:
+    """The test session's Ray (see :func:`cluster`); its ``address_info`` like ``ray.init``."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return type(
+        "RaySession",
+        (),
+        {"address_info": {"address": cluster.address}, "node_id": ctx.get_node_id()},
+    )()
 
 
 def _kill_services() -> None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path as FsPath
 
 from fastapi import APIRouter, Path, Query
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
-from profd.api.deps import ClientDep
+from profd.actors.runner import NodeRunner
+from profd.api.deps import ClientDep, NodeIdDep, RunnerDep
 from profd.errors import NotFoundError
+from profd.files import file_size, read_chunk
 from profd.views import TraceView
 
 router = APIRouter(prefix="/api/v1/traces", tags=["traces"])
@@ -33,24 +36,50 @@ async def list_traces(
     return TraceList(data=traces, count=len(traces), bytes=sum(t.bytes for t in traces))
 
 
+#: Bytes per Ray task when a file is streamed from another node.
+CHUNK = 8 << 20
+
+
+async def _remote_chunks(runner: NodeRunner, trace: TraceView, size: int) -> AsyncIterator[bytes]:
+    offset = 0
+    while offset < size:
+        chunk = await runner.run(trace.node_id, read_chunk, trace.path, offset, CHUNK)
+        if not chunk:
+            break
+        offset += len(chunk)
+        yield chunk
+
+
 @router.get(
     "/{trace_id}/download",
     response_class=FileResponse,
     responses={404: {"description": "Unknown trace or file gone"}},
 )
 async def download_trace(
-    client: ClientDep, trace_id: str = Path(pattern=r"^[0-9a-f]{16}$", description="Trace id")
-) -> FileResponse:
-    """The file of a known trace (never an arbitrary path)."""
+    client: ClientDep,
+    runner: RunnerDep,
+    node_id: NodeIdDep,
+    trace_id: str = Path(pattern=r"^[0-9a-f]{16}$", description="Trace id"),
+) -> Response:
+    """The file of a known trace (never an arbitrary path), read on the node that holds it."""
     traces = {t.trace_id: t for t in await client.call("list_traces", None, None, None)}
     trace = traces.get(trace_id)
     if trace is None:
         raise NotFoundError(f"no trace {trace_id!r}", trace_id=trace_id)
+    headers = {"Content-Disposition": f'attachment; filename="{trace.file_name}"'}
+    remote = trace.node_id is not None and node_id is not None and trace.node_id != node_id
+    if remote:
+        size = await runner.run(trace.node_id, file_size, trace.path)
+        if size is None:
+            raise NotFoundError(
+                f"trace {trace_id} is gone from its node ({trace.hostname})", trace_id=trace_id
+            )
+        headers.update({"Content-Length": str(size), "X-Profd-Node": trace.node_id or ""})
+        return StreamingResponse(
+            _remote_chunks(runner, trace, size), media_type="application/gzip", headers=headers
+        )
     path = FsPath(trace.path)
     if not path.is_file():
-        raise NotFoundError(
-            f"trace {trace_id} is not readable from the sidecar's node "
-            f"(it lives on {trace.hostname})",
-            trace_id=trace_id,
-        )
-    return FileResponse(path, media_type="application/gzip", filename=trace.file_name)
+        raise NotFoundError(f"trace {trace_id} is gone from {trace.hostname}", trace_id=trace_id)
+    headers["X-Profd-Node"] = node_id or ""
+    return FileResponse(path, media_type="application/gzip", headers=headers)

@@ -59,6 +59,9 @@ class DemoWorker:
     def ready(self) -> str:
         return self.agent.agent_id
 
+    def node_id(self) -> str | None:
+        return self.agent.info.node_id
+
     # -- stages ---------------------------------------------------------------------------
     def _generate(self) -> Any:
         torch = self._torch
@@ -154,9 +157,7 @@ class DemoWorker:
                 if spare > 0:
                     time.sleep(spare)
             if budget is not None:
-                import ray
-
-                last = max(last, ray.get(budget.last.remote()))
+                last = max(last, _budget_last(budget, last))
             step += 1
         written = self.agent.close(timeout=120)
         return {
@@ -166,6 +167,16 @@ class DemoWorker:
             "traces_written": written,
             "final_loss": losses[-1] if losses else None,
         }
+
+
+def _budget_last(budget: Any, default: int) -> int:
+    """The driver's budget; if it cannot be read, the loop keeps its own plan."""
+    import ray
+
+    try:
+        return int(ray.get(budget.last.remote(), timeout=10))
+    except Exception:
+        return default
 
 
 class StepBudget:
