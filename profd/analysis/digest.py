@@ -44,19 +44,20 @@ CPU_OP_CATEGORIES = frozenset({"cpu_op", "cuda_runtime", "cuda_driver"})
 #: Device-side events that count as operators.
 GPU_OP_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
-# torch >= 2.x: one key per line. The head is matched loosely so that every X event is seen;
-# the optional tail is the layout. A value never contains a raw newline in JSON, so "[^\n]*"
+# torch >= 2.x: one key per line. The head is matched loosely so that every X event is seen
+# (and every B / E event, whose missing tail sends the file to the generic path, which pairs
+# them); the optional tail is the layout. A value never contains a raw newline in JSON, so "[^\n]*"
 # safely skips one. Quantifiers are possessive ("*+": each run stops at a character its class
 # excludes, so nothing is lost), which saves the regex engine its backtracking bookkeeping.
 _KINETO = re.compile(
-    rb'"ph"\s*+:\s*+"X"(?:,\n\s*+("cat": [^\n]*+\n\s*+"name": [^\n]*+\n\s*+"pid": [^\n]*+\n\s*+'
+    rb'"ph"\s*+:\s*+"[XBE]"(?:,\n\s*+("cat": [^\n]*+\n\s*+"name": [^\n]*+\n\s*+"pid": [^\n]*+\n\s*+'
     rb'"tid": [^\n,]*+),\n\s*+"ts": ([^,\n]*+),\n\s*+"dur": ([^,\n\s]*+))?'
 )
 _STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
 _NUM = rb"-?[0-9][0-9.eE+\-]*"
 # Any whitespace, same key order (older Kineto, compact writers, profd merge output).
 _FLEXIBLE = re.compile(
-    rb'"ph"\s*:\s*"X"(?:\s*,\s*("cat"\s*:\s*'
+    rb'"ph"\s*:\s*"[XBE]"(?:\s*,\s*("cat"\s*:\s*'
     + _STR
     + rb'\s*,\s*"name"\s*:\s*'
     + _STR

@@ -150,15 +150,30 @@ class TraceStream:
                 break
             if lead[:1] not in (b"", b"{"):
                 raise TraceReadError(self.path, "not JSON: a trace starts with '{' or '['")
-            m = _EVENTS_KEY.search(buf, scan)
-            if m is not None and (m.start() == 0 or buf[m.start() - 1] != 0x5C):  # not \"
-                start = m.end()
+            start = self._top_level_key(buf, scan)
+            if start is not None:
                 break
             scan = max(0, len(buf) - 64)  # the key may straddle two blocks
             if len(buf) > MAX_PREFIX_BYTES or not self._more(buf):
                 raise TraceReadError(self.path, "no traceEvents array: not a Chrome trace")
         self.prefix = bytes(buf[:start])
         return buf[start:]
+
+    @staticmethod
+    def _top_level_key(buf: bytearray, scan: int) -> int | None:
+        """Where the top-level ``"traceEvents": [`` ends, if it is in ``buf``.
+
+        A match is top-level exactly when the text before it, closed with ``]}``, parses: a
+        key nested deeper leaves a brace open, one inside a string leaves the string open.
+        """
+        for m in _EVENTS_KEY.finditer(buf, scan):
+            try:
+                head = orjson.loads(bytes(buf[: m.end()]) + b"]}")
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(head, dict) and head.get("traceEvents") == []:
+                return m.end()
+        return None
 
     def quick_header(self) -> dict[str, Any]:
         """The header keys that come *before* the events (all of them, for Kineto traces)."""
@@ -207,10 +222,12 @@ class TraceStream:
         stripped = rest.strip(_WS)
         if stripped[:1] in (b"", b"]") and self._finish_header(stripped[1:]):
             return  # no event left: the array was empty or ended at the cut
-        ends = [(m.start() + 1, m.end()) for m in _ARRAY_END.finditer(rest)]
-        for end, after in reversed(ends[-16:]):  # the suffix is short: try from the back
-            if self._finish_header(rest[after:]):
-                yield rest[:end]
+        # ``rest`` is the last event(s) and the suffix: small. The first "}]" after which the
+        # document closes properly is the end of the array (an earlier one, inside an event,
+        # would leave that event's braces unbalanced).
+        for m in _ARRAY_END.finditer(rest):
+            if self._finish_header(rest[m.end() :]):
+                yield rest[: m.start() + 1]
                 return
         if self.prefix.lstrip(_WS)[:1] == b"[":  # bare arrays may omit the closing bracket
             self.header = {}
