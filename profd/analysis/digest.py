@@ -46,12 +46,14 @@ GPU_OP_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
 # torch >= 2.x: one key per line. The head is matched loosely so that every X event is seen
 # (and every B / E event, whose missing tail sends the file to the generic path, which pairs
-# them); the optional tail is the layout. A value never contains a raw newline in JSON, so "[^\n]*"
-# safely skips one. Quantifiers are possessive ("*+": each run stops at a character its class
-# excludes, so nothing is lost), which saves the regex engine its backtracking bookkeeping.
+# them); the optional tail is the layout: the four lines after "ph" (cat, name, pid, tid —
+# their text is parsed as JSON later and must hold exactly those keys), then ts and dur.
+# A value never contains a raw newline in JSON, so "[^\n]*" safely skips one. Quantifiers
+# are possessive ("*+": each run stops at a character its class excludes, so nothing is
+# lost), which saves the regex engine its backtracking bookkeeping.
 _KINETO = re.compile(
-    rb'"ph"\s*+:\s*+"[XBE]"(?:,\n\s*+("cat": [^\n]*+\n\s*+"name": [^\n]*+\n\s*+"pid": [^\n]*+\n\s*+'
-    rb'"tid": [^\n,]*+),\n\s*+"ts": ([^,\n]*+),\n\s*+"dur": ([^,\n\s]*+))?'
+    rb'"ph"\s*+:\s*+"[XBE]"(?:,\n\s*+("cat": [^\n]*+\n[^\n]*+\n[^\n]*+\n[^\n,]*+),\n\s*+'
+    rb'"ts": ([0-9.]++),\n\s*+"dur": ([0-9.]++))?'
 )
 _STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
 _NUM = rb"-?[0-9][0-9.eE+\-]*"
@@ -119,9 +121,12 @@ class _Columns:
         self.dur: list[np.ndarray] = []
 
     def add(self, keys: Iterable[Any], ts: Iterable[Any], dur: Iterable[Any], n: int) -> None:
+        """Append ``n`` events; ``ValueError`` (nothing appended) if a number does not parse."""
+        d = np.fromiter(map(float, dur), np.float64, n)
+        t = np.fromiter(map(float, ts), np.float64, n)
         self.gid.append(np.fromiter(map(self.ids.__getitem__, keys), np.int64, n))
-        self.ts.append(np.fromiter(map(float, ts), np.float64, n))
-        self.dur.append(np.fromiter(map(float, dur), np.float64, n))
+        self.ts.append(t)
+        self.dur.append(d)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.gid:
@@ -141,19 +146,27 @@ def _scan_fast(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]:
         if not stream.prefix.lstrip()[:1] == b"{" or b'"schemaVersion"' not in stream.prefix:
             raise _LayoutMismatch("not a Kineto trace")
         found = pattern.findall(seg)
-        durs = list(map(_DUR, found))
-        if b"" in durs and pattern is _KINETO:
-            pattern = _FLEXIBLE
-            found = pattern.findall(seg)
-            durs = list(map(_DUR, found))
-        if b"" in durs:
-            raise _LayoutMismatch("an X event does not follow the expected key order")
-        if found:
-            cols.add(map(_G, found), map(_TS, found), durs, len(found))
+        if not found:
+            continue
+        try:  # an event whose tail did not match has empty fields: float(b"") fails
+            cols.add(map(_G, found), map(_TS, found), map(_DUR, found), len(found))
+            continue
+        except ValueError:
+            if pattern is _FLEXIBLE:
+                raise _LayoutMismatch("an event does not follow the expected key order") from None
+        pattern = _FLEXIBLE
+        found = pattern.findall(seg)
+        try:
+            cols.add(map(_G, found), map(_TS, found), map(_DUR, found), len(found))
+        except ValueError:
+            raise _LayoutMismatch("an event does not follow the expected key order") from None
     heads: list[tuple[Any, ...]] = []
-    for text in cols.ids:
-        h = orjson.loads(b"{" + text + b"}")
-        heads.append((h["cat"], h["name"], h["pid"], h["tid"]))
+    for text in cols.ids:  # once per distinct (cat, name, pid, tid) text
+        try:
+            h = orjson.loads(b"{" + text + b"}")
+            heads.append((h["cat"], h["name"], h["pid"], h["tid"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise _LayoutMismatch(f"unexpected event fields: {bytes(text[:200])!r}") from None
     return cols, heads
 
 
@@ -197,7 +210,7 @@ def self_times(thread: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarra
     out = np.zeros(n)
     if n == 0:
         return out
-    order = np.lexsort((-dur, ts, thread))
+    order = _event_order(thread, ts, dur)
     th_s, ts_s, dur_s = thread[order], ts[order], dur[order]
     own = dur_s.copy()
     cuts = np.flatnonzero(np.diff(th_s)) + 1
@@ -223,6 +236,19 @@ def self_times(thread: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarra
         own[a:b] -= np.bincount(parent[inner], weights=length[inner], minlength=b - a)
     out[order] = np.maximum(own, 0.0)
     return out
+
+
+def _event_order(thread: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Sort by (thread, start, longest first). Traces come nearly sorted by start, which a
+    stable sort exploits (about 50x faster than a three-key lexsort here)."""
+    order = np.argsort(ts, kind="stable")
+    if len(order) > 1 and not (np.diff(ts[order]) > 0).all():  # equal starts: longest first
+        order = np.lexsort((-dur, ts))
+    th = thread[order]
+    if th.max() > 0:
+        small = th.astype(np.int16) if th.max() < 2**15 else th  # 16-bit keys: radix sort
+        order = order[np.argsort(small, kind="stable")]
+    return order
 
 
 def _op_totals(

@@ -122,17 +122,22 @@ class TraceStream:
         self._eof = False
 
     # -- shared -------------------------------------------------------------------------
+    def _next_block(self) -> bytes | None:
+        if self._eof:
+            return None
+        assert self._blocks is not None
+        block = next(self._blocks, None)
+        if block is None:
+            self._eof = True
+            return None
+        self.json_bytes += len(block)
+        return block
+
     def _more(self, buf: bytearray) -> bool:
         """Append the next block to ``buf``; False at the end of the file."""
-        if self._eof:
+        block = self._next_block()
+        if block is None:
             return False
-        assert self._blocks is not None
-        try:
-            block = next(self._blocks)
-        except StopIteration:
-            self._eof = True
-            return False
-        self.json_bytes += len(block)
         buf += block
         return True
 
@@ -204,18 +209,18 @@ class TraceStream:
         return True
 
     # -- text runs (fast path) --------------------------------------------------------------
-    def raw_segments(self) -> Iterator[bytes]:
+    def raw_segments(self) -> Iterator[bytes | memoryview]:
         """Runs of event-array text, each cut just before a ``"ph"`` key."""
-        carry = self._open_array()
-        while self._more(carry):
-            if len(carry) < self.segment_bytes:
-                continue
-            cut = carry.rfind(b'"ph"')
+        carry = bytes(self._open_array())
+        while (block := self._next_block()) is not None:
+            data = carry + block
+            cut = data.rfind(b'"ph"')
             if cut <= 0:
+                carry = data
                 continue
-            yield bytes(carry[:cut])
-            del carry[:cut]
-        yield from self._raw_final(bytes(carry))
+            yield memoryview(data)[:cut]  # no copy: the scanner reads it in place
+            carry = data[cut:]
+        yield from self._raw_final(carry)
 
     def _raw_final(self, rest: bytes) -> Iterator[bytes]:
         """The last event(s) and the closing ``]``: find where the array really ends."""
