@@ -53,6 +53,44 @@ def _wait(predicate: Any, timeout: float, what: str) -> Any:
     raise SystemExit(f"timed out waiting for {what}")
 
 
+def rl_step(agent: Any, model: Any, n: int, inner: int) -> None:
+    """One RL-shaped training step: generation, log-probs, an update loop of mini-batches."""
+    import torch
+
+    with agent.step(n):
+        with agent.stage("generate_sequences"), torch.no_grad():
+            for _ in range(inner // 2):
+                model(torch.randn(8, 16))
+        with agent.stage("compute_log_prob"), torch.no_grad():
+            for _ in range(inner // 2):
+                model(torch.randn(8, 16))
+        with agent.stage("update_actor", update_loop=True):
+            for i in range(2):
+                with agent.mini_batch(i):
+                    for j in range(2):
+                        with agent.micro_batch(j):
+                            for _ in range(max(1, inner // 8)):
+                                model(torch.randn(4, 16)).sum().backward()
+
+
+def profile_window(owner: Any, agents: list[Any], model: Any, step: int, inner: int) -> list[Path]:
+    """Profile ``step`` on ``agents`` (one after the other: one profiler per process)."""
+    roles = {"actor": {"ranks": [a.info.rank for a in agents]}}
+    view = owner.call("create_session", {"steps": [step], "roles": roles})
+    for a in agents:
+        _wait(lambda a=a: any(w.session_id == view.session_id for w in a.plan.windows), 30, "plan")
+    for n in (step, step + 1):
+        for a in agents:
+            rl_step(a, model, n, inner)
+
+    def written() -> Any:
+        v = owner.call("get_session", view.session_id)
+        busy = any(t.state in ("armed", "recording", "collecting") for t in v.targets)
+        return v if v.state.is_terminal and not busy else None
+
+    return [Path(t.path) for t in _wait(written, 300, "traces written").traces]
+
+
 def record(out: Path, ranks: int, target_mb: float) -> None:
     """Record one profiled step per rank with real profd agents (runs in its own process)."""
     import torch
@@ -65,64 +103,23 @@ def record(out: Path, ranks: int, target_mb: float) -> None:
 
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-
-    def step(agent: ProfilerAgent, n: int, inner: int) -> None:
-        with agent.step(n):
-            with agent.stage("generate_sequences"), torch.no_grad():
-                for _ in range(inner // 2):
-                    model(torch.randn(8, 16))
-            with agent.stage("compute_log_prob"), torch.no_grad():
-                for _ in range(inner // 2):
-                    model(torch.randn(8, 16))
-            with agent.stage("update_actor", update_loop=True):
-                for i in range(2):
-                    with agent.mini_batch(i):
-                        for j in range(2):
-                            with agent.micro_batch(j):
-                                for _ in range(max(1, inner // 8)):
-                                    model(torch.randn(4, 16)).sum().backward()
-
     settings = CoordinatorSettings(
         save_root=str(out / "profile"), base_dir=str(out), poll_timeout_s=1.0, tick_s=0.2
     )
     owner = InProcessCoordinator(ProfileCoordinator(settings))
-    topo = [{"tp": r % 2, "dp": r // 2} for r in range(ranks)]
     agents = [
-        ProfilerAgent(ROLE, r, ranks, topo[r], find_link=owner.link).start() for r in range(ranks)
+        ProfilerAgent(ROLE, r, ranks, {"tp": r % 2, "dp": r // 2}, find_link=owner.link).start()
+        for r in range(ranks)
     ]
     _wait(lambda: all(a.connected for a in agents), 30, "agents registered")
-
-    def window(steps: list[int], who: list[ProfilerAgent], inner: int) -> list[Path]:
-        roles = {"actor": {"ranks": [a.info.rank for a in who]}}
-        view = owner.call("create_session", {"steps": steps, "roles": roles})
-        for a in who:
-            _wait(
-                lambda a=a: any(w.session_id == view.session_id for w in a.plan.windows), 30, "plan"
-            )
-        for n in range(steps[0], steps[-1] + 2):
-            for a in who:  # one profiler per process: ranks record one after the other
-                step(a, n, inner)
-
-        def done() -> Any:
-            v = owner.call("get_session", view.session_id)
-            return (
-                v
-                if v.state.is_terminal
-                and not any(t.state in ("armed", "recording", "collecting") for t in v.targets)
-                else None
-            )
-
-        view = _wait(done, 300, "traces written")
-        return [Path(t.path) for t in view.traces]
-
     for a in agents:
-        step(a, 0, 4)
-    probe_inner = 40
-    (probe,) = window([1], agents[:1], probe_inner)
+        rl_step(a, model, 0, 4)
+    probe_inner = 40  # a probe window calibrates bytes per loop iteration
+    (probe,) = profile_window(owner, agents[:1], model, 1, probe_inner)
     per_inner = json_size_hint(probe) / probe_inner
     probe.unlink()
     inner = max(8, int(target_mb * 1e6 / ranks / per_inner))
-    files = window([3], agents, inner)
+    files = profile_window(owner, agents, model, 3, inner)
     for a in agents:
         a.close()
     owner.close()
@@ -230,44 +227,53 @@ def main() -> None:
     run(args)
 
 
+def prepare(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """The trace directory, and what to delete afterwards."""
+    if args.reuse:
+        return args.reuse, None
+    directory = args.keep or Path(tempfile.mkdtemp(prefix="profd-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    rec = [
+        sys.executable,
+        str(HERE),
+        "--record",
+        str(directory),
+        "--ranks",
+        str(args.ranks),
+        "--target-mb",
+        str(args.target_mb),
+    ]
+    subprocess.run(rec, check=True, stderr=subprocess.DEVNULL)
+    print(f"recording took {time.perf_counter() - t:.1f} s", flush=True)
+    return directory, None if args.keep else directory
+
+
+def rounds(directory: Path, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Alternate profd and HTA, each in a fresh process, so both see the same machine load."""
+    profd_runs, hta_runs = [], []
+    for i in range(n):
+        profd_runs.append(_child("--measure-profd", directory))
+        hta_runs.append(_child("--measure-hta", directory))
+        print(
+            f"round {i + 1}: profd {profd_runs[-1]['seconds']:.3f} s "
+            f"(peak {profd_runs[-1]['peak_mb']:.1f} MB), HTA {hta_runs[-1]['seconds']:.3f} s",
+            flush=True,
+        )
+    return profd_runs, hta_runs
+
+
 def run(args: argparse.Namespace) -> None:
     from profd.analysis.jsonscan import json_size_hint
     from profd.analysis.sources import discover
 
-    scratch = None
-    if args.reuse:
-        directory = args.reuse
-    else:
-        directory = args.keep or Path(tempfile.mkdtemp(prefix="profd-bench-"))
-        scratch = None if args.keep else directory
-        directory.mkdir(parents=True, exist_ok=True)
-        t = time.perf_counter()
-        rec = [
-            sys.executable,
-            str(HERE),
-            "--record",
-            str(directory),
-            "--ranks",
-            str(args.ranks),
-            "--target-mb",
-            str(args.target_mb),
-        ]
-        subprocess.run(rec, check=True, stderr=subprocess.DEVNULL)
-        print(f"recording took {time.perf_counter() - t:.1f} s", flush=True)
+    directory, scratch = prepare(args)
     try:
         files = discover(directory)
         raw = sum(json_size_hint(f) for f in files)
         on_disk = sum(f.stat().st_size for f in files)
         print(f"{len(files)} traces, {raw / 1e6:.1f} MB of JSON ({on_disk / 1e6:.1f} MB gzip)")
-        profd_runs, hta_runs = [], []
-        for i in range(args.rounds):
-            profd_runs.append(_child("--measure-profd", directory))
-            hta_runs.append(_child("--measure-hta", directory))
-            print(
-                f"round {i + 1}: profd {profd_runs[-1]['seconds']:.3f} s "
-                f"(peak {profd_runs[-1]['peak_mb']:.1f} MB), HTA {hta_runs[-1]['seconds']:.3f} s",
-                flush=True,
-            )
+        profd_runs, hta_runs = rounds(directory, args.rounds)
         expected = distributed_ranks(directory)
     finally:
         if scratch is not None:

@@ -73,13 +73,34 @@ class MergeReport(BaseModel):
     skipped: dict[str, str] = Field(description="Input files not merged -> reason.")
 
 
-def merge_dir(path: Path | str, output: Path | str, **kwargs: Any) -> MergeReport:
+def merge_dir(
+    path: Path | str,
+    output: Path | str,
+    *,
+    stages: Sequence[str] | None = None,
+    ranks: Sequence[int] | None = None,
+    roles: Sequence[str] | None = None,
+    start_ms: float | None = None,
+    end_ms: float | None = None,
+    max_mb: float | None = None,
+    workers: int | None = None,
+) -> MergeReport:
     """Merge every trace directly inside ``path`` into ``output`` (see :func:`merge_files`)."""
     out = Path(output).resolve()
     files = [f for f in discover(path) if f.resolve() != out]
     if not files:
         raise ValueError(f"path: no trace files (*.json, *.json.gz) in {path}")
-    return merge_files(files, output, **kwargs)
+    return merge_files(
+        files,
+        output,
+        stages=stages,
+        ranks=ranks,
+        roles=roles,
+        start_ms=start_ms,
+        end_ms=end_ms,
+        max_mb=max_mb,
+        workers=workers,
+    )
 
 
 def _check(
@@ -157,7 +178,7 @@ class _Plan:
             return
         s = self.scans[f]
         for c, count in zip(*np.unique(s.category[hit], return_counts=True), strict=True):
-            self.dropped[reason][s.categories[int(c)]] += int(count)
+            self.dropped[reason][s.categories[int(c)] or "(none)"] += int(count)
         self.keep[f] &= ~hit
 
     def select(self, ranks: Sequence[int] | None, roles: Sequence[str] | None) -> None:
@@ -266,6 +287,32 @@ def _track_metadata(plan: _Plan, used: set[str]) -> list[bytes]:
     return out
 
 
+def _jobs(plan: _Plan, chosen: list[int], tmp: Path, base_us: float) -> list[WriteJob]:
+    return [
+        WriteJob(
+            path=plan.scans[f].path,
+            fragment=str(tmp / f"{f}.part"),
+            file_index=f,
+            track_pid=plan.pid[plan.idents[f].key],
+            main_pid=plan.scans[f].main_pid,
+            offset_us=plan.scans[f].base_us - base_us,
+            keep=plan.keep[f],
+            process_names=plan.scans[f].process_names,
+        )
+        for f in chosen
+    ]
+
+
+def _header(plan: _Plan, tracks: list[MergedTrack], base_us: float, **note: Any) -> bytes:
+    """The keys written before the events; ``profdMerge`` first, so a reader that peeks at
+    the start of the file (``profd summarize``) knows this is a merged trace."""
+    sources = [{"file": f, "pid": t.pid, "track": t.label} for t in tracks for f in t.files]
+    meta = {"version": _version(), "sources": sources, "t0_epoch_us": plan.t0, **note}
+    return orjson.dumps(
+        {"profdMerge": meta, "displayTimeUnit": "ms", "baseTimeNanoseconds": round(base_us * 1000)}
+    )
+
+
 def _write(
     plan: _Plan,
     out: Path,
@@ -279,19 +326,7 @@ def _write(
     base_us = min((plan.scans[f].base_us for f in chosen), default=0.0)
     tmp = Path(tempfile.mkdtemp(prefix=".profd-merge-", dir=out.parent))
     try:
-        jobs = [
-            WriteJob(
-                path=plan.scans[f].path,
-                fragment=str(tmp / f"{f}.part"),
-                file_index=f,
-                track_pid=plan.pid[plan.idents[f].key],
-                main_pid=plan.scans[f].main_pid,
-                offset_us=plan.scans[f].base_us - base_us,
-                keep=plan.keep[f],
-                process_names=plan.scans[f].process_names,
-            )
-            for f in chosen
-        ]
+        jobs = _jobs(plan, chosen, tmp, base_us)
         results, _ = map_files(write_file, jobs, workers=workers, sizes=[sizes[f] for f in chosen])
         for job, res in zip(jobs, results, strict=True):
             if res.error:
@@ -308,23 +343,7 @@ def _write(
             if i.key in used
         ]
         dropped = {r: dict(sorted(c.items())) for r, c in sorted(plan.dropped.items())}
-        meta = {
-            "version": _version(),
-            "sources": [
-                {"file": t, "pid": tr.pid, "track": tr.label} for tr in tracks for t in tr.files
-            ],
-            "dropped": dropped,
-            "budget_note": note,
-            "skipped": skipped,
-            "t0_epoch_us": plan.t0,
-        }
-        head = orjson.dumps(
-            {
-                "profdMerge": meta,
-                "displayTimeUnit": "ms",
-                "baseTimeNanoseconds": round(base_us * 1000),
-            }
-        )
+        head = _header(plan, tracks, base_us, dropped=dropped, budget_note=note, skipped=skipped)
         events, json_bytes = _assemble(out, head, _track_metadata(plan, used), ok)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

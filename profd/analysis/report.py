@@ -232,84 +232,71 @@ def _ops(s: SessionSummary) -> str:
     return "".join(out) or "<p class='muted'>No operator events.</p>"
 
 
+_STATS_HEAD = (
+    "step", "stage", "role", "ranks", "min ms", "median ms", "max ms", "end spread ms", "ended last"
+)  # fmt: skip
+
+
+def _tables(s: SessionSummary) -> dict[str, str]:
+    """Every table of the report, by name."""
+    stats = (
+        (
+            x.step,
+            x.stage,
+            x.role or "-",
+            x.ranks,
+            _fmt(x.wall_min_ms),
+            _fmt(x.wall_median_ms),
+            _fmt(x.wall_max_ms),
+            _fmt(x.end_spread_ms),
+            x.slowest,
+        )
+        for x in s.stage_stats
+    )
+    per_rank = (
+        (r.step, r.stage, r.track, _fmt(r.start_ms), _fmt(r.end_ms), _fmt(r.wall_ms), r.calls)
+        for r in s.stage_times
+    )
+    steps = (
+        (x.step, x.track, _fmt(x.wall_ms), _fmt(x.stages_ms), _fmt(x.idle_ms)) for x in s.step_times
+    )
+    gaps = (
+        (g.step, g.track, g.after, g.before, _fmt(g.start_ms), _fmt(g.gap_ms)) for g in s.idle_gaps
+    )
+    minis = (
+        (m.step, m.stage or "-", m.track, m.index, _fmt(m.wall_ms), m.micro_batches)
+        for m in s.mini_batches
+    )
+    files = (
+        (f.name, f.track, f"{f.json_bytes / 1e6:,.1f}", f.events, f.parse, f"{f.seconds:.3f}")
+        for f in s.files
+    )
+    return {
+        "stats": _table(_STATS_HEAD, stats, left=3),
+        "per_rank": _table(
+            ("step", "stage", "track", "start ms", "end ms", "wall ms", "calls"), per_rank, left=3
+        ),
+        "steps": _table(("step", "track", "wall ms", "in stages ms", "idle ms"), steps, left=2),
+        "gaps": _table(("step", "track", "after", "before", "at ms", "gap ms"), gaps, left=4),
+        "minis": _table(
+            ("step", "stage", "track", "mini-batch", "wall ms", "micro-batches"), minis, left=3
+        ),
+        "files": _table(("file", "track", "MB (json)", "events", "parse", "s"), files, left=2),
+        "skipped": _table(("file", "reason"), ((x.name, x.reason) for x in s.skipped), left=2)
+        if s.skipped
+        else "",
+    }
+
+
 def render_html(s: SessionSummary) -> str:
     """The whole report as one HTML document."""
-    colors = _colors(s)
     by_stage: dict[str, list[StageTime]] = defaultdict(list)
     for r in s.stage_times:
         by_stage[r.stage].append(r)
     bars = "".join(
         f"<h3>{escape(stage)}</h3>{stage_bars_svg(s, stage, by_stage[stage])}" for stage in s.stages
     )
-    stats = _table(
-        (
-            "step",
-            "stage",
-            "role",
-            "ranks",
-            "min ms",
-            "median ms",
-            "max ms",
-            "end spread ms",
-            "ended last",
-        ),
-        (
-            (
-                x.step,
-                x.stage,
-                x.role or "-",
-                x.ranks,
-                _fmt(x.wall_min_ms),
-                _fmt(x.wall_median_ms),
-                _fmt(x.wall_max_ms),
-                _fmt(x.end_spread_ms),
-                x.slowest,
-            )
-            for x in s.stage_stats
-        ),
-        left=3,
-    )
-    per_rank = _table(
-        ("step", "stage", "track", "start ms", "end ms", "wall ms", "calls"),
-        (
-            (r.step, r.stage, r.track, _fmt(r.start_ms), _fmt(r.end_ms), _fmt(r.wall_ms), r.calls)
-            for r in s.stage_times
-        ),
-        left=3,
-    )
-    steps = _table(
-        ("step", "track", "wall ms", "in stages ms", "idle ms"),
-        (
-            (x.step, x.track, _fmt(x.wall_ms), _fmt(x.stages_ms), _fmt(x.idle_ms))
-            for x in s.step_times
-        ),
-        left=2,
-    )
-    gaps = _table(
-        ("step", "track", "after", "before", "at ms", "gap ms"),
-        (
-            (g.step, g.track, g.after, g.before, _fmt(g.start_ms), _fmt(g.gap_ms))
-            for g in s.idle_gaps
-        ),
-        left=4,
-    )
-    minis = _table(
-        ("step", "stage", "track", "mini-batch", "wall ms", "micro-batches"),
-        (
-            (m.step, m.stage or "-", m.track, m.index, _fmt(m.wall_ms), m.micro_batches)
-            for m in s.mini_batches
-        ),
-        left=3,
-    )
-    files = _table(
-        ("file", "track", "MB (json)", "events", "parse", "s"),
-        (
-            (f.name, f.track, f"{f.json_bytes / 1e6:,.1f}", f.events, f.parse, f"{f.seconds:.3f}")
-            for f in s.files
-        ),
-        left=2,
-    )
-    skipped = _table(("file", "reason"), ((x.name, x.reason) for x in s.skipped), left=2)
+    t = _tables(s)
     title = "profd summary" + (f" — {', '.join(s.session_ids)}" if s.session_ids else "")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>
@@ -317,18 +304,18 @@ def render_html(s: SessionSummary) -> str:
 <h1>{escape(title)}</h1>
 {_overview(s)}
 <h2>Stragglers</h2>{_stragglers(s)}
-<h2>Stage timeline</h2>{_legend(colors)}{timeline_svg(s)}
+<h2>Stage timeline</h2>{_legend(_colors(s))}{timeline_svg(s)}
 <p class="muted">Grey: step ranges. Red outline: a straggler. Milliseconds after the first
 event.</p>
 <h2>Wall time per stage</h2>{bars}
-<h2>Stages across ranks</h2>{stats}
-<details><summary>Every stage on every track</summary>{per_rank}</details>
-<h2>Steps and idle time</h2>{steps}
-<details><summary>Idle gaps between stages ({len(s.idle_gaps)})</summary>{gaps}</details>
+<h2>Stages across ranks</h2>{t["stats"]}
+<details><summary>Every stage on every track</summary>{t["per_rank"]}</details>
+<h2>Steps and idle time</h2>{t["steps"]}
+<details><summary>Idle gaps between stages ({len(s.idle_gaps)})</summary>{t["gaps"]}</details>
 <h2>Mini-batches</h2>
-<details><summary>{len(s.mini_batches)} mini-batch ranges</summary>{minis}</details>
+<details><summary>{len(s.mini_batches)} mini-batch ranges</summary>{t["minis"]}</details>
 <h2>Top operators by self time</h2>{_ops(s)}
-<h2>Files</h2>{files}{skipped if s.skipped else ""}
+<h2>Files</h2>{t["files"]}{t["skipped"]}
 </body></html>
 """
 

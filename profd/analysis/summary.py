@@ -185,24 +185,19 @@ def summarize_digests(
         SkippedFile(name=Path(d.path).name, reason=d.error or "") for d in digests if d.error
     ]
     idents = {d.path: identify(Path(d.path).name, d.header) for d in ok}
+    by_key, file_count = _track_keys(ok, idents)
+    ordered = sorted(by_key.values(), key=track_order)
+    label = {i.key: i.label for i in ordered}
     starts = [d.base_us + d.first_ts for d in ok if d.first_ts is not None]
     ends = [d.base_us + d.last_end for d in ok if d.last_end is not None]
     t0 = min(starts) if starts else 0.0
-    by_key: dict[str, TrackIdentity] = {}
-    file_count: dict[str, int] = defaultdict(int)
-    for d in ok:
-        ident = idents[d.path]
-        by_key.setdefault(ident.key, ident)
-        file_count[ident.key] += 1
-    ordered = sorted(by_key.values(), key=track_order)
-    label = {i.key: i.label for i in ordered}
-    views = [_FileView(d, idents[d.path], t0) for d in ok]
 
     acc = _Acc()
     step_rows: list[StepTime] = []
     gaps: list[IdleGap] = []
     minis: list[MiniBatchTime] = []
-    for v in views:
+    for d in ok:
+        v = _FileView(d, idents[d.path], t0)
         _collect_stages(v, acc)
         _collect_steps(v, label[v.ident.key], step_rows, gaps)
         _collect_minis(v, label[v.ident.key], minis)
@@ -210,18 +205,6 @@ def summarize_digests(
     order = _stage_order(stage_rows)
     pos = {i.label: n for n, i in enumerate(ordered)}
     stage_rows.sort(key=lambda r: (r.step is None, r.step or 0, order[r.stage], pos[r.track]))
-
-    processing = ProcessingStats(
-        files=len(digests),
-        json_bytes=sum(d.json_bytes for d in digests),
-        wall_s=(time.perf_counter() - started)
-        if started is not None
-        else sum(d.seconds for d in digests),
-        mode=stats.mode if stats else "serial",
-        workers=stats.workers if stats else 1,
-        start_method=stats.start_method if stats else None,
-        worker_memory_mb=stats.worker_memory_mb if stats else None,
-    )
     return SessionSummary(
         source=source,
         session_ids=sorted({i.session_id for i in idents.values() if i.session_id}),
@@ -240,7 +223,35 @@ def summarize_digests(
         top_ops=_top_ops(ok, top, order),
         stragglers=detect_stragglers(stage_rows, rule),
         straggler_rule=rule,
-        processing=processing,
+        processing=_processing(digests, stats, started),
+    )
+
+
+def _track_keys(
+    digests: Sequence[FileDigest], idents: dict[str, TrackIdentity]
+) -> tuple[dict[str, TrackIdentity], dict[str, int]]:
+    """One identity per track key (the first file's), and how many files each track has."""
+    by_key: dict[str, TrackIdentity] = {}
+    count: dict[str, int] = defaultdict(int)
+    for d in digests:
+        ident = idents[d.path]
+        by_key.setdefault(ident.key, ident)
+        count[ident.key] += 1
+    return by_key, count
+
+
+def _processing(
+    digests: Sequence[FileDigest], stats: MapStats | None, started: float | None
+) -> ProcessingStats:
+    wall = time.perf_counter() - started if started is not None else sum(d.seconds for d in digests)
+    return ProcessingStats(
+        files=len(digests),
+        json_bytes=sum(d.json_bytes for d in digests),
+        wall_s=wall,
+        mode=stats.mode if stats else "serial",
+        workers=stats.workers if stats else 1,
+        start_method=stats.start_method if stats else None,
+        worker_memory_mb=stats.worker_memory_mb if stats else None,
     )
 
 

@@ -149,7 +149,11 @@ def merge(
         _usage_error(exc)
     if as_json:
         sys.stdout.write(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
-        return
+    else:
+        print_merge(report)
+
+
+def print_merge(report: Any) -> None:
     table = Table(title=f"Merged {len(report.tracks)} tracks into {report.output}")
     for col in ("pid", "track", "files"):
         table.add_column(col, overflow="fold")
@@ -161,7 +165,7 @@ def merge(
         f"{report.file_bytes / 1e6:,.1f} MB on disk. Open it at https://ui.perfetto.dev"
     )
     for reason, cats in report.dropped.items():
-        listed = ", ".join(f"{n:,} {c or '(no category)'}" for c, n in cats.items())
+        listed = ", ".join(f"{n:,} {c}" for c, n in cats.items())
         console.print(f"dropped by {reason}: {listed}")
     if report.budget_note:
         console.print(f"budget: {report.budget_note}")
@@ -235,6 +239,17 @@ def print_summary(s: SessionSummary) -> None:
         f"({p.json_bytes / 1e6:,.1f} MB JSON, {p.wall_s:.2f} s), steps {s.steps or '-'}, "
         f"span {s.span_ms:,.1f} ms"
     )
+    _print_stats(s)
+    _print_grid(s)
+    _print_minis(s)
+    _print_stragglers(s)
+    _print_gaps(s)
+    _print_ops(s)
+    for x in s.skipped:
+        err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
+
+
+def _print_stats(s: SessionSummary) -> None:
     stats = Table(title="Stages across ranks (ms)")
     for col in ("step", "stage", "role", "ranks", "min", "median", "max", "end spread", "last"):
         stats.add_column(col, overflow="fold")
@@ -251,44 +266,57 @@ def print_summary(s: SessionSummary) -> None:
             _short(x.slowest),
         )
     console.print(stats)
-    if len(s.tracks) <= 12 and s.stage_times:
-        grid = Table(title="Wall time per step x stage x track (ms)")
-        grid.add_column("step")
-        grid.add_column("stage")
-        names = [t.track for t in s.tracks]
-        for n in names:
-            grid.add_column(_short(n), overflow="fold")
-        cells: dict[tuple[Any, str], dict[str, float]] = {}
-        for r in s.stage_times:
-            cells.setdefault((r.step, r.stage), {})[r.track] = r.wall_ms
-        for (step, stage), row in cells.items():
-            grid.add_row(str(step), stage, *[f"{row[n]:,.1f}" if n in row else "" for n in names])
-        console.print(grid)
-    _print_minis(s)
-    if s.stragglers:
-        late = Table(title="Stragglers")
-        for col in ("step", "stage", "track", "late ms", "threshold ms", "wall ms"):
-            late.add_column(col, overflow="fold")
-        for x in s.stragglers:
-            late.add_row(
-                str(x.step),
-                x.stage,
-                _short(x.track),
-                f"[red]{x.late_ms:,.1f}[/red]",
-                f"{x.threshold_ms:,.1f}",
-                f"{x.wall_ms:,.1f}",
-            )
-        console.print(late)
-    else:
+
+
+def _print_grid(s: SessionSummary) -> None:
+    """Step x stage rows, one column per track (only while that fits a terminal)."""
+    if len(s.tracks) > 12 or not s.stage_times:
+        return
+    grid = Table(title="Wall time per step x stage x track (ms)")
+    grid.add_column("step")
+    grid.add_column("stage")
+    names = [t.track for t in s.tracks]
+    for n in names:
+        grid.add_column(_short(n), overflow="fold")
+    cells: dict[tuple[Any, str], dict[str, float]] = {}
+    for r in s.stage_times:
+        cells.setdefault((r.step, r.stage), {})[r.track] = r.wall_ms
+    for (step, stage), row in cells.items():
+        grid.add_row(str(step), stage, *[f"{row[n]:,.1f}" if n in row else "" for n in names])
+    console.print(grid)
+
+
+def _print_stragglers(s: SessionSummary) -> None:
+    if not s.stragglers:
         console.print("No straggler.")
-    if s.idle_gaps:
-        gaps = sorted(s.idle_gaps, key=lambda g: -g.gap_ms)[:8]
-        table = Table(title="Largest idle gaps between stages")
-        for col in ("step", "track", "after", "before", "gap ms"):
-            table.add_column(col, overflow="fold")
-        for g in gaps:
-            table.add_row(str(g.step), _short(g.track), g.after, g.before, f"{g.gap_ms:,.1f}")
-        console.print(table)
+        return
+    late = Table(title="Stragglers")
+    for col in ("step", "stage", "track", "late ms", "threshold ms", "wall ms"):
+        late.add_column(col, overflow="fold")
+    for x in s.stragglers:
+        late.add_row(
+            str(x.step),
+            x.stage,
+            _short(x.track),
+            f"[red]{x.late_ms:,.1f}[/red]",
+            f"{x.threshold_ms:,.1f}",
+            f"{x.wall_ms:,.1f}",
+        )
+    console.print(late)
+
+
+def _print_gaps(s: SessionSummary) -> None:
+    if not s.idle_gaps:
+        return
+    table = Table(title="Largest idle gaps between stages")
+    for col in ("step", "track", "after", "before", "gap ms"):
+        table.add_column(col, overflow="fold")
+    for g in sorted(s.idle_gaps, key=lambda g: -g.gap_ms)[:8]:
+        table.add_row(str(g.step), _short(g.track), g.after, g.before, f"{g.gap_ms:,.1f}")
+    console.print(table)
+
+
+def _print_ops(s: SessionSummary) -> None:
     ops = Table(title="Top operators by self time (3 per stage)")
     for col in ("stage", "device", "operator", "calls", "self ms", "share"):
         ops.add_column(col, overflow="fold")
@@ -303,8 +331,6 @@ def print_summary(s: SessionSummary) -> None:
                 f"{o.share:.0%}",
             )
     console.print(ops)
-    for x in s.skipped:
-        err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
 
 
 def _print_minis(s: SessionSummary) -> None:
