@@ -58,7 +58,8 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1)
         cells = []
         for i, v in enumerate(row):
             cls = ' class="l"' if i < left else ""
-            cells.append(f"<td{cls}>{v if isinstance(v, _Raw) else escape(str(v))}</td>")
+            text = v if isinstance(v, _Raw) else escape("-" if v is None else str(v))
+            cells.append(f"<td{cls}>{text}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><tr>{th}</tr>{''.join(body)}</table>"
 
