@@ -380,3 +380,15 @@ def test_html_report_renders_plots_and_names_the_straggler(summary, tmp_path) ->
     assert hit.track in text and f"{hit.late_ms:,.1f}" in text
     for stage in summary.stages:
         assert stage in text
+
+
+def test_a_merged_trace_in_the_directory_is_not_read_as_a_rank(rl_session, tmp_path) -> None:
+    for f in rl_session.dir.iterdir():
+        if f.is_file():
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    merge_dir(tmp_path, tmp_path / "merged.json.gz")
+    s = summarize_dir(tmp_path)
+    assert [x.name for x in s.skipped] == ["merged.json.gz"] and "merged" in s.skipped[0].reason
+    assert len(s.tracks) == WORLD + 2
+    again = merge_dir(tmp_path, tmp_path / "again.json.gz")
+    assert "merged.json.gz" in again.skipped and len(again.tracks) == WORLD + 2

@@ -75,6 +75,7 @@ _FLEXIBLE = re.compile(
     + rb"))?"
 )
 _G, _TS, _DUR = itemgetter(0), itemgetter(1), itemgetter(2)
+MERGED = "a merged trace written by `profd merge` (not a rank's trace)"
 
 
 class OpTotal(NamedTuple):
@@ -143,6 +144,8 @@ def _scan_fast(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]:
     cols = _Columns()
     pattern = _KINETO
     for seg in stream.raw_segments():
+        if b'"profdMerge"' in stream.prefix:  # written first by profd merge: skip it early
+            raise TraceReadError(stream.path, MERGED)
         if not stream.prefix.lstrip()[:1] == b"{" or b'"schemaVersion"' not in stream.prefix:
             raise _LayoutMismatch("not a Kineto trace")
         found = pattern.findall(seg)
@@ -339,7 +342,7 @@ def digest_file(
         digest.json_bytes = stream.json_bytes
         header = stream.header or stream.quick_header()
         if "profdMerge" in header:
-            raise TraceReadError(p, "a merged trace written by `profd merge` (not a rank's trace)")
+            raise TraceReadError(p, MERGED)
         _fill(digest, header, cols, heads, pseudo_stage)
     except (TraceReadError, OSError, ValueError, KeyError, TypeError) as exc:
         digest.error = (

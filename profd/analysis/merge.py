@@ -191,7 +191,10 @@ class _Plan:
                 self._drop("ranks", f, np.ones(len(self.keep[f]), bool))
         if not any(self.selected):
             have = sorted({(i.role or "?", i.rank) for i in self.idents}, key=str)
-            raise ValueError(f"ranks: no track matches ranks={ranks} roles={roles}; tracks: {have}")
+            field = "roles" if ranks is None else "ranks"
+            raise ValueError(
+                f"{field}: no track matches ranks={ranks} roles={roles}; tracks: {have}"
+            )
 
     def window(self, start_ms: float | None, end_ms: float | None) -> None:
         if (start_ms is None and end_ms is None) or self.t0 is None:

@@ -80,7 +80,7 @@ class TrackIdentity:
             if self.rank is not None:
                 text += f" globalrank {self.rank}"
         elif self.kind == "rank":
-            text = f"{self.role or 'rank'} rank {self.rank}"
+            text = f"{self.role} rank {self.rank}" if self.role else f"rank {self.rank}"
             topo = topology_text(self.topology)
             if topo:
                 text += f" ({topo})"
@@ -100,10 +100,9 @@ def _int(value: Any) -> int | None:
         return None
 
 
-def _step(value: Any) -> int | None:
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    return _int(value) if not isinstance(value, str) else None
+def _step(value: str | None) -> int | None:
+    """A file name's step field: digits, or something else (a sanitized label) -> None."""
+    return int(value) if value and value.isdigit() else None
 
 
 def identify(name: str, header: Mapping[str, Any] | None = None) -> TrackIdentity:
