@@ -195,6 +195,10 @@ def test_worker_processes_give_the_serial_result(rl_session, summary) -> None:
     assert pooled.processing.worker_memory_mb is None or pooled.processing.worker_memory_mb > 0
     for field in ("stage_times", "mini_batches", "idle_gaps", "top_ops", "stragglers", "tracks"):
         assert getattr(pooled, field) == getattr(summary, field), field
+    # fresh interpreters (what a threaded host process such as the sidecar gets) work too
+    spawned = summarize_dir(rl_session.dir, workers=2, start_method="spawn")
+    assert spawned.processing.start_method == "spawn"
+    assert spawned.stage_times == summary.stage_times and spawned.top_ops == summary.top_ops
 
 
 def test_straggler_rule_is_robust() -> None:

@@ -110,7 +110,8 @@ def summarize_files(
     start_method: str | None = None,
 ) -> SessionSummary:
     """Summarise these files. With ``nodes`` (one Ray node id per file, or None), each file is
-    read by a Ray task on its node — for traces that stayed on the node that wrote them."""
+    read by a Ray task on its node — for traces that stayed on the node that wrote them; the
+    trace index has both (``TraceView.path`` and ``TraceView.node_id``)."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top: must be an int >= 1, got {top!r}")
     started = time.perf_counter()
