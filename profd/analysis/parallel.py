@@ -11,7 +11,6 @@ that has other threads (a Ray worker, the sidecar's event loop) can deadlock the
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import sys
@@ -22,8 +21,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = ["MapStats", "map_files", "map_files_ray", "pick_start_method", "resolve_workers"]
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
