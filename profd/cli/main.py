@@ -18,6 +18,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from profd.cli import analysis
 from profd.cli.client import ApiClient, CliError
 from profd.settings import ProfdSettings
 
@@ -437,6 +438,9 @@ def demo(
     if not result.ok:
         err_console.print(f"[red]demo session ended {result.session.get('state')}[/red]")
         raise typer.Exit(1)
+
+
+analysis.register(app)  # profd merge / profd summarize
 
 
 def main() -> None:

@@ -1,0 +1,461 @@
+"""``summarize_dir``: a session's traces → :class:`~profd.analysis.models.SessionSummary`.
+
+Files are digested in parallel (:mod:`.digest`, :mod:`.parallel`); everything below works on
+the small digests only. Times of different files are put on one clock: Kineto timestamps
+are µs after the trace's ``baseTimeNanoseconds``, so ``base + ts`` is the wall clock every
+process on a machine shares.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from profd.analysis.digest import GPU_OP_CATEGORIES, FileDigest, digest_file
+from profd.analysis.jsonscan import json_size_hint
+from profd.analysis.models import (
+    FileInfo,
+    IdleGap,
+    MiniBatchTime,
+    OpStat,
+    ProcessingStats,
+    SessionSummary,
+    SkippedFile,
+    StageOps,
+    StageStat,
+    StageTime,
+    StepTime,
+    StragglerRule,
+    TrackInfo,
+)
+from profd.analysis.parallel import MapStats, map_files, map_files_ray, resolve_workers
+from profd.analysis.ranges import Range, marker
+from profd.analysis.sources import TrackIdentity, discover, identify
+from profd.analysis.stragglers import detect_stragglers
+
+__all__ = ["digest_all", "summarize_digests", "summarize_dir", "summarize_files", "track_order"]
+
+_EPS_MS = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class DigestJob:
+    path: str
+    pseudo_stage: str | None
+
+
+def run_job(job: DigestJob) -> FileDigest:
+    """Module-level so worker processes and Ray tasks can import it."""
+    return digest_file(job.path, pseudo_stage=job.pseudo_stage)
+
+
+def _pseudo_stage(name: str) -> str:
+    """What a trace profd did not write is called in the stage tables."""
+    ident = identify(name)
+    if ident.kind == "rollout":
+        return "rollout"
+    if ident.scope and ident.scope != "train":
+        return ident.scope
+    return "(trace)"
+
+
+def digest_all(
+    files: Sequence[Path | str],
+    *,
+    workers: int | None = None,
+    nodes: Sequence[str | None] | None = None,
+    start_method: str | None = None,
+) -> tuple[list[FileDigest], MapStats]:
+    """Digest every file, locally (processes) or, with ``nodes``, as Ray tasks on those nodes."""
+    jobs = [DigestJob(str(f), _pseudo_stage(Path(f).name)) for f in files]
+    if nodes is not None:
+        return map_files_ray(run_job, jobs, nodes)
+    sizes = [json_size_hint(f) for f in files]
+    n = resolve_workers(workers, len(jobs), sum(sizes))
+    return map_files(run_job, jobs, workers=n, sizes=sizes, start_method=start_method)
+
+
+def summarize_dir(
+    path: Path | str,
+    *,
+    workers: int | None = None,
+    top: int = 10,
+    rule: StragglerRule | None = None,
+    start_method: str | None = None,
+) -> SessionSummary:
+    """Summarise every trace (``.json`` / ``.json.gz``) directly inside ``path``."""
+    root = Path(path)
+    files = discover(root)
+    if not files:
+        raise ValueError(f"path: no trace files (*.json, *.json.gz) in {root}")
+    return summarize_files(
+        files, source=str(root), workers=workers, top=top, rule=rule, start_method=start_method
+    )
+
+
+def summarize_files(
+    files: Sequence[Path | str],
+    *,
+    source: str,
+    workers: int | None = None,
+    nodes: Sequence[str | None] | None = None,
+    top: int = 10,
+    rule: StragglerRule | None = None,
+    start_method: str | None = None,
+) -> SessionSummary:
+    """Summarise these files. With ``nodes`` (one Ray node id per file, or None), each file is
+    read by a Ray task on its node — for traces that stayed on the node that wrote them; the
+    trace index has both (``TraceView.path`` and ``TraceView.node_id``)."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top: must be an int >= 1, got {top!r}")
+    started = time.perf_counter()
+    digests, stats = digest_all(files, workers=workers, nodes=nodes, start_method=start_method)
+    return summarize_digests(
+        digests, source=source, top=top, rule=rule or StragglerRule(), stats=stats, started=started
+    )
+
+
+def track_order(ident: TrackIdentity) -> tuple[Any, ...]:
+    """Ranks by role then rank, then rollout replicas, then unknown files by name."""
+    kind = {"rank": 0, "rollout": 1}.get(ident.kind, 2)
+    if ident.kind == "rank":
+        return (kind, ident.role or "", ident.rank or 0, "")
+    if ident.kind == "rollout":
+        return (kind, "", ident.replica or 0, ident.rank if ident.rank is not None else -1)
+    return (kind, "", 0, ident.key)
+
+
+class _Acc:
+    """Stage rows being accumulated: (track key, step, stage) -> [start, end, wall, calls]."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, int | None, str], list[float]] = {}
+
+    def add(self, key: tuple[str, int | None, str], start: float, end: float) -> None:
+        row = self.rows.get(key)
+        if row is None:
+            self.rows[key] = [start, end, end - start, 1]
+        else:
+            row[0], row[1] = min(row[0], start), max(row[1], end)
+            row[2] += end - start
+            row[3] += 1
+
+
+class _FileView:
+    """One digest on the shared clock."""
+
+    def __init__(self, d: FileDigest, ident: TrackIdentity, t0: float) -> None:
+        self.d = d
+        self.ident = ident
+        self.offset = d.base_us - t0
+        self.steps = [(m[1], r) for r in d.ranges if (m := marker(r.name)) and m[0] == "step"]
+
+    def ms(self, ts: float) -> float:
+        return (self.offset + ts) / 1000.0
+
+    def step_at(self, ts: float) -> int | None:
+        for n, r in self.steps:
+            if r.ts <= ts <= r.end:
+                return n
+        return None if self.steps else self.ident.step
+
+    def stage_at(self, ts: float) -> Range | None:
+        inside = [s for s in self.d.stages if s.ts <= ts <= s.end]
+        return min(inside, key=lambda s: s.dur) if inside else None
+
+
+def summarize_digests(
+    digests: Sequence[FileDigest],
+    *,
+    source: str,
+    top: int = 10,
+    rule: StragglerRule | None = None,
+    stats: MapStats | None = None,
+    started: float | None = None,
+) -> SessionSummary:
+    """Build the summary from digests (see :func:`digest_all`)."""
+    rule = rule or StragglerRule()
+    ok = [d for d in digests if d.error is None]
+    skipped = [
+        SkippedFile(name=Path(d.path).name, reason=d.error or "") for d in digests if d.error
+    ]
+    idents = {d.path: identify(Path(d.path).name, d.header) for d in ok}
+    by_key, file_count = _track_keys(ok, idents)
+    ordered = sorted(by_key.values(), key=track_order)
+    label = {i.key: i.label for i in ordered}
+    starts = [d.base_us + d.first_ts for d in ok if d.first_ts is not None]
+    ends = [d.base_us + d.last_end for d in ok if d.last_end is not None]
+    t0 = min(starts) if starts else 0.0
+
+    acc = _Acc()
+    step_rows: list[StepTime] = []
+    gaps: list[IdleGap] = []
+    minis: list[MiniBatchTime] = []
+    for d in ok:
+        v = _FileView(d, idents[d.path], t0)
+        _collect_stages(v, acc)
+        _collect_steps(v, label[v.ident.key], step_rows, gaps)
+        _collect_minis(v, label[v.ident.key], minis)
+    stage_rows = _stage_rows(acc, by_key, label)
+    order = _stage_order(stage_rows)
+    pos = {i.label: n for n, i in enumerate(ordered)}
+    stage_rows.sort(key=lambda r: (r.step is None, r.step or 0, order[r.stage], pos[r.track]))
+    return SessionSummary(
+        source=source,
+        session_ids=sorted({i.session_id for i in idents.values() if i.session_id}),
+        t0_epoch_us=t0 if starts else None,
+        span_ms=(max(ends) - t0) / 1000.0 if ends else 0.0,
+        steps=sorted({r.step for r in stage_rows if r.step is not None}),
+        stages=sorted(order, key=order.__getitem__),
+        tracks=[_track_info(i, file_count[i.key]) for i in ordered],
+        files=[_file_info(d, label[idents[d.path].key]) for d in ok],
+        skipped=skipped,
+        stage_times=stage_rows,
+        step_times=sorted(step_rows, key=lambda r: (r.step, pos[r.track])),
+        stage_stats=_stage_stats(stage_rows, order),
+        mini_batches=minis,
+        idle_gaps=sorted(gaps, key=lambda g: (g.step is None, g.step, g.track, g.start_ms)),
+        top_ops=_top_ops(ok, top, order),
+        stragglers=detect_stragglers(stage_rows, rule),
+        straggler_rule=rule,
+        processing=_processing(digests, stats, started),
+    )
+
+
+def _track_keys(
+    digests: Sequence[FileDigest], idents: dict[str, TrackIdentity]
+) -> tuple[dict[str, TrackIdentity], dict[str, int]]:
+    """One identity per track key (the first file's), and how many files each track has."""
+    by_key: dict[str, TrackIdentity] = {}
+    count: dict[str, int] = defaultdict(int)
+    for d in digests:
+        ident = idents[d.path]
+        by_key.setdefault(ident.key, ident)
+        count[ident.key] += 1
+    return by_key, count
+
+
+def _processing(
+    digests: Sequence[FileDigest], stats: MapStats | None, started: float | None
+) -> ProcessingStats:
+    wall = time.perf_counter() - started if started is not None else sum(d.seconds for d in digests)
+    return ProcessingStats(
+        files=len(digests),
+        json_bytes=sum(d.json_bytes for d in digests),
+        wall_s=wall,
+        mode=stats.mode if stats else "serial",
+        workers=stats.workers if stats else 1,
+        start_method=stats.start_method if stats else None,
+        worker_memory_mb=stats.worker_memory_mb if stats else None,
+    )
+
+
+def _collect_stages(v: _FileView, acc: _Acc) -> None:
+    for s in v.d.stages:
+        acc.add((v.ident.key, v.step_at(s.ts), s.name), v.ms(s.ts), v.ms(s.end))
+
+
+def _collect_steps(v: _FileView, track: str, out: list[StepTime], gaps: list[IdleGap]) -> None:
+    stages = sorted(v.d.stages, key=lambda s: s.ts)
+    by_step: dict[int | None, list[Range]] = defaultdict(list)
+    for s in stages:
+        by_step[v.step_at(s.ts)].append(s)
+    for n, r in v.steps:
+        inside = [(max(s.ts, r.ts), min(s.end, r.end)) for s in by_step.get(n, [])]
+        covered = _union([(a, b) for a, b in inside if b > a])
+        out.append(
+            StepTime(
+                step=n,
+                track=track,
+                start_ms=v.ms(r.ts),
+                wall_ms=r.dur / 1000.0,
+                stages_ms=covered / 1000.0,
+                idle_ms=max(0.0, r.dur - covered) / 1000.0,
+            )
+        )
+    ranges = {n: r for n, r in v.steps}
+    for n, members in by_step.items():
+        _gaps_of(v, track, n, members, ranges.get(n) if n is not None else None, gaps)
+
+
+def _gaps_of(
+    v: _FileView, track: str, step: int | None, stages: list[Range], rng: Range | None, out: list
+) -> None:
+    edges: list[tuple[str, float, float]] = []  # (label, start, end) in µs
+    if rng is not None:
+        edges.append(("(step start)", rng.ts, rng.ts))
+    edges += [(s.name, s.ts, s.end) for s in stages]
+    if rng is not None:
+        edges.append(("(step end)", rng.end, rng.end))
+    reach = None
+    after = None
+    for name, start, end in edges:
+        if reach is not None and start - reach > _EPS_MS * 1000:
+            out.append(
+                IdleGap(
+                    step=step,
+                    track=track,
+                    after=after or "",
+                    before=name,
+                    start_ms=v.ms(reach),
+                    gap_ms=(start - reach) / 1000.0,
+                )
+            )
+        if reach is None or end >= reach:
+            reach, after = end, name
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= reach:
+            continue
+        total += b - max(a, reach)
+        reach = b
+    return total
+
+
+def _collect_minis(v: _FileView, track: str, out: list[MiniBatchTime]) -> None:
+    micro = sorted(r.ts for r in v.d.ranges if (m := marker(r.name)) and m[0] == "micro_batch")
+    for r in v.d.ranges:
+        m = marker(r.name)
+        if not m or m[0] != "mini_batch":
+            continue
+        stage = v.stage_at(r.ts)
+        inner = bisect.bisect_right(micro, r.end) - bisect.bisect_left(micro, r.ts)
+        out.append(
+            MiniBatchTime(
+                step=v.step_at(r.ts),
+                stage=stage.name if stage else None,
+                track=track,
+                index=m[1],
+                start_ms=v.ms(r.ts),
+                wall_ms=r.dur / 1000.0,
+                micro_batches=inner,
+            )
+        )
+
+
+def _stage_rows(
+    acc: _Acc, by_key: dict[str, TrackIdentity], label: dict[str, str]
+) -> list[StageTime]:
+    rows = []
+    for (key, step, stage), (start, end, wall, calls) in acc.rows.items():
+        ident = by_key[key]
+        rows.append(
+            StageTime(
+                step=step,
+                stage=stage,
+                track=label[key],
+                role=ident.role,
+                rank=ident.rank,
+                start_ms=start,
+                end_ms=end,
+                wall_ms=wall,
+                calls=int(calls),
+            )
+        )
+    return rows
+
+
+def _stage_order(rows: Sequence[StageTime]) -> dict[str, int]:
+    first: dict[str, float] = {}
+    for r in rows:
+        first[r.stage] = min(first.get(r.stage, r.start_ms), r.start_ms)
+    return {s: i for i, s in enumerate(sorted(first, key=lambda s: (first[s], s)))}
+
+
+def _stage_stats(rows: Sequence[StageTime], order: dict[str, int]) -> list[StageStat]:
+    groups: dict[tuple[str | None, int | None, str], list[StageTime]] = defaultdict(list)
+    for r in rows:
+        groups[(r.role, r.step, r.stage)].append(r)
+    out = []
+    for (role, step, stage), members in groups.items():
+        walls = [m.wall_ms for m in members]
+        ends = [m.end_ms for m in members]
+        last = max(members, key=lambda m: m.end_ms)
+        out.append(
+            StageStat(
+                step=step,
+                stage=stage,
+                role=role,
+                ranks=len(members),
+                wall_min_ms=min(walls),
+                wall_median_ms=median(walls),
+                wall_max_ms=max(walls),
+                end_spread_ms=max(ends) - min(ends),
+                slowest=last.track,
+            )
+        )
+    out.sort(key=lambda s: (s.step is None, s.step or 0, order.get(s.stage, 0), s.role or ""))
+    return out
+
+
+def _top_ops(digests: Sequence[FileDigest], top: int, order: dict[str, int]) -> list[StageOps]:
+    totals: dict[tuple[str | None, str], dict[tuple[str, str], list[float]]] = defaultdict(dict)
+    for d in digests:
+        for op in d.ops:
+            device = "gpu" if op.category in GPU_OP_CATEGORIES else "cpu"
+            slot = totals[(op.stage, device)].setdefault((op.category, op.name), [0, 0.0, 0.0])
+            slot[0] += op.calls
+            slot[1] += op.self_us
+            slot[2] += op.total_us
+    out = []
+    for (stage, device), ops in totals.items():
+        whole = sum(v[1] for v in ops.values())
+        best = sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]
+        out.append(
+            StageOps(
+                stage=stage,
+                device=device,
+                self_ms=whole / 1000.0,
+                ops=[
+                    OpStat(
+                        name=name,
+                        category=cat,
+                        calls=int(v[0]),
+                        self_ms=v[1] / 1000.0,
+                        total_ms=v[2] / 1000.0,
+                        share=(v[1] / whole) if whole > 0 else 0.0,
+                    )
+                    for (cat, name), v in best
+                ],
+            )
+        )
+    out.sort(key=lambda s: (s.stage is None, order.get(s.stage or "", 0), s.device))
+    return out
+
+
+def _track_info(i: TrackIdentity, files: int) -> TrackInfo:
+    return TrackInfo(
+        track=i.label,
+        key=i.key,
+        kind=i.kind,
+        role=i.role,
+        rank=i.rank,
+        world_size=i.world_size,
+        topology=dict(i.topology),
+        hostname=i.hostname,
+        node_id=i.node_id,
+        replica=i.replica,
+        from_metadata=i.from_metadata,
+        files=files,
+    )
+
+
+def _file_info(d: FileDigest, track: str) -> FileInfo:
+    return FileInfo(
+        name=Path(d.path).name,
+        track=track,
+        file_bytes=d.file_bytes,
+        json_bytes=d.json_bytes,
+        events=d.events,
+        parse=d.mode,
+        seconds=round(d.seconds, 4),
+    )

@@ -1,0 +1,364 @@
+"""``profd merge`` and ``profd summarize``: look at a session's traces.
+
+TARGET is a session directory (works offline) or a session id, which the sidecar resolves
+to its directory (``GET /api/v1/sessions/{id}`` → ``save_dir``). Bad options exit 2 with the
+option named; an unreachable sidecar exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from profd.cli.client import ApiClient, CliError
+
+if TYPE_CHECKING:
+    from profd.analysis.models import SessionSummary
+
+__all__ = ["merge", "register", "resolve_target", "summarize"]
+
+console = Console()
+err_console = Console(stderr=True)
+
+_SESSION_ID = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
+EXIT_USAGE = 2
+
+TargetArg = Annotated[
+    str, typer.Argument(help="Session directory, or a session id (resolved by the sidecar).")
+]
+UrlOpt = Annotated[str | None, typer.Option("--url", help="Sidecar URL, to resolve a session id.")]
+WorkersOpt = Annotated[
+    int | None, typer.Option("--workers", help="Worker processes (default: one per CPU).")
+]
+
+
+def resolve_target(target: str, url: str | None) -> Path:
+    """The session directory named by ``target`` (a path, or a session id via the sidecar)."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise typer.BadParameter(
+            f"{target} is a file, not a session directory", param_hint="TARGET"
+        )
+    if not _SESSION_ID.match(target) or target.startswith("."):
+        raise typer.BadParameter(f"no such directory: {target}", param_hint="TARGET")
+    from profd.settings import ProfdSettings
+
+    api = ApiClient.from_state(url, ProfdSettings().state_dir)
+    try:
+        view = api.get(f"/api/v1/sessions/{target}")
+    except CliError as exc:
+        if exc.status == 404:
+            raise typer.BadParameter(
+                f"{target} is neither a directory nor a known session id", param_hint="TARGET"
+            ) from None
+        raise
+    save_dir = Path(view["save_dir"])
+    if not save_dir.is_dir():
+        raise CliError(
+            f"session {target}: its directory {save_dir} is not on this machine; download the "
+            f"traces with `profd traces --session {target} --download DIR` and pass DIR"
+        )
+    return save_dir
+
+
+def _csv(text: str | None, name: str, as_int: bool = False) -> list[Any] | None:
+    if text is None:
+        return None
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise typer.BadParameter("expected a comma-separated list", param_hint=name)
+    if as_int:
+        try:
+            return [int(x) for x in items]
+        except ValueError:
+            raise typer.BadParameter(
+                f"expected comma-separated integers, got {text!r}", param_hint=name
+            ) from None
+    return items
+
+
+def _usage_error(exc: ValueError) -> None:
+    err_console.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _fail(exc: CliError) -> None:
+    err_console.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(exc.exit_code)
+
+
+# -- merge ----------------------------------------------------------------------------------
+def merge(
+    target: TargetArg,
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Merged trace (.json.gz or .json).")
+    ] = Path("merged.json.gz"),
+    stages: Annotated[
+        str | None, typer.Option(help="Keep only events inside these stages, e.g. update_actor.")
+    ] = None,
+    ranks: Annotated[str | None, typer.Option(help="Keep only these ranks, e.g. 0,8.")] = None,
+    roles: Annotated[str | None, typer.Option(help="Keep only these roles.")] = None,
+    start: Annotated[
+        float | None, typer.Option(help="Window start, ms after the earliest event.")
+    ] = None,
+    end: Annotated[
+        float | None, typer.Option(help="Window end, ms after the earliest event.")
+    ] = None,
+    max_mb: Annotated[
+        float | None,
+        typer.Option("--max-mb", help="Size budget (uncompressed MB): drop the shortest events."),
+    ] = None,
+    workers: WorkersOpt = None,
+    url: UrlOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Merge every rank's trace (and the rollout's) into one timeline for Perfetto."""
+    from profd.analysis.merge import merge_dir
+
+    if max_mb is not None and not max_mb > 0:
+        raise typer.BadParameter(f"must be > 0, got {max_mb}", param_hint="--max-mb")
+    if start is not None and start < 0:
+        raise typer.BadParameter(f"must be >= 0, got {start}", param_hint="--start")
+    if end is not None and end <= (start or 0.0):
+        raise typer.BadParameter(f"must be greater than --start, got {end}", param_hint="--end")
+    try:
+        directory = resolve_target(target, url)
+        report = merge_dir(
+            directory,
+            output,
+            stages=_csv(stages, "--stages"),
+            ranks=_csv(ranks, "--ranks", as_int=True),
+            roles=_csv(roles, "--roles"),
+            start_ms=start,
+            end_ms=end,
+            max_mb=max_mb,
+            workers=workers,
+        )
+    except CliError as exc:
+        _fail(exc)
+    except ValueError as exc:
+        _usage_error(exc)
+    if as_json:
+        sys.stdout.write(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+    else:
+        print_merge(report)
+
+
+def print_merge(report: Any) -> None:
+    table = Table(title=f"Merged {len(report.tracks)} tracks into {report.output}")
+    for col in ("pid", "track", "files"):
+        table.add_column(col, overflow="fold")
+    for t in report.tracks:
+        table.add_row(str(t.pid), t.label, str(len(t.files)))
+    console.print(table)
+    console.print(
+        f"{report.events:,} events, {report.json_bytes / 1e6:,.1f} MB of JSON, "
+        f"{report.file_bytes / 1e6:,.1f} MB on disk. Open it at https://ui.perfetto.dev"
+    )
+    for reason, cats in report.dropped.items():
+        listed = ", ".join(f"{n:,} {c}" for c, n in cats.items())
+        console.print(f"dropped by {reason}: {listed}")
+    if report.budget_note:
+        console.print(f"budget: {report.budget_note}")
+    for name, why in report.skipped.items():
+        err_console.print(f"[yellow]skipped[/yellow] {name}: {why}")
+
+
+# -- summarize ------------------------------------------------------------------------------
+def summarize(
+    target: TargetArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="Also write an HTML report with plots here.")
+    ] = None,
+    top: Annotated[int, typer.Option(help="Operators listed per stage.", min=1)] = 10,
+    late_k: Annotated[
+        float, typer.Option(help="Straggler: multiple of the peers' spread (scaled MAD).")
+    ] = 3.0,
+    late_floor_ms: Annotated[
+        float, typer.Option(help="Straggler: never late by less than this (ms).")
+    ] = 5.0,
+    late_fraction: Annotated[
+        float, typer.Option(help="Straggler: never late by less than this share of the stage.")
+    ] = 0.05,
+    workers: WorkersOpt = None,
+    url: UrlOpt = None,
+) -> None:
+    """Per step x stage x rank wall time, mini-batches, idle gaps, top ops, stragglers."""
+    from pydantic import ValidationError
+
+    from profd.analysis.models import StragglerRule
+    from profd.analysis.summary import summarize_dir
+
+    try:
+        rule = StragglerRule(k=late_k, abs_floor_ms=late_floor_ms, rel_floor=late_fraction)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        option = {
+            "k": "--late-k",
+            "abs_floor_ms": "--late-floor-ms",
+            "rel_floor": "--late-fraction",
+        }
+        raise typer.BadParameter(err["msg"], param_hint=option.get(str(err["loc"][0]))) from None
+    try:
+        directory = resolve_target(target, url)
+        summary = summarize_dir(directory, workers=workers, top=top, rule=rule)
+    except CliError as exc:
+        _fail(exc)
+    except ValueError as exc:
+        _usage_error(exc)
+    if html is not None:
+        from profd.analysis.report import write_html
+
+        write_html(summary, html)
+    if as_json:
+        sys.stdout.write(json.dumps(summary.model_dump(mode="json"), indent=2) + "\n")
+    else:
+        print_summary(summary)
+    if html is not None:
+        err_console.print(f"HTML report: {html}")
+
+
+def _short(track: str) -> str:
+    return track.split(" @", 1)[0]
+
+
+def print_summary(s: SessionSummary) -> None:
+    p = s.processing
+    console.print(
+        f"[bold]{s.source}[/bold]: {len(s.tracks)} tracks, {len(s.files)} files "
+        f"({p.json_bytes / 1e6:,.1f} MB JSON, {p.wall_s:.2f} s), steps {s.steps or '-'}, "
+        f"span {s.span_ms:,.1f} ms"
+    )
+    _print_stats(s)
+    _print_grid(s)
+    _print_minis(s)
+    _print_stragglers(s)
+    _print_gaps(s)
+    _print_ops(s)
+    for x in s.skipped:
+        err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
+
+
+def _print_stats(s: SessionSummary) -> None:
+    stats = Table(title="Stages across ranks (ms)")
+    for col in ("step", "stage", "role", "ranks", "min", "median", "max", "end spread", "last"):
+        stats.add_column(col, overflow="fold")
+    for x in s.stage_stats:
+        stats.add_row(
+            str(x.step),
+            x.stage,
+            x.role or "-",
+            str(x.ranks),
+            f"{x.wall_min_ms:,.1f}",
+            f"{x.wall_median_ms:,.1f}",
+            f"{x.wall_max_ms:,.1f}",
+            f"{x.end_spread_ms:,.1f}",
+            _short(x.slowest),
+        )
+    console.print(stats)
+
+
+def _print_grid(s: SessionSummary) -> None:
+    """Step x stage rows, one column per track (only while that fits a terminal)."""
+    if len(s.tracks) > 12 or not s.stage_times:
+        return
+    grid = Table(title="Wall time per step x stage x track (ms)")
+    grid.add_column("step")
+    grid.add_column("stage")
+    names = [t.track for t in s.tracks]
+    for n in names:
+        grid.add_column(_short(n), overflow="fold")
+    cells: dict[tuple[Any, str], dict[str, float]] = {}
+    for r in s.stage_times:
+        cells.setdefault((r.step, r.stage), {})[r.track] = r.wall_ms
+    for (step, stage), row in cells.items():
+        grid.add_row(str(step), stage, *[f"{row[n]:,.1f}" if n in row else "" for n in names])
+    console.print(grid)
+
+
+def _print_stragglers(s: SessionSummary) -> None:
+    if not s.stragglers:
+        console.print("No straggler.")
+        return
+    late = Table(title="Stragglers")
+    for col in ("step", "stage", "track", "late ms", "threshold ms", "wall ms"):
+        late.add_column(col, overflow="fold")
+    for x in s.stragglers:
+        late.add_row(
+            str(x.step),
+            x.stage,
+            _short(x.track),
+            f"[red]{x.late_ms:,.1f}[/red]",
+            f"{x.threshold_ms:,.1f}",
+            f"{x.wall_ms:,.1f}",
+        )
+    console.print(late)
+
+
+def _print_gaps(s: SessionSummary) -> None:
+    if not s.idle_gaps:
+        return
+    table = Table(title="Largest idle gaps between stages")
+    for col in ("step", "track", "after", "before", "gap ms"):
+        table.add_column(col, overflow="fold")
+    for g in sorted(s.idle_gaps, key=lambda g: -g.gap_ms)[:8]:
+        table.add_row(str(g.step), _short(g.track), g.after, g.before, f"{g.gap_ms:,.1f}")
+    console.print(table)
+
+
+def _print_ops(s: SessionSummary) -> None:
+    ops = Table(title="Top operators by self time (3 per stage)")
+    for col in ("stage", "device", "operator", "calls", "self ms", "share"):
+        ops.add_column(col, overflow="fold")
+    for group in s.top_ops:
+        for o in group.ops[:3]:
+            ops.add_row(
+                group.stage or "(outside)",
+                group.device,
+                o.name,
+                str(o.calls),
+                f"{o.self_ms:,.1f}",
+                f"{o.share:.0%}",
+            )
+    console.print(ops)
+
+
+def _print_minis(s: SessionSummary) -> None:
+    from statistics import median
+
+    groups: dict[tuple[Any, Any, int], list[Any]] = {}
+    for m in s.mini_batches:
+        groups.setdefault((m.step, m.stage, m.index), []).append(m)
+    if not groups:
+        return
+    table = Table(title="Mini-batches over tracks (ms)")
+    for col in ("step", "stage", "mini-batch", "tracks", "median", "max", "micro-batches"):
+        table.add_column(col)
+    for (step, stage, index), ms in groups.items():
+        walls = [m.wall_ms for m in ms]
+        table.add_row(
+            str(step),
+            stage or "-",
+            str(index),
+            str(len(ms)),
+            f"{median(walls):,.1f}",
+            f"{max(walls):,.1f}",
+            str(max(m.micro_batches for m in ms)),
+        )
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``merge`` and ``summarize`` to the ``profd`` app."""
+    app.command("merge")(merge)
+    app.command("summarize")(summarize)
