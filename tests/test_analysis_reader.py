@@ -64,7 +64,8 @@ def kineto_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
             for i in range(2):
                 with coll.annotate(f"mini_batch{i}"), coll.annotate(ODD_NAME):
                     MODEL(torch.randn(4, 8)).sum().backward()
-    (written,) = coll.close().write()
+    (out,) = coll.close()
+    (written,) = out.write()
     return written.path
 
 

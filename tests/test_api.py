@@ -132,6 +132,16 @@ def test_conflict_names_the_holder(server, agents) -> None:
     assert body["detail"]["holders"] == [first["session_id"]]
 
 
+def test_summary_before_any_trace_is_409(server, agents) -> None:
+    srv, _ = server
+    sid = httpx.post(f"{srv.url}/api/v1/sessions", json={"steps": [40]}, headers=auth()).json()[
+        "session_id"
+    ]
+    r = httpx.get(f"{srv.url}/api/v1/sessions/{sid}/summary")
+    assert r.status_code == 409 and "no Chrome trace" in r.json()["message"]
+    assert httpx.get(f"{srv.url}/api/v1/sessions/nope/summary").status_code == 404
+
+
 def test_unknown_ids_are_404(server) -> None:
     srv, _ = server
     assert httpx.get(f"{srv.url}/api/v1/sessions/nope").status_code == 404
@@ -175,6 +185,10 @@ def test_traces_list_and_download(server, agents) -> None:
     assert listing["count"] == 2 and listing["bytes"] == sum(t["bytes"] for t in listing["data"])
     only_1 = httpx.get(f"{srv.url}/api/v1/traces", params={"rank": 1}).json()
     assert [t["rank"] for t in only_1["data"]] == [1]
+    summary = httpx.get(f"{srv.url}/api/v1/sessions/{sid}/summary").json()
+    assert summary["steps"] == [1] and "work" in summary["stages"]
+    assert sorted(tr["rank"] for tr in summary["tracks"]) == [0, 1]
+    assert {st["stage"] for st in summary["stage_times"]} >= {"work"}
     t = listing["data"][0]
     r = httpx.get(f"{srv.url}/api/v1/traces/{t['trace_id']}/download")
     assert r.status_code == 200 and len(r.content) == t["bytes"]

@@ -89,7 +89,6 @@ def sidecar(ray_coordinator) -> Any:
 def test_traces_stay_on_their_node_and_download_through_it(sidecar, ray_session) -> None:
     import ray
 
-
     url = sidecar
     ws = start_workers([("actor", 0, 2, "node_b"), ("actor", 1, 2, "node_b")])
     node_b = node_of(ws[0])
@@ -132,6 +131,9 @@ def test_traces_stay_on_their_node_and_download_through_it(sidecar, ray_session)
     r = httpx.get(f"{url}/api/v1/traces/{t['trace_id']}/download")
     assert r.status_code == 200 and r.headers["x-profd-node"] == node_b
     assert r.content == Path(t["path"]).read_bytes()  # streamed from node B by Ray tasks
+    summary = httpx.get(f"{url}/api/v1/sessions/{view['session_id']}/summary").json()
+    assert sorted(tr["rank"] for tr in summary["tracks"]) == [0, 1]  # read on node B
+    assert "update_actor" in summary["stages"]
 
 
 def test_removed_node_and_killed_agent_end_as_lost(sidecar, cluster, ray_session) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Path, status
 from pydantic import BaseModel, Field
 
-from profd.api.deps import ClientDep, ConfigDep, TokenDep
+from profd.analysis.models import SessionSummary
+from profd.analysis.summary import summarize_files
+from profd.api.deps import ClientDep, ConfigDep, NodeIdDep, TokenDep
 from profd.config import SessionRequest
-from profd.errors import RequestInvalid
+from profd.errors import ConflictError, RequestInvalid
 from profd.views import SessionView
 
 router = APIRouter(prefix="/api/v1/sessions", tags=["sessions"])
@@ -54,6 +58,43 @@ async def list_sessions(client: ClientDep) -> SessionList:
 async def get_session(client: ClientDep, session_id: str = SessionId) -> SessionView:
     """One session with per-target progress and its traces."""
     return await client.call("get_session", session_id)
+
+
+@router.get(
+    "/{session_id}/summary",
+    response_model=SessionSummary,
+    responses={404: {"description": "Unknown session"}, 409: {"description": "No traces yet"}},
+)
+async def session_summary(
+    client: ClientDep, node_id: NodeIdDep, session_id: str = SessionId
+) -> SessionSummary:
+    """Per step x stage x rank wall time, mini-batches, idle gaps, top operators, stragglers.
+
+    Each trace is read on the node that holds it (Ray tasks) when it is not on this node.
+    """
+    view = await client.call("get_session", session_id)
+    traces = [t for t in view.traces if t.file_name.endswith((".json.gz", ".json"))]
+    if not traces:
+        raise ConflictError(
+            f"session {session_id} has no Chrome trace to summarize yet ({view.state.value})",
+            state=view.state.value,
+        )
+    remote = [t.node_id if t.node_id and node_id and t.node_id != node_id else None for t in traces]
+    nodes = remote if any(remote) else None
+    paths = [t.path for t in traces]
+    key = (session_id, tuple(t.trace_id for t in traces))
+    cached = _SUMMARIES.get(key)
+    if cached is None:
+        cached = await asyncio.to_thread(
+            summarize_files, paths, source=view.save_dir, nodes=nodes, workers=1
+        )
+        if view.state.is_terminal:
+            _SUMMARIES[key] = cached
+    return cached
+
+
+#: Summaries of finished sessions (their traces no longer change).
+_SUMMARIES: dict[tuple[str, tuple[str, ...]], SessionSummary] = {}
 
 
 @router.post(
