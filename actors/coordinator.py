@@ -89,6 +89,9 @@ class ProfileCoordinator:
         self._store = store if store is not None else open_store(settings.state_dir)
         self._finisher = Finisher(runner or default_runner(), self._changed, settings.base_dir)
         self._restored: list[Session] = []
+        #: Counters for /metrics (since this incarnation started).
+        self._counters: dict[str, float] = {"events": 0, "reports": 0}
+        self._stalls: dict[str, list[float]] = {}  # tool -> [count, sum, max]
         self._restore()
 
     def _restore(self) -> None:
@@ -152,6 +155,8 @@ class ProfileCoordinator:
             return False
         now = self._clock()
         rec.touch(now, None)
+        self._counters["reports"] += 1
+        self._counters["events"] += len(events)
         touched: dict[str, Session] = {}
         for ev in events:
             if ev.kind is EventKind.TRACE and ev.data:
@@ -195,6 +200,11 @@ class ProfileCoordinator:
         if view.trace_id in self._traces:
             return  # a re-sent event (agent retried after an outage): indexed once
         self._traces[view.trace_id] = view
+        stall = self._stalls.setdefault(view.tool, [0, 0.0, 0.0])
+        s_val = float(d.get("stall_s") or 0.0)
+        stall[0] += 1
+        stall[1] += s_val
+        stall[2] = max(stall[2], s_val)
         self._store.save_trace(view.trace_id, view.session_id, view.model_dump(mode="json"))
         session = self._sessions.get(view.session_id)
         if session is not None:
@@ -517,6 +527,39 @@ class ProfileCoordinator:
             save_root=self.settings.save_root,
             uptime_s=round(self._clock() - self._started, 3),
         )
+
+    async def metrics(self) -> dict[str, Any]:
+        """A snapshot for the sidecar's Prometheus endpoint."""
+        self._ensure_ticker()
+        agents: dict[str, int] = {}
+        for r in self._registry.all():
+            key = f"{r.info.role}|{r.state}"
+            agents[key] = agents.get(key, 0) + 1
+        sessions: dict[str, int] = {}
+        hooks: dict[str, int] = {}
+        uploads: dict[str, int] = {}
+        for s in self._sessions.values():
+            sessions[s.state.value] = sessions.get(s.state.value, 0) + 1
+            for h in s.hooks:
+                hooks[h["state"]] = hooks.get(h["state"], 0) + 1
+            for u in s.uploads.values():
+                uploads[u["state"]] = uploads.get(u["state"], 0) + 1
+        traces: dict[str, list[float]] = {}
+        for t in self._traces.values():
+            acc = traces.setdefault(t.tool, [0, 0])
+            acc[0] += 1
+            acc[1] += t.bytes
+        return {
+            "agents": agents,
+            "sessions": sessions,
+            "traces": traces,
+            "stalls": {k: list(v) for k, v in self._stalls.items()},
+            "hooks": hooks,
+            "uploads": uploads,
+            "events_total": self._counters["events"],
+            "reports_total": self._counters["reports"],
+            "uptime_s": self._clock() - self._started,
+        }
 
     async def ping(self) -> str:
         self._ensure_ticker()

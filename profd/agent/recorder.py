@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -91,6 +92,8 @@ class Ticket:
     errors: list[str] = field(default_factory=list)
     closed: bool = False
     settled: bool = False
+    #: Seconds the training thread spent stopping the collection (the export stall).
+    stall_s: float = 0.0
 
 
 class Recorder:
@@ -293,6 +296,7 @@ class Recorder:
         """Stop a collection and send its windows to the exporter. Whatever happens, the
         ticket ends up settled, so the window can finish (a failure is re-raised)."""
         outputs: list[Any] = []
+        started = time.perf_counter()
         try:
             outputs = collection.close()
         except Exception as exc:
@@ -300,6 +304,7 @@ class Recorder:
                 ticket.errors.append(f"stopping the profiler failed: {exc}")
             raise
         finally:
+            ticket.stall_s += time.perf_counter() - started  # what the training thread paid
             ticket.closed = True
             self.submit(ticket, outputs)
             self._settle(ticket)
@@ -349,6 +354,7 @@ class Recorder:
                         "scope": job.scope,
                         "tool": job.tool,
                         "warnings": list(f.warnings),
+                        "stall_s": round(ticket.stall_s, 6),
                     },
                 )
             )
