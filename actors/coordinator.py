@@ -266,6 +266,10 @@ class ProfileCoordinator:
         session.open_targeting = req.wait_for_agents
         if req.steps is not None:
             session.resolve_steps(req.steps)
+        elif req.duration_s is not None:
+            session.resolve_steps(())
+            # bounded: the window, then time to write the files
+            session.deadline = min(session.deadline, session.created_at + req.duration_s + 300)
         else:
             await self._align(session, req.next_steps or 1)
         self._advance(session)
@@ -391,6 +395,7 @@ class ProfileCoordinator:
             tool_config=block.tool_config.for_tool(tool).model_dump(mode="json"),
             save_dir=s.save_dir,
             role_block=part.role_block,
+            duration_s=s.request.duration_s,
         )
 
     def _publish(self, agent_ids: list[str]) -> None:

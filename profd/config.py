@@ -206,6 +206,11 @@ class RoleProfilerConfig(_Frozen):
     discrete: StrictBool = Field(
         False, description="One trace per stage (true) or one per step / step group (false)."
     )
+    topology: dict[Annotated[str, StringConstraints(pattern=r"^[a-z]{1,16}$")], NonNegInt] = Field(
+        default_factory=dict,
+        description='Only agents whose parallel coordinates match, e.g. {"tp": 0}. Without '
+        "ranks / all_ranks, every matching agent is profiled.",
+    )
     tool_config: ToolConfigs = Field(ToolConfigs(), description="Options per tool.")
 
 
@@ -284,6 +289,14 @@ class SessionRequest(GlobalProfilerConfig):
     next_steps: PosInt | None = Field(
         None, description="Profile the next N steps that every target can still reach."
     )
+    duration_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="Profile for this many seconds, for targets without steps (rollout servers, "
+        "inference, a stalled loop). py_spy / nsys / torch_memory start at once on any thread; "
+        "torch starts at the agent's next mark.",
+    )
     roles: dict[RoleName, RoleProfilerConfig] = Field(
         default_factory=dict, description="Role name (or '*') to its profiling block."
     )
@@ -295,10 +308,11 @@ class SessionRequest(GlobalProfilerConfig):
 
     @model_validator(mode="after")
     def _one_window(self) -> SessionRequest:
-        given = [name for name in ("steps", "next_steps") if getattr(self, name) is not None]
+        kinds = ("steps", "next_steps", "duration_s")
+        given = [name for name in kinds if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
-                "steps: give exactly one of `steps` or `next_steps`"
+                "steps: give exactly one of `steps`, `next_steps` or `duration_s`"
                 + (f" (got {', '.join(given)})" if given else "")
             )
         if self.wait_for_agents and self.steps is None:

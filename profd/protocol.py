@@ -54,6 +54,8 @@ class WindowPlan:
     save_dir: str
     #: The request key that governed this agent (``actor`` for ``actor_rollout_ref``, ``*``).
     role_block: str
+    #: Time-based window (no steps): record for this many seconds.
+    duration_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,6 +236,8 @@ class Session:
         if self.state is SessionState.PENDING:
             if self.steps is None:
                 return None
+            if self.request.duration_s is not None:
+                return self._to(SessionState.ARMED, "starting a timed window", now)
             return self._to(SessionState.ARMED, f"waiting for step {self.steps[0]}", now)
         if not parts:  # only launch-time sessions exist without targets
             if self.state is SessionState.ARMED and "agents" not in self.reason:

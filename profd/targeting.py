@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 from profd.config import RoleProfilerConfig, SessionRequest
 from profd.protocol import AgentInfo
-from profd.selection import WILDCARD, Ignored, match_role_block, role_components, select_ranks
+from profd.selection import (
+    WILDCARD,
+    Ignored,
+    RankSelection,
+    match_role_block,
+    role_components,
+    select_ranks,
+)
 
 __all__ = ["Target", "Targeting", "resolve_targets"]
 
@@ -28,6 +35,34 @@ class Target:
 class Targeting:
     targets: tuple[Target, ...]
     ignored: tuple[Ignored, ...]
+
+
+def _matches(info: AgentInfo, topology: dict[str, int]) -> bool:
+    return all(info.topology.get(k) == v for k, v in topology.items())
+
+
+def _by_topology(
+    role: str, block: RoleProfilerConfig, ranks: dict[int, AgentInfo], world: int | None
+) -> tuple[dict[int, AgentInfo], RankSelection]:
+    """Filter by parallel coordinates, then apply the rank rule; without ranks / all_ranks
+    every matching agent is selected (a filter like ``tp=0`` means all of them)."""
+    keep = {r: i for r, i in ranks.items() if _matches(i, block.topology)}
+    want = " ".join(f"{k}={v}" for k, v in block.topology.items())
+    if not block.enable:
+        return keep, select_ranks(role, block, keep.keys(), world)
+    if not block.ranks:
+        if not keep:
+            return keep, RankSelection((), (Ignored(role, None, f"no agent has {want}"),))
+        return keep, RankSelection(tuple(sorted(keep)))
+    sel = select_ranks(role, block, keep.keys(), world)
+    ignored = []
+    for item in sel.ignored:
+        info = ranks.get(item.rank) if item.rank is not None else None
+        if info is not None:
+            have = " ".join(f"{k}={info.topology.get(k)}" for k in block.topology)
+            item = Ignored(role, item.rank, f"rank {item.rank} has {have}, not {want}")
+        ignored.append(item)
+    return keep, RankSelection(sel.selected, tuple(ignored))
 
 
 def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeting:
@@ -46,7 +81,11 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
         key, block = matched
         used_keys.add(key)
         worlds = [i.world_size for i in ranks.values() if i.world_size]
-        sel = select_ranks(role, block, ranks.keys(), max(worlds) if worlds else None)
+        world = max(worlds) if worlds else None
+        if block.topology:
+            ranks, sel = _by_topology(role, block, ranks, world)
+        else:
+            sel = select_ranks(role, block, ranks.keys(), world)
         ignored.extend(sel.ignored)
         for rank in sel.selected:
             info = ranks[rank]

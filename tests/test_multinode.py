@@ -48,7 +48,9 @@ def head_budget(ray_session: Any) -> Any:
     from profd.demo.workload import StepBudget
 
     strategy = NodeAffinitySchedulingStrategy(ray_session.node_id, soft=False)
-    return ray.remote(StepBudget).options(num_cpus=0, scheduling_strategy=strategy).remote()
+    budget = ray.remote(StepBudget).options(num_cpus=0, scheduling_strategy=strategy).remote()
+    assert ray.get(budget.node_id.remote()) == ray_session.node_id
+    return budget
 
 
 def node_of(worker: Any) -> str:
@@ -141,7 +143,6 @@ def test_removed_node_and_killed_agent_end_as_lost(sidecar, cluster, ray_session
     The session ends partial, naming both, and the survivor's traces are intact."""
     import ray
 
-    from profd.demo.workload import StepBudget
 
     url = sidecar
     node_c = cluster.add_node(num_cpus=1, resources={"node_c": 1})
@@ -153,7 +154,7 @@ def test_removed_node_and_killed_agent_end_as_lost(sidecar, cluster, ray_session
             ("actor", 2, 3, "node_c"),
         ]
     )
-    budget = ray.remote(StepBudget).options(num_cpus=0).remote()
+    budget = head_budget(ray_session)  # must outlive node C
     ray.get(budget.extend_to.remote(60))
     try:
         runs = [w.run.remote(3, 0.3, 1, budget) for w in ws]

@@ -118,3 +118,29 @@ def test_group_steps() -> None:
     assert group_steps([5, 1, 2], continuous=True) == ((1, 2), (5,))
     assert group_steps([5, 1, 2], continuous=False) == ((1,), (2,), (5,))
     assert group_steps([3, 4, 5, 7, 8], continuous=True) == ((3, 4, 5), (7, 8))
+
+
+def test_topology_filter_selects_matching_agents_and_explains_the_rest() -> None:
+    def tinfo(rank: int, tp: int, dp: int) -> AgentInfo:
+        base = info("actor", rank, 4)
+        return AgentInfo(
+            **{**{f: getattr(base, f) for f in base.__slots__}, "topology": {"tp": tp, "dp": dp}}
+        )
+
+    agents = [tinfo(0, 0, 0), tinfo(1, 1, 0), tinfo(2, 0, 1), tinfo(3, 1, 1)]
+    only_tp0 = SessionRequest.model_validate(
+        {"next_steps": 1, "roles": {"actor": {"topology": {"tp": 0}}}}
+    )
+    t = resolve_targets(only_tp0, agents)
+    assert [x.agent.rank for x in t.targets] == [0, 2] and not t.ignored
+    with_ranks = SessionRequest.model_validate(
+        {"next_steps": 1, "roles": {"actor": {"topology": {"tp": 0}, "ranks": [1, 2]}}}
+    )
+    t = resolve_targets(with_ranks, agents)
+    assert [x.agent.rank for x in t.targets] == [2]
+    assert t.ignored[0].rank == 1 and "rank 1 has tp=1, not tp=0" in t.ignored[0].reason
+    nobody = SessionRequest.model_validate(
+        {"next_steps": 1, "roles": {"actor": {"topology": {"pp": 3}}}}
+    )
+    t = resolve_targets(nobody, agents)
+    assert not t.targets and "no agent has pp=3" in t.ignored[0].reason

@@ -23,6 +23,7 @@ from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
 from profd.agent.recorder import IDLE, ArmedPlan, Recorder
+from profd.agent.timed import TimedWindows
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
 from profd.naming import sanitize
 from profd.nvtx_guard import apply_guard as apply_nvtx_guard
@@ -112,8 +113,13 @@ class ProfilerAgent:
         self._spmd = False
         self._announced: int | None = None
         self._followed: int | None = None
+        #: Bumped by the poller when the training thread has something to do at its next
+        #: mark (a controller step, a timed window); marks compare it with what they saw.
+        self._attention = 0
+        self._attended = 0
         self._closed = False
         self._recorder = Recorder(self.info, self._emit, backend_factory)
+        self._timed = TimedWindows(lambda: self.info, self._emit, backend_factory)
         self._channel: Channel | None = None
         self._find_link = find_link
         self._poll_timeout_s = poll_timeout_s
@@ -152,7 +158,8 @@ class ProfilerAgent:
         if not self._spmd and self._current_step is not None and self._recorder.has_windows:
             self._exit_step(self._current_step)  # the driver's last step is over
         try:
-            ok = self._recorder.close(timeout)
+            ok = self._recorder.close(timeout, self._armed)
+            self._timed.close(timeout)
         except Exception:
             log.exception("profd: closing the recorder failed")
             ok = False
@@ -221,8 +228,8 @@ class ProfilerAgent:
         In single-controller jobs the first stage of a new step is where the agent moves to the
         step the driver announced.
         """
-        if self._announced != self._followed:
-            self._follow_controller()
+        if self._attention != self._attended:
+            self._attend()
         scope = self._recorder.active
         if scope is None:
             return NULL_RANGE
@@ -251,11 +258,25 @@ class ProfilerAgent:
         """Poller thread: publish a plan snapshot and acknowledge new windows."""
         old = {w.session_id for w in self._armed.plan.windows}
         self._armed = ArmedPlan(plan, self._current_step)
-        if plan.controller_step is not None:
+        self._timed.sync(plan.windows)  # thread-free timed windows start right away
+        if plan.controller_step is not None and plan.controller_step != self._announced:
             self._announced = plan.controller_step
+            self._attention += 1
+        if any(w.duration_s is not None and w.session_id not in old for w in plan.windows):
+            self._attention += 1
         for w in plan.windows:
             if w.session_id not in old:
                 self._emit(AgentEvent(EventKind.ARMED, w.session_id, self._current_step))
+
+    def _attend(self) -> None:
+        """Training thread, at a mark: follow the driver's step, open or close timed windows."""
+        self._attended = self._attention
+        if self._announced != self._followed:
+            self._follow_controller()
+        try:
+            self._recorder.attend(self._armed)
+        except Exception:
+            log.exception("profd: attending to a new plan failed")
 
     def _follow_controller(self) -> None:
         """Training thread: leave the previous step and enter the one the driver announced."""

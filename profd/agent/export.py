@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from profd.backends.base import PendingOutput, WrittenFile
+from profd.protocol import AgentEvent, EventKind
 
-__all__ = ["ExportJob", "Exporter", "trace_id_for"]
+__all__ = ["ExportJob", "Exporter", "trace_event", "trace_id_for"]
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,34 @@ log = logging.getLogger(__name__)
 def trace_id_for(node: str | None, path: str) -> str:
     """Stable id of a file: the same file always gets the same id, on any process."""
     return hashlib.sha1(f"{node or ''}:{path}".encode()).hexdigest()[:16]
+
+
+def trace_event(
+    node_id: str | None,
+    session_id: str,
+    steps: list[int],
+    scope: str,
+    tool: str,
+    written: WrittenFile,
+    stall_s: float = 0.0,
+) -> AgentEvent:
+    """The ``trace`` event announcing one written file."""
+    path = str(written.path)
+    return AgentEvent(
+        EventKind.TRACE,
+        session_id,
+        steps[0] if steps else None,
+        data={
+            "trace_id": trace_id_for(node_id, path),
+            "path": path,
+            "bytes": written.bytes,
+            "steps": list(steps),
+            "scope": scope,
+            "tool": tool,
+            "warnings": list(written.warnings),
+            "stall_s": round(stall_s, 6),
+        },
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,19 +24,17 @@ training loop goes on.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from profd.agent.export import Exporter, ExportJob, trace_id_for
-from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope
-from profd.backends.base import Backend, Collection, CollectionSpec, WrittenFile
-from profd.naming import trace_stem
+from profd.agent.export import Exporter, ExportJob, trace_event
+from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope, TimedScope
+from profd.agent.specs import build_spec
+from profd.agent.timed import is_timed_thread_free
+from profd.backends.base import Backend, Collection, WrittenFile
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, WindowPlan
 from profd.schedule import continuous_schedule, discrete_schedule
 
@@ -74,9 +72,13 @@ class WindowState:
     recording_sent: bool = False
     collecting_sent: bool = False
     done_sent: bool = False
+    #: Timed windows: the window opened, ran and closed (or could not open at all).
+    timed_done: bool = False
 
     @property
     def all_handled(self) -> bool:
+        if self.window.duration_s is not None:
+            return self.timed_done
         return self.handled >= set(self.window.steps)
 
 
@@ -131,15 +133,45 @@ class Recorder:
             if sid not in wanted:
                 self._abandon(ws, "the session ended before these steps")
         for sid, window in wanted.items():
-            if sid in self._windows or sid in self._finished:
+            if sid in self._windows or sid in self._finished or is_timed_thread_free(window):
                 continue
             group_of = {s: g for g in window.groups for s in g}
             self._windows[sid] = WindowState(window, group_of, armed.received_at_step)
 
-    # -- step boundaries ----------------------------------------------------------------
-    def enter_step(self, step: int, armed: ArmedPlan) -> None:
+    # -- timed windows of thread-bound backends --------------------------------------------
+    def attend(self, armed: ArmedPlan) -> None:
+        """At a mark: adopt a new plan, open pending timed windows, close expired ones."""
         if armed is not self._seen:
             self.sync(armed)
+        for ws in list(self._windows.values()):
+            if ws.window.duration_s is None or ws.timed_done:
+                continue
+            try:
+                if ws.scope is None:
+                    ws.scope = TimedScope(self, ws, ws.window.duration_s)
+                    ws.recording_sent = True
+                    self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id))
+                    self.active = ws.scope
+                elif isinstance(ws.scope, TimedScope) and ws.scope.expired():
+                    self.close_timed(ws)
+            except Exception as exc:
+                self.fault(ws, exc)
+
+    def close_timed(self, ws: WindowState) -> None:
+        scope = ws.scope
+        ws.scope = None
+        if self.active is scope:
+            self.active = None
+        try:
+            if isinstance(scope, TimedScope):
+                scope.close()
+        finally:
+            ws.timed_done = True
+            self._maybe_done(ws)
+
+    # -- step boundaries ----------------------------------------------------------------
+    def enter_step(self, step: int, armed: ArmedPlan) -> None:
+        self.attend(armed)
         for ws in list(self._windows.values()):
             try:
                 self._enter(ws, step)
@@ -148,6 +180,10 @@ class Recorder:
 
     def _enter(self, ws: WindowState, step: int) -> None:
         scope = ws.scope
+        if ws.window.duration_s is not None:
+            if isinstance(scope, TimedScope):
+                scope.enter_step(step)
+            return
         if isinstance(scope, ContinuousScope) and step not in scope.group:
             self._close_scope(ws)  # the loop jumped out of the group
         self._miss_before(ws, step)
@@ -174,6 +210,12 @@ class Recorder:
 
     def _exit(self, ws: WindowState, step: int) -> None:
         scope = ws.scope
+        if ws.window.duration_s is not None:
+            if isinstance(scope, TimedScope) and step in scope.ticket.steps:  # type: ignore[union-attr]
+                scope.exit_step(step)
+                if scope.expired():
+                    self.close_timed(ws)
+            return
         if isinstance(scope, DiscreteScope) and scope.step == step:
             ws.scope = None
             self.active = None
@@ -213,9 +255,8 @@ class Recorder:
 
     # -- collections and tickets ----------------------------------------------------------
     def open_collection(
-        self, ws: WindowState, label: str, step: int, update_loop: bool = False
+        self, ws: WindowState, label: str, step: int | None, update_loop: bool = False
     ) -> tuple[Collection, Ticket]:
-        info = self.info
         window = ws.window
         backend = self._make_backend(window.tool, window.tool_config)
         if not window.discrete:
@@ -224,55 +265,13 @@ class Recorder:
             schedule, by_mini_batch = discrete_schedule(backend.schedule), True
         else:
             schedule, by_mini_batch = None, False
-        stem = trace_stem(
-            prefix=info.role,
-            scope=label,
-            step=step,
-            rank=info.rank,
-            world_size=info.world_size,
-            topology=info.topology,
-            pid=os.getpid(),
-            when=datetime.now(),
-        )
-        spec = CollectionSpec(
-            save_dir=Path(window.save_dir),
-            stem=stem,
-            metadata=self._metadata(ws, label, step),
-            schedule=schedule,
-            name_mini_batches=by_mini_batch,
-        )
+        group = ws.group_of.get(step, (step,)) if step is not None else ()
+        spec = build_spec(self.info, window, label, step, group, schedule, by_mini_batch)
         collection = backend.open(spec)
-        ticket = Ticket(ws, label, [] if not window.discrete else [step])
+        ticket = Ticket(ws, label, [step] if window.discrete and step is not None else [])
         with self._lock:
             ws.open_tickets += 1
         return collection, ticket
-
-    def _metadata(self, ws: WindowState, scope: str, step: int) -> dict[str, Any]:
-        from profd import __version__
-
-        info = self.info
-        dist: dict[str, Any] = {"rank": info.rank}
-        if info.world_size:
-            dist["world_size"] = info.world_size
-        return {
-            "distributedInfo": dist,
-            "profd": {
-                "version": __version__,
-                "session_id": ws.window.session_id,
-                "agent_id": info.agent_id,
-                "role": info.role,
-                "rank": info.rank,
-                "world_size": info.world_size,
-                "topology": dict(info.topology),
-                "scope": scope,
-                "step": step,
-                "group": list(ws.group_of.get(step, (step,))),
-                "tool": ws.window.tool,
-                "hostname": info.hostname,
-                "node_id": info.node_id,
-                "pid": os.getpid(),
-            },
-        }
 
     def submit(self, ticket: Ticket, outputs: list[Any]) -> None:
         if not outputs:
@@ -340,22 +339,15 @@ class Recorder:
                 AgentEvent(EventKind.ERROR, job.session_id, None, error, {"steps": list(job.steps)})
             )
         for f in files:
-            path = str(f.path)
             self._emit(
-                AgentEvent(
-                    EventKind.TRACE,
+                trace_event(
+                    self.info.node_id,
                     job.session_id,
-                    job.steps[0] if job.steps else None,
-                    data={
-                        "trace_id": trace_id_for(self.info.node_id, path),
-                        "path": path,
-                        "bytes": f.bytes,
-                        "steps": list(job.steps),
-                        "scope": job.scope,
-                        "tool": job.tool,
-                        "warnings": list(f.warnings),
-                        "stall_s": round(ticket.stall_s, 6),
-                    },
+                    list(job.steps),
+                    job.scope,
+                    job.tool,
+                    f,
+                    ticket.stall_s,
                 )
             )
         with self._lock:
@@ -442,6 +434,19 @@ class Recorder:
         self._maybe_done(ws)
 
     def _abandon(self, ws: WindowState, reason: str) -> None:
+        if ws.window.duration_s is not None:
+            if ws.scope is None and not ws.timed_done:
+                self._emit(
+                    AgentEvent(
+                        EventKind.MISSED,
+                        ws.window.session_id,
+                        None,
+                        "no mark reached the agent during the timed window (a stalled loop "
+                        "can be profiled with py_spy)",
+                    )
+                )
+            self.close_timed(ws)
+            return
         try:
             self._close_scope(ws, reason)
         except Exception as exc:
@@ -452,8 +457,13 @@ class Recorder:
             self._mark_missed(ws, remaining, reason)
         self._maybe_done(ws)
 
-    def close(self, timeout: float) -> bool:
-        """End of the job: flush open windows, write every file; True when all were written."""
+    def close(self, timeout: float, armed: ArmedPlan | None = None) -> bool:
+        """End of the job: flush open windows, write every file; True when all were written.
+
+        ``armed`` is the latest plan, so windows that arrived after the last mark are
+        resolved (and reported) too."""
+        if armed is not None and armed is not self._seen:
+            self.sync(armed)
         for ws in list(self._windows.values()):
             self._abandon(ws, "the job ended before these steps")
         return self._exporter.drain(timeout)

@@ -9,6 +9,7 @@ user's own exceptions.
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +18,18 @@ from profd.backends.base import NULL_RANGE, Collection
 if TYPE_CHECKING:
     from profd.agent.recorder import Recorder, Ticket, WindowState
 
-__all__ = ["CONTINUOUS_SCOPE", "ContinuousScope", "DiscreteScope", "SafeRange", "Scope"]
+__all__ = [
+    "CONTINUOUS_SCOPE",
+    "TIMED_SCOPE",
+    "ContinuousScope",
+    "DiscreteScope",
+    "SafeRange",
+    "Scope",
+    "TimedScope",
+]
 
 CONTINUOUS_SCOPE = "train"
+TIMED_SCOPE = "window"
 
 
 class SafeRange:
@@ -176,3 +186,26 @@ class DiscreteScope(Scope):
         if self.current is not None:  # nested stage: a range in the enclosing collection
             return SafeRange(self, self.current.annotate(label))
         return DiscreteStage(self, label, update_loop)
+
+
+class TimedScope(ContinuousScope):
+    """A timed window (``duration_s``) of a thread-bound backend: opened at a mark, closed at
+    the first mark after its deadline. Steps seen meanwhile become ``step<n>`` ranges."""
+
+    def __init__(self, recorder: Recorder, ws: WindowState, duration_s: float) -> None:
+        Scope.__init__(self, recorder, ws)
+        self.group = ()
+        self.done = []
+        self.current, self.ticket = recorder.open_collection(ws, TIMED_SCOPE, None)
+        # counted from when the profiler runs (the first start can take a second)
+        self.deadline = time.monotonic() + duration_s
+        self._step_range = None
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
+        if self.expired():
+            self.recorder.close_timed(self.ws)
+            return NULL_RANGE
+        return super().stage(label, update_loop)

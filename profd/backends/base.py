@@ -86,6 +86,9 @@ class Collection(ABC):
 
 class Backend(ABC):
     kind: ClassVar[ToolKind]
+    #: Can be started and stopped from any thread (timed windows then run without waiting
+    #: for the training thread, so even a stalled loop can be profiled).
+    thread_free: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -163,6 +163,7 @@ class _NsysCollection(Collection):
 
 class NsysBackend(Backend):
     kind = ToolKind.NSYS
+    thread_free = True
     api: NsysApi = NsysApi()
 
     def __init__(self, options: Mapping[str, Any] | NsysToolConfig | None = None) -> None:

@@ -96,6 +96,7 @@ class _PySpyCollection(Collection):
 
 class PySpyBackend(Backend):
     kind = ToolKind.PY_SPY
+    thread_free = True
 
     def __init__(self, options: Mapping[str, Any] | PySpyToolConfig | None = None) -> None:
         if isinstance(options, PySpyToolConfig):

@@ -143,6 +143,7 @@ class _MemoryCollection(Collection):
 
 class TorchMemoryBackend(Backend):
     kind = ToolKind.TORCH_MEMORY
+    thread_free = True
     api: CudaMemoryApi = CudaMemoryApi()
 
     def __init__(self, options: Mapping[str, Any] | TorchMemoryToolConfig | None = None) -> None:

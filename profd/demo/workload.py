@@ -191,3 +191,8 @@ class StepBudget:
 
     def last(self) -> int:
         return self._last
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
