@@ -481,6 +481,7 @@ class ProfileCoordinator:
                     recorded_steps=sorted(p.recorded),
                     missed_steps=sorted(p.missed),
                     traces=list(p.traces),
+                    armed_at=p.armed_at,
                 )
                 for p in sorted(s.targets.values(), key=lambda p: (p.role, p.rank))
             ],

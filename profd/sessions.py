@@ -38,6 +38,8 @@ class Part:
     errors: list[str] = field(default_factory=list)
     #: Why steps were missed (plan arrived late, job ended, ...).
     notes: list[str] = field(default_factory=list)
+    #: When the agent installed the plan (its clock), from its ``armed`` event.
+    armed_at: float | None = None
 
     def finish(self, state: PartState, reason: str = "") -> None:
         if not self.state.is_terminal:
@@ -161,8 +163,11 @@ class Session:
         if part is None or part.state.is_terminal:
             return
         kind = event.kind
-        if kind is EventKind.ARMED and part.state is PartState.PENDING:
-            part.state = PartState.ARMED
+        if kind is EventKind.ARMED:
+            if part.armed_at is None:
+                part.armed_at = event.time
+            if part.state is PartState.PENDING:
+                part.state = PartState.ARMED
         elif kind is EventKind.RECORDING:
             part.state = PartState.RECORDING
         elif kind is EventKind.COLLECTING:

@@ -135,6 +135,7 @@ class PartView(_View):
     recorded_steps: list[int] = Field(description="Steps recorded so far.")
     missed_steps: list[int] = Field(description="Steps that could not be recorded.")
     traces: list[str] = Field(description="Ids of the traces this target wrote.")
+    armed_at: float | None = Field(None, description="Unix time the agent received its plan.")
 
 
 class SessionView(_View):
