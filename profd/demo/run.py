@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from profd.cli.client import ApiClient
-from profd.cluster import apply_loopback_env, start_services
+from profd.cluster import apply_loopback_env, is_local_address, start_services
 from profd.constants import NAMESPACE
 from profd.settings import ProfdSettings, SidecarConfig
 
@@ -90,11 +90,12 @@ def run_demo(
     address: str | None = None,
     min_step_s: float = 0.5,
 ) -> DemoResult:
+    if is_local_address(address):
+        apply_loopback_env()  # before Ray is imported: it reads these at import
     import ray
 
     from profd.demo.workload import DemoWorker, StepBudget
 
-    apply_loopback_env()
     started_ray = False
     if not ray.is_initialized():
         if address:
