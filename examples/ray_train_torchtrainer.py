@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from typing import Any
 
@@ -76,13 +75,22 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if spare > 0:
                 time.sleep(spare)  # stands in for data loading / a larger model
     written = agent.close(timeout=120)  # flush the last window before the worker exits
-    metrics = {"step": config["steps"], "loss": float(loss), "traces_written": written}
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
-        if rank == 0:  # every rank reports; rank 0 also saves the model (Ray Train keeps it)
-            torch.save(model.state_dict(), f"{tmp}/model.pt")
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint)
+    ray.train.report({"step": config["steps"], "loss": float(loss), "traces_written": written})
+
+
+def wait_for_session(session_id: str, timeout: float = 120.0) -> Any:
+    """The session's view once it has ended (state, reason, traces), from the coordinator."""
+    import ray
+
+    from profd.actors import get_coordinator
+
+    coordinator = get_coordinator()
+    deadline = time.monotonic() + timeout
+    while True:
+        view = ray.get(coordinator.get_session.remote(session_id))
+        if view.state.is_terminal or time.monotonic() > deadline:
+            return view
+        time.sleep(0.5)
 
 
 def main(
@@ -93,7 +101,7 @@ def main(
     address: str | None = None,
     storage_path: str | None = None,
 ) -> dict[str, Any]:
-    """Train with ``num_workers`` CPU workers; return the session id (if any) and metrics."""
+    """Train with ``num_workers`` CPU workers; return the session and its trace files."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -114,13 +122,14 @@ def main(
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1}
         ),
-        run_config=RunConfig(
-            name="profd-ray-train-example",
-            storage_path=storage_path or tempfile.mkdtemp(prefix="profd-ray-train-"),
-        ),
+        run_config=RunConfig(name="profd-ray-train-example", storage_path=storage_path),
     )
-    result = trainer.fit()
-    return {"session_id": session_id, "metrics": dict(result.metrics or {})}
+    result = trainer.fit()  # raises if a worker failed
+    out: dict[str, Any] = {"session_id": session_id, "error": result.error}
+    if session_id is not None:
+        view = wait_for_session(session_id)
+        out.update(state=view.state.value, traces=[t.path for t in view.traces])
+    return out
 
 
 def _parse() -> argparse.Namespace:

@@ -15,8 +15,10 @@ A verl config (``global_profiler`` + ``<role>.profiler``) is given to profd unch
     python examples/single_controller.py --config examples/verl_config.yaml
 
 (``profd.start_session(config)`` before the workers start; see ``docs/verl.md``.) Without
-``--config`` nothing is profiled until someone asks, e.g. ``profd profile --next-steps 2
---all-ranks`` while the driver runs with ``--steps 200 --step-seconds 0.5``.
+``--config`` nothing is profiled until someone asks, while the driver runs::
+
+    python examples/single_controller.py --address auto --steps 200 --step-seconds 0.5
+    profd profile --next-steps 2 --all-ranks --wait
 """
 
 from __future__ import annotations
@@ -198,6 +200,19 @@ def fit(
     return history
 
 
+def wait_for_session(session_id: str, timeout: float = 120.0) -> Any:
+    """The session's view once it has ended (state, reason, traces), from the coordinator."""
+    from profd.actors import get_coordinator
+
+    coordinator = get_coordinator()
+    deadline = time.monotonic() + timeout
+    while True:
+        view = ray.get(coordinator.get_session.remote(session_id))
+        if view.state.is_terminal or time.monotonic() > deadline:
+            return view
+        time.sleep(0.5)
+
+
 def main(
     steps: int = 4,
     config: str | None = None,
@@ -220,7 +235,11 @@ def main(
     finally:
         for w in arr_wg.workers + critic_wg.workers:
             ray.kill(w)
-    return {"session_id": session_id, "steps": len(history), "closed": closed, "last": history[-1]}
+    out = {"session_id": session_id, "steps": len(history), "closed": closed, "last": history[-1]}
+    if session_id is not None:
+        view = wait_for_session(session_id)
+        out.update(state=view.state.value, traces=[t.path for t in view.traces])
+    return out
 
 
 def _parse() -> argparse.Namespace:

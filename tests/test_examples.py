@@ -61,7 +61,7 @@ def test_ray_train_torchtrainer_workers_attach_with_their_world_rank(
 ) -> None:
     example = load_example("ray_train_torchtrainer")
     out = example.main(steps=5, num_workers=2, profile_steps=[3], storage_path=str(tmp_path / "rt"))
-    assert out["metrics"]["step"] == 5 and out["metrics"]["traces_written"] is True
+    assert out["error"] is None and out["state"] == "done" and len(out["traces"]) == 2
     view = session_end(ray_coordinator, out["session_id"])
     assert view.state.value == "done", view.reason
     assert sorted((t.role, t.rank) for t in view.targets) == [("trainer", 0), ("trainer", 1)]
@@ -113,6 +113,7 @@ def test_single_controller_driver_with_a_verl_config(ray_coordinator: Any, tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["steps"] == 4 and out["closed"] == [True, True, True]
+    assert out["state"] == "done" and len(out["traces"]) == 8  # what the script prints
     view = session_end(ray_coordinator, out["session_id"])
     assert view.state.value == "done", view.reason
     assert view.steps == [2, 3]
@@ -154,3 +155,24 @@ def test_single_controller_driver_with_a_verl_config(ray_coordinator: Any, tmp_p
         parts = parse_trace_name(Path(t.path).name)
         assert parts.head == ("critic", t.scope.replace("_", "-"))
     assert set(by_role) == {"actor_rollout_ref", "critic"}
+
+
+def test_verl_config_example_maps_as_verl_reads_it() -> None:
+    """The example config, as ``profd.start_session`` and ``profd profile --config`` read it."""
+    from profd.cli.main import _build_request
+    from profd.launch import load_request
+
+    req = load_request(EXAMPLES / "verl_config.yaml")
+    assert req.tool.value == "torch" and req.steps == (2, 3)
+    assert req.save_path == "outputs/profile" and not req.profile_continuous_steps
+    assert set(req.roles) == {"actor", "rollout", "critic"}  # ref.profiler.enable is false
+    assert req.roles["actor"].all_ranks and not req.roles["actor"].discrete
+    assert req.roles["actor"].tool_config.torch.contents == ("cpu",)
+    assert req.roles["critic"].ranks == (0,) and req.roles["critic"].discrete
+    assert req.roles["rollout"].all_ranks  # follows the actor
+    # `profd profile --config verl_config.yaml --next-steps 2`: verl's roles, the next 2 steps
+    body = _build_request(
+        EXAMPLES / "verl_config.yaml", None, None, 2, [], None, False, False, None, False
+    )
+    assert body["next_steps"] == 2 and "steps" not in body
+    assert set(body["roles"]) == {"actor", "rollout", "critic"}
