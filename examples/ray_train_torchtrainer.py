@@ -16,7 +16,8 @@ coordinator for its lifetime)::
 
     python examples/ray_train_torchtrainer.py --profile-steps 3,4
 
-Needs ``ray[train]`` (pandas, pyarrow) next to profd.
+Needs ``ray[train]`` (pandas, pyarrow) next to profd. Kineto may print "External init callback
+must run in same thread as registerClient" in the workers (ray#47131); the traces are complete.
 """
 
 from __future__ import annotations
