@@ -46,6 +46,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     agent = profd.attach(role=ROLE, rank=rank, world_size=world, topology={"dp": rank})
+    deadline = time.monotonic() + config["wait_for_plan_s"]
+    while not agent.connected and time.monotonic() < deadline:
+        time.sleep(0.05)  # a launch-time window: hold this worker's plan before step 1
 
     torch.manual_seed(rank)
     model = torch.nn.Sequential(
@@ -119,7 +122,11 @@ def main(
         session_id = view.session_id
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"steps": steps, "step_seconds": step_seconds},
+        train_loop_config={
+            "steps": steps,
+            "step_seconds": step_seconds,
+            "wait_for_plan_s": 30.0 if profile_steps else 0.0,
+        },
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1}
         ),

@@ -99,6 +99,9 @@ class ActorRolloutRefWorker:
                     total += loss.item()
         return total
 
+    def profd_connected(self) -> bool:
+        return self.agent.connected
+
     def close(self) -> bool:
         return self.agent.close(timeout=120)
 
@@ -135,6 +138,9 @@ class CriticWorker:
                     total += loss.item()
         return total
 
+    def profd_connected(self) -> bool:
+        return self.agent.connected
+
     def close(self) -> bool:
         return self.agent.close(timeout=120)
 
@@ -165,6 +171,15 @@ class RayWorkerGroup:
 
     def close(self) -> list[bool]:
         return ray.get([w.close.remote() for w in self.workers])
+
+    def wait_profd(self, timeout: float = 30.0) -> bool:
+        """Wait until every rank's agent holds its plan (for a window declared at launch)."""
+        deadline = time.monotonic() + timeout
+        while not all(ray.get([w.profd_connected.remote() for w in self.workers])):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
 
 def fit(
@@ -230,6 +245,9 @@ def main(
     arr_wg = RayWorkerGroup(ActorRolloutRefWorker, actor_world_size, num_cpus=0)
     critic_wg = RayWorkerGroup(CriticWorker, 1, num_cpus=0)
     try:
+        if session_id is not None:  # the window starts soon: every worker holds its plan first
+            for group in (arr_wg, critic_wg):
+                group.wait_profd()
         history = fit(arr_wg, critic_wg, steps, step_seconds)
         closed = arr_wg.close() + critic_wg.close()  # flushes the last profiled step
     finally:
