@@ -377,7 +377,8 @@ def test_kuberay_head_script_starts_profd_for_a_running_job(ray_session: Any, tm
         # a restarted head script (or `profd up` twice) is harmless and says so
         again = run_head_script(script, tmp_path, address)
         assert "already up" in again
-        env = dict(os.environ, HOME=str(tmp_path), PROFD_STATE_DIR=str(state))
+        # state says `auto`: pin it to this session's Ray, never another one on the machine
+        env = dict(os.environ, HOME=str(tmp_path), PROFD_STATE_DIR=str(state), RAY_ADDRESS=address)
         down = subprocess.run(
             [sys.executable, "-m", "profd.cli.main", "down"],
             env=env,
