@@ -56,8 +56,41 @@ def annotations(path: str) -> list[str]:
     return [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
 
 
+RAY_TRAIN_ACTORS = ("TrainController", "DatasetManager", "RayTrainWorker")
+
+
+@pytest.fixture
+def ray_train_cleanup(ray_session: Any) -> Any:
+    """Ray Train leaves its controller (owned by this driver; its SIGINT handler holds the
+    handle) and Ray Data's detached autoscaling coordinator behind; the session's Ray is
+    shared, so they go after the test, and pytest gets its SIGINT handler back."""
+    import gc
+    import signal
+
+    import ray
+
+    sigint = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, sigint)
+    gc.collect()  # the driver's last handle on the controller
+    try:
+        ray.kill(ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator"))
+    except ValueError:
+        pass
+
+    def left() -> list[str]:
+        return [
+            a["ActorClassName"]
+            for a in ray._private.state.actors().values()
+            if a["State"] == "ALIVE"
+            and a["ActorClassName"] in (*RAY_TRAIN_ACTORS, "_AutoscalingCoordinatorActor")
+        ]
+
+    wait_until(lambda: not left(), 30, 0.2, what="Ray Train's actors gone")
+
+
 def test_ray_train_torchtrainer_workers_attach_with_their_world_rank(
-    ray_coordinator: Any, tmp_path: Path
+    ray_coordinator: Any, tmp_path: Path, ray_train_cleanup: Any
 ) -> None:
     example = load_example("ray_train_torchtrainer")
     out = example.main(steps=5, num_workers=2, profile_steps=[3], storage_path=str(tmp_path / "rt"))
