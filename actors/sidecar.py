@@ -55,11 +55,9 @@ class SidecarServer:
         return __version__
 
     def address(self) -> dict[str, Any]:
-        return {
-            "host": self.config.host,
-            "port": self._port,
-            "url": f"http://{self.config.host}:{self._port}",
-        }
+        # a wildcard bind is reached locally through loopback
+        local = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
+        return {"host": self.config.host, "port": self._port, "url": f"http://{local}:{self._port}"}
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -26,6 +26,7 @@ __all__ = [
     "Services",
     "apply_loopback_env",
     "connect_ray",
+    "current_address",
     "gcs_reachable",
     "is_local_address",
     "load_state",
@@ -124,10 +125,9 @@ def stop_local_ray(temp_dir: str | None, timeout: float = 15.0) -> int:
 
 
 def is_local_address(address: str | None) -> bool:
-    return address in (None, "auto", "local") or str(address).split(":")[0] in (
-        "127.0.0.1",
-        "localhost",
-    )
+    """A Ray profd starts itself, or one explicitly on loopback. ``auto`` is not: it may be a
+    routable cluster with its own settings (token auth, ...), which profd must not override."""
+    return address in (None, "local") or str(address).split(":")[0] in ("127.0.0.1", "localhost")
 
 
 def gcs_reachable(address: str, timeout: float = 3.0) -> bool:
@@ -154,6 +154,16 @@ def connect_ray(address: str | None) -> None:
 
     if not ray.is_initialized():
         ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+
+
+def current_address() -> str | None:
+    """The resolved GCS address of the cluster this process joined (never ``auto``)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:
+        return None
 
 
 @dataclass

@@ -23,7 +23,7 @@ import yaml
 from profd.config import SessionRequest
 from profd.views import SessionView
 
-__all__ = ["load_request", "start_session"]
+__all__ = ["load_request", "resolve_interpolations", "start_session"]
 
 _OWNED: list[Any] = []
 
@@ -36,11 +36,46 @@ def load_request(config: Mapping[str, Any] | SessionRequest | str | Path) -> Ses
         return config
     if isinstance(config, str | Path):
         config = yaml.safe_load(Path(config).read_text()) or {}
+    config = resolve_interpolations(config)
     if not isinstance(config, Mapping):
         raise ValueError(f"config: expected a mapping or a YAML path, got {type(config).__name__}")
     if looks_like_verl(config):
         return request_from_verl(config)
     return SessionRequest.model_validate(dict(config))
+
+
+def resolve_interpolations(config: Any) -> Any:
+    """Resolve OmegaConf / Hydra interpolations (``${...}``) as verl does, when omegaconf is
+    installed (it is wherever verl is); otherwise an unresolved one is an error naming it."""
+    if not isinstance(config, Mapping) and not hasattr(config, "_get_node"):
+        return config
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        found = _first_interpolation(config, "")
+        if found:
+            raise ValueError(
+                f"{found}: holds an unresolved interpolation; resolve the config first "
+                "(OmegaConf.to_container(cfg, resolve=True)) or install omegaconf"
+            ) from None
+        return config
+    return OmegaConf.to_container(OmegaConf.create(config), resolve=True)
+
+
+def _first_interpolation(node: Any, path: str) -> str | None:
+    if isinstance(node, str) and "${" in node:
+        return path or "config"
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            hit = _first_interpolation(v, f"{path}.{k}" if path else str(k))
+            if hit:
+                return hit
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            hit = _first_interpolation(v, f"{path}.{i}")
+            if hit:
+                return hit
+    return None
 
 
 def start_session(

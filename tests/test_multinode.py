@@ -143,7 +143,6 @@ def test_removed_node_and_killed_agent_end_as_lost(sidecar, cluster, ray_session
     The session ends partial, naming both, and the survivor's traces are intact."""
     import ray
 
-
     url = sidecar
     node_c = cluster.add_node(num_cpus=1, resources={"node_c": 1})
     cluster.wait_for_nodes()

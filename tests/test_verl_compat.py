@@ -105,3 +105,17 @@ def test_errors_name_verl_fields(patch: dict, field: str) -> None:
     with pytest.raises(RequestInvalid) as info:
         request_from_verl(patch)
     assert field in {f.field for f in info.value.fields}, info.value.fields
+
+
+def test_unresolved_interpolations_are_named() -> None:
+    import importlib.util
+
+    from profd.launch import load_request
+
+    cfg = yaml.safe_load(VERL_YAML)
+    cfg["critic"]["profiler"]["save_path"] = "${global_profiler.save_path}"
+    if importlib.util.find_spec("omegaconf") is None:
+        with pytest.raises(ValueError, match=r"critic\.profiler\.save_path: holds an unresolved"):
+            load_request(cfg)
+    else:  # resolved as verl would
+        assert load_request(cfg).save_path == "outputs/profile"

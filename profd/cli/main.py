@@ -78,6 +78,7 @@ def up(
     from profd.cluster import (
         ServiceState,
         connect_ray,
+        current_address,
         load_state,
         read_or_create_token,
         save_state,
@@ -120,7 +121,7 @@ def up(
         url=addr["url"],
         host=addr["host"],
         port=addr["port"],
-        ray_address=address,
+        ray_address=current_address() or address,  # resolved: `down` must find this cluster
         started_ray=started_ray,
         save_root=coord.save_root,
         coordinator_created=coord_new,
@@ -291,7 +292,12 @@ def _build_request(
     if config is not None:
         from profd.verl_compat import looks_like_verl, request_from_verl
 
-        loaded = yaml.safe_load(config.read_text()) or {}
+        from profd.launch import resolve_interpolations
+
+        try:
+            loaded = resolve_interpolations(yaml.safe_load(config.read_text()) or {})
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--config") from None
         body = (
             request_from_verl(loaded).model_dump(mode="json", exclude_none=True)
             if looks_like_verl(loaded)
