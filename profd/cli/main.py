@@ -290,9 +290,8 @@ def _build_request(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if config is not None:
-        from profd.verl_compat import looks_like_verl, request_from_verl
-
         from profd.launch import resolve_interpolations
+        from profd.verl_compat import looks_like_verl, request_from_verl
 
         try:
             loaded = resolve_interpolations(yaml.safe_load(config.read_text()) or {})
