@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from profd.demo.server import UvicornThread, free_port  # noqa: F401  (used by tests)
 
 
 def wait_until(
@@ -34,38 +34,6 @@ def coordinator_settings(tmp_path: Path, **overrides: Any) -> Any:
     )
     values.update(overrides)
     return CoordinatorSettings(**values)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class UvicornThread:
-    """A real uvicorn server on 127.0.0.1 in a thread of the test process."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> UvicornThread:
-        self.thread.start()
-        wait_until(lambda: self.server.started, 20, what="uvicorn start")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 class LoopClient:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fake_engines import FakeSglangServer, FakeVllmServer
-
+from profd.demo.fake_engines import FakeSglangServer, FakeVllmServer
 from profd.rollout import (
     EngineProfileOptions,
     EngineTimeouts,

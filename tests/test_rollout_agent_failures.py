@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_engines import read_trace
 from rollout_helpers import FAST, names, sglang_pair, vllm_pair
 
+from profd.demo.fake_engines import read_trace
 from profd.rollout import (
     EngineProfileOptions,
     EngineTimeouts,

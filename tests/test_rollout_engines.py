@@ -9,8 +9,8 @@ import time
 
 import httpx
 import pytest
-from fake_engines import FakeSglangServer, FakeVllmServer
 
+from profd.demo.fake_engines import FakeSglangServer, FakeVllmServer
 from profd.rollout.engine_args import EngineProfileOptions, vllm_launch_settings
 from profd.rollout.engines import (
     EngineError,

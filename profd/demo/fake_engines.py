@@ -1,5 +1,5 @@
-"""Fake vLLM and SGLang servers for tests: real HTTP on 127.0.0.1, the engines' real profiling
-endpoints, trace files named as the engines name them.
+"""Fake vLLM and SGLang servers (tests and ``profd demo``): real HTTP on 127.0.0.1, the
+engines' real profiling endpoints, trace files named as the engines name them.
 
 What is reproduced (read from the engines' public code):
 
@@ -45,7 +45,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from helpers import UvicornThread
+from profd.demo.server import UvicornThread
 
 __all__ = ["FakeSglangServer", "FakeVllmServer", "chrome_trace_bytes", "read_trace"]
 
