@@ -60,6 +60,11 @@ class Registration:
         return (Registration, (self.plan, self.poll_timeout_s))
 
 
+def _part(t: Any) -> Part:
+    keep = sorted(t.keep_global_ranks) if t.keep_global_ranks is not None else None
+    return Part(t.agent.agent_id, t.agent.role, t.agent.rank, t.block_key, keep_global_ranks=keep)
+
+
 class ProfileCoordinator:
     """Owns agents, sessions and the trace index; computes each agent's plan."""
 
@@ -89,6 +94,7 @@ class ProfileCoordinator:
         self._store = store if store is not None else open_store(settings.state_dir)
         self._finisher = Finisher(runner or default_runner(), self._changed, settings.base_dir)
         self._restored: list[Session] = []
+        self._progress_cond: asyncio.Condition | None = None
         #: Counters for /metrics (since this incarnation started).
         self._counters: dict[str, float] = {"events": 0, "reports": 0}
         self._stalls: dict[str, list[float]] = {}  # tool -> [count, sum, max]
@@ -119,6 +125,13 @@ class ProfileCoordinator:
         blocks = dict(req.roles)
         blocks.setdefault(WILDCARD, RoleProfilerConfig())
         return blocks
+
+    @property
+    def _progress(self) -> asyncio.Condition:
+        """Notified whenever agent events arrive (waits on rollout confirmations)."""
+        if self._progress_cond is None:
+            self._progress_cond = asyncio.Condition()
+        return self._progress_cond
 
     def _changed(self, s: Session) -> None:
         """A session changed outside an agent event (upload or hook finished)."""
@@ -174,6 +187,9 @@ class ProfileCoordinator:
                 touched[s.session_id] = s
         for s in touched.values():
             self._advance(s)
+        if touched:
+            async with self._progress:
+                self._progress.notify_all()
         return True
 
     def _index_trace(self, rec: AgentRecord, ev: AgentEvent) -> None:
@@ -214,21 +230,23 @@ class ProfileCoordinator:
     async def controller_step(self, step: int, timeout: float = 10.0) -> dict[str, Any]:
         """A driver starts step ``step``: every agent of a live session learns it before this
         returns (or ``timeout`` passes; the slow agents are named). Cheap when nothing is
-        being profiled: no agent is contacted."""
+        being profiled: no agent is contacted. Rollout agents also handle ``step_begin``
+        (replicas on their own devices start their engine's profiler) before this returns."""
         self._ensure_ticker()
         self._controller_step = step
         self._controller_seen = self._clock()
-        targets = {
-            aid
-            for s in self._live_sessions()
-            if s.steps is not None
-            for aid, part in s.targets.items()
-            if not part.state.is_terminal
-        }
+        targets = self._controller_targets()
         if not targets:
-            return {"step": step, "agents": 0, "slow": []}
-        versions = {aid: self._plans.set_controller_step(aid, step) for aid in targets}
+            return {"step": step, "agents": 0, "slow": [], "rollout": False}
+        rollout = {aid for aid in targets if self._is_rollout_agent(aid)}
+        versions = {
+            aid: self._plans.set_controller_step(
+                aid, step, "step_begin" if aid in rollout else None
+            )
+            for aid in targets
+        }
         slow = await self._plans.wait_delivered(versions, timeout)
+        slow += await self._wait_phase(rollout - set(slow), step, "step_begin", timeout)
         if slow:
             log.warning(
                 "controller step %s: %d agent(s) did not confirm in %.0f s: %s",
@@ -237,7 +255,59 @@ class ProfileCoordinator:
                 timeout,
                 ", ".join(slow),
             )
-        return {"step": step, "agents": len(targets), "slow": slow}
+        return {
+            "step": step,
+            "agents": len(targets),
+            "slow": sorted(slow),
+            "rollout": bool(rollout),
+        }
+
+    async def controller_phase(self, step: int, phase: str, timeout: float = 600.0) -> dict:
+        """A driver reached ``phase`` of ``step`` (``rollout_begin`` / ``rollout_end`` /
+        ``step_end``): rollout agents start or stop their engines and confirm before this
+        returns — so a colocated engine is stopped before training stages run."""
+        if phase not in ("rollout_begin", "rollout_end", "step_end"):
+            raise RequestInvalid.at("phase", f"unknown controller phase {phase!r}")
+        rollout = {a for a in self._controller_targets() if self._is_rollout_agent(a)}
+        for aid in rollout:
+            self._plans.set_controller_step(aid, step, phase)
+        slow = await self._wait_phase(rollout, step, phase, timeout)
+        return {"step": step, "phase": phase, "agents": len(rollout), "slow": sorted(slow)}
+
+    def _controller_targets(self) -> set[str]:
+        return {
+            aid
+            for s in self._live_sessions()
+            if s.steps is not None
+            for aid, part in s.targets.items()
+            if not part.state.is_terminal
+        }
+
+    def _is_rollout_agent(self, agent_id: str) -> bool:
+        rec = self._registry.get(agent_id)
+        return rec is not None and "replica_world_size" in rec.info.topology
+
+    async def _wait_phase(
+        self, agents: set[str], step: int, phase: str, timeout: float
+    ) -> list[str]:
+        """Wait until each rollout agent confirmed ``(step, phase)`` (or its part ended)."""
+
+        def pending() -> list[str]:
+            out = []
+            for aid in agents:
+                parts = [s.targets[aid] for s in self._live_sessions() if aid in s.targets]
+                if any(p.last_phase != [step, phase] and not p.state.is_terminal for p in parts):
+                    out.append(aid)
+            return out
+
+        deadline = asyncio.get_running_loop().time() + timeout
+        while pending() and asyncio.get_running_loop().time() < deadline:
+            async with self._progress:
+                try:
+                    await asyncio.wait_for(self._progress.wait(), 0.5)
+                except TimeoutError:
+                    pass
+        return pending()
 
     # -- sessions -----------------------------------------------------------------------
     async def create_session(self, request: dict | SessionRequest) -> SessionView:
@@ -287,10 +357,7 @@ class ProfileCoordinator:
     def _new_session(self, req: SessionRequest, targeting: Any) -> Session:
         now = self._clock()
         sid = new_session_id(now, self._sessions)
-        parts = {
-            t.agent.agent_id: Part(t.agent.agent_id, t.agent.role, t.agent.rank, t.block_key)
-            for t in targeting.targets
-        }
+        parts = {t.agent.agent_id: _part(t) for t in targeting.targets}
         session = Session(
             session_id=sid,
             request=req,
@@ -339,8 +406,7 @@ class ProfileCoordinator:
             except ConflictError as exc:
                 s.warnings.append(f"{info.role} rank {info.rank} not adopted: {exc.message}")
                 continue
-            target = t.targets[0]
-            s.targets[info.agent_id] = Part(info.agent_id, info.role, info.rank, target.block_key)
+            s.targets[info.agent_id] = _part(t.targets[0])
             self._publish([info.agent_id])
             log.info("session %s adopted %s rank %s", s.session_id, info.role, info.rank)
 
@@ -396,6 +462,9 @@ class ProfileCoordinator:
             save_dir=s.save_dir,
             role_block=part.role_block,
             duration_s=s.request.duration_s,
+            keep_global_ranks=(
+                tuple(part.keep_global_ranks) if part.keep_global_ranks is not None else None
+            ),
         )
 
     def _publish(self, agent_ids: list[str]) -> None:

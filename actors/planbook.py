@@ -46,21 +46,32 @@ class PlanBook:
         entry = self._entries.setdefault(agent_id, _Entry(AgentPlan(version=0)))
         if entry.plan.windows == windows:
             return False
-        self._install(agent_id, entry, windows, entry.plan.controller_step)
+        self._install(
+            agent_id, entry, windows, entry.plan.controller_step, entry.plan.controller_phase
+        )
         return True
 
-    def set_controller_step(self, agent_id: str, step: int) -> int:
-        """Announce a controller step to an agent; return the plan version that carries it."""
+    def set_controller_step(self, agent_id: str, step: int, phase: str | None = None) -> int:
+        """Announce a controller step (and phase) to an agent; return the plan version that
+        carries it."""
         entry = self._entries.setdefault(agent_id, _Entry(AgentPlan(version=0)))
-        if entry.plan.controller_step != step:
-            self._install(agent_id, entry, entry.plan.windows, step)
+        plan = entry.plan
+        if plan.controller_step != step or plan.controller_phase != phase:
+            self._install(agent_id, entry, plan.windows, step, phase)
         return entry.plan.version
 
     def _install(
-        self, agent_id: str, entry: _Entry, windows: tuple[WindowPlan, ...], step: int | None
+        self,
+        agent_id: str,
+        entry: _Entry,
+        windows: tuple[WindowPlan, ...],
+        step: int | None,
+        phase: str | None = None,
     ) -> None:
         self._version += 1
-        entry.plan = AgentPlan(version=self._version, windows=windows, controller_step=step)
+        entry.plan = AgentPlan(
+            version=self._version, windows=windows, controller_step=step, controller_phase=phase
+        )
         self.wake(agent_id)
 
     async def wait_delivered(self, versions: dict[str, int], timeout: float) -> list[str]:

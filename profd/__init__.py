@@ -23,6 +23,7 @@ __all__ = [
     "SessionRequest",
     "__version__",
     "attach",
+    "attach_rollout",
     "controller",
     "start_session",
 ]
@@ -50,6 +51,13 @@ def controller() -> Any:
     from profd.single_controller import controller as _controller
 
     return _controller()
+
+
+def attach_rollout(replica: int, parallelism: Any, engine: Any, **kwargs: Any) -> Any:
+    """Register a rollout replica; see :func:`profd.rollout.service.attach_rollout`."""
+    from profd.rollout.service import attach_rollout as _attach
+
+    return _attach(replica, parallelism, engine, **kwargs)
 
 
 def start_session(config: Any, **kwargs: Any) -> Any:

@@ -56,6 +56,9 @@ class WindowPlan:
     role_block: str
     #: Time-based window (no steps): record for this many seconds.
     duration_s: float | None = None
+    #: Rollout replicas: the global GPU ranks whose engine files come up into the session
+    #: directory (``None``: all of them).
+    keep_global_ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,9 @@ class AgentPlan:
     #: The step a single-controller driver announced (``profd.controller().step(n)``);
     #: agents whose workers never call ``step()`` follow it.
     controller_step: int | None = None
+    #: Where the driver is inside that step, for rollout agents: ``step_begin``,
+    #: ``rollout_begin``, ``rollout_end`` or ``step_end``.
+    controller_phase: str | None = None
 
 
 EMPTY_PLAN = AgentPlan(version=0)
@@ -79,6 +85,7 @@ class EventKind(StrEnum):
     ERROR = "error"  # a backend / export failure (message says what)
     PART_DONE = "part_done"  # every step of the window is resolved and every file written
     CLOSED = "closed"  # the agent shut down
+    PHASE = "phase"  # a rollout agent handled a controller phase (data: step, phase)
 
 
 @dataclass(frozen=True, slots=True)

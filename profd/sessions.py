@@ -40,6 +40,10 @@ class Part:
     notes: list[str] = field(default_factory=list)
     #: When the agent installed the plan (its clock), from its ``armed`` event.
     armed_at: float | None = None
+    #: Rollout replicas: global ranks whose files come up (``None`` = all).
+    keep_global_ranks: list[int] | None = None
+    #: The last controller phase a rollout agent confirmed, as ``[step, phase]``.
+    last_phase: list[Any] | None = None
 
     def finish(self, state: PartState, reason: str = "") -> None:
         if not self.state.is_terminal:
@@ -185,6 +189,8 @@ class Session:
             part.notes.append(event.message)
         elif kind is EventKind.ERROR:
             part.errors.append(event.message)
+        elif kind is EventKind.PHASE and event.data:
+            part.last_phase = [event.data.get("step"), event.data.get("phase")]
         elif kind is EventKind.PART_DONE:
             data = event.data or {}
             part.recorded.update(int(s) for s in data.get("recorded") or ())

@@ -29,6 +29,8 @@ class Target:
     agent: AgentInfo
     block_key: str
     block: RoleProfilerConfig
+    #: Rollout replicas: global ranks whose engine files come up (``None`` = all).
+    keep_global_ranks: frozenset[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,34 @@ def _by_topology(
     return keep, RankSelection(sel.selected, tuple(ignored))
 
 
+def _is_rollout(ranks: dict[int, AgentInfo]) -> bool:
+    return any("replica_world_size" in i.topology for i in ranks.values())
+
+
+def _replicas(
+    req: SessionRequest,
+    role: str,
+    key: str,
+    block: RoleProfilerConfig,
+    agents: dict[int, AgentInfo],
+) -> tuple[list[Target], list[Ignored]]:
+    """Rollout agents (rank = replica index): requested *global GPU ranks* select replicas."""
+    from profd.rollout.replicas import ReplicaMap, select_replicas
+
+    width = max(int(i.topology.get("replica_world_size", 1)) for i in agents.values())
+    count = max([i.world_size or 0 for i in agents.values()] + [max(agents) + 1])
+    sel = select_replicas(block, ReplicaMap(width, count), available=agents.keys(), role=role)
+    out, skipped = [], list(sel.ignored)
+    for replica in sel.replicas:
+        info = agents[replica]
+        reason = info.capabilities.get(req.tool.value, "the agent did not report this tool")
+        if reason is not None:
+            skipped.append(Ignored(role, replica, f"tool {req.tool.value} unavailable: {reason}"))
+            continue
+        out.append(Target(info, key, block, sel.keep_global_ranks))
+    return out, skipped
+
+
 def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeting:
     by_role: dict[str, dict[int, AgentInfo]] = {}
     for info in agents:
@@ -82,6 +112,11 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
         used_keys.add(key)
         worlds = [i.world_size for i in ranks.values() if i.world_size]
         world = max(worlds) if worlds else None
+        if _is_rollout(ranks):
+            found, skipped = _replicas(req, role, key, block, ranks)
+            targets.extend(found)
+            ignored.extend(skipped)
+            continue
         if block.topology:
             ranks, sel = _by_topology(role, block, ranks, world)
         else:

@@ -397,3 +397,16 @@ def test_nvtx_guard_rules() -> None:
     assert apply_guard(env, under_nsys=True) is None and env[NVTX_VAR] == "/nsys/injection.so"
     assert runtime_env({"pip": ["x"]})["env_vars"][NVTX_VAR] == DISABLED_PATH
     assert "env_vars" not in runtime_env({}, tool="nsys")
+
+
+def test_a_second_torch_window_in_one_process_is_refused(tmp_path) -> None:
+    first = TorchBackend({"contents": ["cpu"]}).open(
+        spec(tmp_path, "a_rank0_pid1_20260101000000000")
+    )
+    with pytest.raises(RuntimeError, match="another torch profiler window is open"):
+        TorchBackend({}).open(spec(tmp_path, "b_rank0_pid1_20260101000000000"))
+    first.close()
+    second = TorchBackend({"contents": ["cpu"]}).open(
+        spec(tmp_path, "c_rank0_pid1_20260101000000000")
+    )
+    assert len(second.close()) == 1

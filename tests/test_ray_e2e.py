@@ -175,7 +175,14 @@ def test_demo_runs_against_an_existing_cluster(ray_session, tmp_path, monkeypatc
     text = out.getvalue()
     assert result.ok, text
     assert "POST http://127.0.0.1:" in text and "/api/v1/sessions" in text
-    assert len(result.traces) == 6
+    assert len(result.traces) == 10  # 3 workers x 2 steps, 2 replicas x 2 steps
+    roles = sorted({t["role"] for t in result.traces})
+    assert roles == ["actor_rollout_ref", "critic", "rollout"]
+    rollout = [t for t in result.traces if t["role"] == "rollout"]
+    assert {t["file_name"].split("_")[0] for t in rollout} == {
+        "rollout-replica0-globalrank0",
+        "rollout-replica1-globalrank1",
+    }
     for t in result.traces:
         assert Path(t["path"]).is_file() and t["file_name"] in text
         assert Path(t["path"]).parent.parent == tmp_path / "out"
@@ -195,7 +202,7 @@ def test_single_controller_driver_announces_steps(ray_coordinator) -> None:
         ctl = Controller()
         with ctl.step(1):
             ray.get([w.work.remote() for w in ws])
-        assert ctl.last_reply == {"step": 1, "agents": 0, "slow": []}  # idle: nobody contacted
+        assert ctl.last_reply == {"step": 1, "agents": 0, "slow": [], "rollout": False}  # idle
         view = ray.get(
             ray_coordinator.create_session.remote(
                 {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}}

@@ -218,12 +218,16 @@ class Channel:
             except LinkDown as exc:
                 self._registered.clear()
                 self._link = None
+                if self._stop.is_set():
+                    return  # shutting down: the coordinator going away is expected
                 self._warn_once("down", "profd: coordinator unreachable (%s); retrying", exc)
                 attempt += 1
                 self._backoff(attempt)
             except Exception:
                 self._registered.clear()
                 self._link = None
+                if self._stop.is_set():
+                    return
                 if "poll" not in self._warned:
                     self._warned.add("poll")
                     log.exception("profd: plan poll failed; retrying")

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import re
+import threading
 import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -123,10 +124,42 @@ class _TorchOutput(PendingOutput):
         return [WrittenFile(final, final.stat().st_size, suffix, warnings)]
 
 
+class _OneProfilerPerProcess:
+    """torch.profiler is process-wide: a second one in the same process corrupts the first
+    (and can crash the process). profd refuses it instead."""
+
+    lock = threading.Lock()
+    holder: str | None = None
+
+    @classmethod
+    def acquire(cls, who: str) -> None:
+        with cls.lock:
+            if cls.holder is not None:
+                raise RuntimeError(
+                    f"another torch profiler window is open in this process ({cls.holder}); "
+                    "attach the roles of one process to one agent (profd.attach once per "
+                    "role in the same process shares it)"
+                )
+            cls.holder = who
+
+    @classmethod
+    def release(cls) -> None:
+        with cls.lock:
+            cls.holder = None
+
+
 class _TorchCollection(Collection):
     """A torch.profiler run; with a schedule it may save several windows while open."""
 
     def __init__(self, spec: CollectionSpec, kwargs: dict[str, Any]) -> None:
+        _OneProfilerPerProcess.acquire(spec.stem)
+        try:
+            self._setup(spec, kwargs)
+        except BaseException:
+            _OneProfilerPerProcess.release()
+            raise
+
+    def _setup(self, spec: CollectionSpec, kwargs: dict[str, Any]) -> None:
         import torch.profiler as tp
 
         self._spec = spec
@@ -182,7 +215,10 @@ class _TorchCollection(Collection):
 
     def close(self) -> list[PendingOutput]:
         # torch saves a window cut short in RECORD on stop() (the partial-window flush).
-        self._prof.stop()
+        try:
+            self._prof.stop()
+        finally:
+            _OneProfilerPerProcess.release()
         return self.take_ready()
 
 

@@ -1,15 +1,20 @@
 """``profd demo``: a live job, a session triggered over HTTP, and the traces it produced.
 
 1. start a local Ray on 127.0.0.1 (or join ``address``), the coordinator and the sidecar;
-2. start the synthetic RL workers (two ``actor_rollout_ref`` ranks, one ``critic``);
-3. once every worker is stepping, ``POST /api/v1/sessions`` for the next 2 steps on all ranks;
-4. wait for the session to finish and print the traces with how to open them.
+2. start the synthetic RL job: two ``actor_rollout_ref`` ranks and one ``critic`` (Ray
+   workers), two rollout replicas served by fake vLLM servers (real HTTP, vLLM's profiling
+   endpoints and file names), and a single-controller driver (verl style) that runs the steps;
+3. while the job runs, ``POST /api/v1/sessions`` for the next 2 steps on every rank and
+   replica;
+4. wait for the session to finish and print the training and rollout traces side by side.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,9 @@ from profd.settings import ProfdSettings, SidecarConfig
 __all__ = ["DemoResult", "run_demo"]
 
 WORKERS = (("actor_rollout_ref", 0, 2), ("actor_rollout_ref", 1, 2), ("critic", 0, 1))
+#: Rollout replicas (tp=1 each: global GPU ranks 0 and 1).
+REPLICAS = 2
+TERMINAL = ("done", "partial", "failed", "cancelled", "expired")
 
 
 @dataclass
@@ -81,6 +89,106 @@ def trace_table(traces: list[dict[str, Any]], cwd: Path | None = None) -> Table:
     return table
 
 
+def _start_ray(console: Console, address: str | None) -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        return False
+    console.print("[bold]Starting a local Ray on 127.0.0.1[/bold] ...")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+    )
+    return True
+
+
+def _start_rollout(stack: ExitStack, save_root: str) -> tuple[list[Any], list[Any]]:
+    """Fake vLLM replicas launched with profd's launch settings, and their rollout agents."""
+    from profd.demo.fake_engines import FakeVllmServer
+    from profd.rollout import (
+        EngineProfileOptions,
+        RolloutAgent,
+        VllmHttpEngine,
+        engine_trace_dir,
+        vllm_launch_settings,
+    )
+    from profd.rollout.service import RolloutService
+
+    fakes, services = [], []
+    for r in range(REPLICAS):
+        trace_dir = engine_trace_dir(save_root, r)
+        launch = vllm_launch_settings(EngineProfileOptions(), str(trace_dir), "0.13.0")
+        fake = stack.enter_context(FakeVllmServer.from_launch(launch, tp=1))
+        agent = RolloutAgent(r, (1, 1, 1), VllmHttpEngine(fake.url), vllm_launch=launch)
+        services.append(RolloutService(agent, replicas=REPLICAS).start())
+        stack.callback(services[-1].close, 60.0)
+        fakes.append(fake)
+    return fakes, services
+
+
+def _drive(
+    workers: list[Any],
+    fakes: list[Any],
+    steps: int,
+    min_step_s: float,
+    until: threading.Event,
+    progress: dict[str, int],
+) -> None:
+    """The single controller: every step, generation on the replicas, then the workers."""
+    import ray
+
+    from profd.single_controller import Controller
+
+    ctl = Controller()
+    step = 0
+    while step < steps or not until.is_set():
+        step += 1
+        started = time.perf_counter()
+        with ctl.step(step):
+            with ctl.rollout():
+                for f in fakes:
+                    f.advance(4)  # engine iterations: the replicas generate
+            ray.get([w.work.remote() for w in workers])
+        progress["step"] = step
+        time.sleep(max(0.0, min_step_s - (time.perf_counter() - started)))
+        if step >= steps + 40:
+            break  # the session never ended: stop the job anyway
+
+
+def _trigger(api: ApiClient, console: Console, progress: dict[str, int]) -> dict[str, Any]:
+    """While the job runs: ask over HTTP for the next 2 steps on every rank and replica."""
+
+    def registered() -> bool:
+        agents = api.get("/api/v1/agents")["data"]
+        return len(agents) >= len(WORKERS) + REPLICAS and progress.get("step", 0) >= 1
+
+    _wait_for(registered, 120, "every worker and replica to register")
+    agents = api.get("/api/v1/agents")["data"]
+    console.print(
+        f"{len(agents)} agents registered: " + ", ".join(f"{a['role']}#{a['rank']}" for a in agents)
+    )
+    body = {"tool": "torch", "next_steps": 2, "roles": {"*": {"all_ranks": True}}}
+    console.print(f"POST {api.url}/api/v1/sessions {body}")
+    session = api.post("/api/v1/sessions", body)
+    console.print(
+        f"Session [bold]{session['session_id']}[/bold]: steps {session['steps']} on "
+        f"{len(session['targets'])} targets, {len(session['ignored'])} ignored"
+    )
+    sid = session["session_id"]
+
+    def finished() -> dict[str, Any] | None:
+        view = api.get(f"/api/v1/sessions/{sid}")
+        return view if view["state"] in TERMINAL else None
+
+    return _wait_for(finished, 180, f"session {sid} to finish", interval=0.25)
+
+
 def run_demo(
     console: Console,
     *,
@@ -88,91 +196,62 @@ def run_demo(
     port: int = 0,
     save_root: Path | None = None,
     address: str | None = None,
-    min_step_s: float = 0.5,
+    min_step_s: float = 0.4,
 ) -> DemoResult:
     if is_local_address(address):
         apply_loopback_env()  # before Ray is imported: it reads these at import
     import ray
 
-    from profd.demo.workload import DemoWorker, StepBudget
+    from profd.demo.workload import DemoWorker
 
-    started_ray = False
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-        else:
-            console.print("[bold]Starting a local Ray on 127.0.0.1[/bold] ...")
-            ray.init(
-                address="local",
-                num_cpus=4,
-                include_dashboard=False,
-                namespace=NAMESPACE,
-                log_to_driver=False,
-            )
-            started_ray = True
-    settings = ProfdSettings(save_root=save_root, poll_timeout_s=2.0)
+    started_ray = _start_ray(console, address)
     # The demo's coordinator lives and dies with the demo: nothing to persist.
-    coord_settings = settings.coordinator().model_copy(update={"state_dir": None})
+    coord = ProfdSettings(save_root=save_root, poll_timeout_s=2.0).coordinator()
+    coord = coord.model_copy(update={"state_dir": None})
     token = secrets.token_urlsafe(24)
-    sidecar = SidecarConfig(host="127.0.0.1", port=port, token=token)
     workers: list[Any] = []
     try:
-        services = start_services(coord_settings, sidecar, detached=False)
-        addr = services.address
-        api = ApiClient(addr["url"], token)
-        console.print(
-            f"Coordinator up; sidecar at [cyan]{addr['url']}[/cyan]; "
-            f"traces under [cyan]{coord_settings.save_root}[/cyan]"
-        )
-        remote = ray.remote(DemoWorker).options(num_cpus=0)
-        workers = [remote.remote(role, rank, world, seed=7) for role, rank, world in WORKERS]
-        budget = ray.remote(StepBudget).options(num_cpus=0).remote()
-        ray.get([w.ready.remote() for w in workers], timeout=120)
-        runs = [w.run.remote(steps, min_step_s, 1, budget) for w in workers]
-        console.print(
-            f"Started {len(workers)} workers (2 x actor_rollout_ref, 1 x critic), "
-            f"{steps} steps each"
-        )
-
-        def stepping() -> list[dict[str, Any]] | None:
-            agents = api.get("/api/v1/agents")["data"]
-            live = [a for a in agents if a["state"] == "alive" and a["current_step"] is not None]
-            return agents if len(live) >= len(WORKERS) else None
-
-        agents = _wait_for(stepping, 120, "every worker to register and start stepping")
-        console.print(
-            f"{len(agents)} agents registered: "
-            + ", ".join(f"{a['role']}#{a['rank']}@step{a['current_step']}" for a in agents)
-        )
-        body = {"tool": "torch", "next_steps": 2, "roles": {"*": {"all_ranks": True}}}
-        console.print(f"POST {api.url}/api/v1/sessions {body}")
-        session = api.post("/api/v1/sessions", body)
-        sid = session["session_id"]
-        # Workers whose loop would end before the window keep going until it is over.
-        ray.get(budget.extend_to.remote(max(session["steps"]) + 1))
-        console.print(
-            f"Session [bold]{sid}[/bold]: steps {session['steps']} on "
-            f"{len(session['targets'])} targets, {len(session['ignored'])} ignored"
-        )
-
-        def finished() -> dict[str, Any] | None:
-            view = api.get(f"/api/v1/sessions/{sid}")
-            return (
-                view
-                if view["state"] in ("done", "partial", "failed", "cancelled", "expired")
-                else None
+        with ExitStack() as stack:
+            services = start_services(coord, SidecarConfig(port=port, token=token), detached=False)
+            api = ApiClient(services.address["url"], token)
+            console.print(
+                f"Coordinator up; sidecar at [cyan]{api.url}[/cyan]; "
+                f"traces under [cyan]{coord.save_root}[/cyan]"
             )
-
-        session = _wait_for(finished, 120, f"session {sid} to finish", interval=0.25)
-        results = ray.get(runs, timeout=300)
-        traces = api.get("/api/v1/traces", session_id=sid)["data"]
-        console.print(f"Session {sid} [bold]{session['state']}[/bold]: {session['reason']}")
+            remote = ray.remote(DemoWorker).options(num_cpus=0)
+            workers = [remote.remote(role, rank, world, seed=7) for role, rank, world in WORKERS]
+            ray.get([w.ready.remote() for w in workers], timeout=120)
+            fakes, _ = _start_rollout(stack, coord.save_root)
+            console.print(
+                "Job: 2 x actor_rollout_ref + 1 x critic (Ray workers), 2 rollout "
+                "replicas (fake vLLM), a single-controller driver"
+            )
+            until, progress = threading.Event(), {}
+            driver = threading.Thread(
+                target=_drive,
+                args=(workers, fakes, steps, min_step_s, until, progress),
+                daemon=True,
+            )
+            driver.start()
+            try:
+                session = _trigger(api, console, progress)
+            finally:
+                until.set()
+                driver.join(300)
+            results = ray.get([w.close.remote() for w in workers], timeout=120)
+        traces = api.get("/api/v1/traces", session_id=session["session_id"])["data"]
+        console.print(
+            f"Session {session['session_id']} [bold]{session['state']}[/bold]: {session['reason']}"
+        )
         console.print(trace_table(traces))
         console.print(
             "Open a trace at [cyan]https://ui.perfetto.dev[/cyan] (Open trace file) or in "
-            "[cyan]chrome://tracing[/cyan] (Load); both read .json.gz directly."
+            "[cyan]chrome://tracing[/cyan] (Load); both read .json.gz directly. "
+            "[cyan]profd summarize <dir>[/cyan] gives the per-stage summary."
         )
-        return DemoResult(session=session, traces=traces, workers=results)
+        return DemoResult(
+            session=session, traces=traces, workers=[{"closed_cleanly": r} for r in results]
+        )
     finally:
         for w in workers:
             ray.kill(w)

@@ -1,0 +1,323 @@
+"""A rollout replica's agent, connected to the coordinator.
+
+``profd.attach_rollout(replica, parallelism, engine, ...)`` registers the replica (role
+``rollout``, rank = replica index, its global GPU rank range in the topology) and drives the
+engine's own profiler from the coordinator's plans:
+
+* **step windows** follow a single-controller driver (``profd.controller()``). A replica on
+  devices of its own records from ``step(n)`` entry to exit; a *colocated* replica (sharing
+  devices with training, ``colocated=True``) records only inside ``controller().rollout()``,
+  so its window is closed before the first training stage — never two profilers on one
+  device. A colocated replica whose driver never marks ``rollout()`` reports the step missed
+  with that reason instead of overlapping.
+* **timed windows** (``duration_s``) run by themselves, for rollout-only sessions.
+
+Engine calls block (a vLLM stop returns only once its traces are written), so they run on a
+worker thread of this service, never on the poller; every failure becomes the replica's
+part outcome, never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
+from profd.protocol import AgentEvent, AgentPlan, EventKind, WindowPlan
+from profd.rollout.engine_args import EngineProfileOptions
+from profd.rollout.rollout_agent import RolloutAgent
+from profd.rollout.windows import WindowMode, WindowOutcome
+
+__all__ = ["RolloutService", "attach_rollout"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Window:
+    plan: WindowPlan
+    group_of: dict[int, tuple[int, ...]]
+    recorded: set[int] = field(default_factory=set)
+    missed: dict[int, str] = field(default_factory=dict)
+    open_group: tuple[int, ...] | None = None
+    summary: dict[str, Any] = field(
+        default_factory=lambda: {"kept_in_subdir": [], "incomplete": [], "warnings": []}
+    )
+    done: bool = False
+
+    @property
+    def resolved(self) -> bool:
+        return set(self.plan.steps) <= self.recorded | set(self.missed)
+
+
+class RolloutService:
+    """Registers one replica and runs its windows; see the module docstring."""
+
+    def __init__(
+        self,
+        agent: RolloutAgent,
+        *,
+        replicas: int | None = None,
+        colocated: bool = False,
+        find_link: Callable[[], CoordinatorLink | None] | None = None,
+        poll_timeout_s: float = 5.0,
+    ) -> None:
+        self.agent = agent
+        self.colocated = colocated
+        node_id, node_ip = _ray_node()
+        info = agent.describe().to_agent_info(
+            agent_id=f"rollout-{agent.replica_index}-{uuid.uuid4().hex[:8]}",
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            node_id=node_id,
+            node_ip=node_ip,
+            replicas=replicas,
+        )
+        info.topology["colocated"] = int(colocated)
+        self.info = info
+        self._windows: dict[str, _Window] = {}
+        self._finished: set[str] = set()
+        self._phase: tuple[int | None, str | None] = (None, None)
+        self._work: queue.Queue[AgentPlan | None] = queue.Queue()
+        self._timed: list[threading.Thread] = []
+        self._channel = Channel(
+            info,
+            find_link or find_ray_link,
+            lambda: self._phase[0],
+            self._work.put,
+            poll_timeout_s=poll_timeout_s,
+        )
+        self._worker = threading.Thread(target=self._loop, name="profd-rollout", daemon=True)
+
+    def start(self) -> RolloutService:
+        self._worker.start()
+        self._channel.start()
+        return self
+
+    @property
+    def connected(self) -> bool:
+        return self._channel.connected
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish any open window, report, and stop."""
+        self._work.put(None)
+        self._worker.join(timeout)
+        for t in self._timed:
+            t.join(timeout)
+        if self._channel.connected:
+            self._emit(AgentEvent(EventKind.CLOSED))
+            self._channel.flush(min(10.0, timeout))
+        self._channel.stop()
+
+    # -- worker thread ----------------------------------------------------------------------
+    def _emit(self, event: AgentEvent) -> None:
+        self._channel.send(event)
+
+    def _loop(self) -> None:
+        while True:
+            plan = self._work.get()
+            if plan is None:
+                for w in list(self._windows.values()):
+                    self._end(w, "the replica's agent closed before these steps")
+                return
+            try:
+                self._handle(plan)
+            except Exception:  # never let a bug stop the replica's agent
+                log.exception("profd: rollout agent of replica %d failed", self.agent.replica_index)
+
+    def _handle(self, plan: AgentPlan) -> None:
+        wanted = {w.session_id: w for w in plan.windows}
+        for sid, w in list(self._windows.items()):
+            if sid not in wanted:
+                self._end(w, "the session ended before these steps")
+        for sid, window in wanted.items():
+            if sid in self._windows or sid in self._finished:
+                continue
+            self._emit(AgentEvent(EventKind.ARMED, sid))
+            if window.duration_s is not None:
+                self._finished.add(sid)
+                t = threading.Thread(target=self._timed_window, args=(window,), daemon=True)
+                self._timed.append(t)
+                t.start()
+                continue
+            group_of = {s: g for g in window.groups for s in g}
+            self._windows[sid] = _Window(window, group_of)
+        phase = (plan.controller_step, plan.controller_phase)
+        if phase != self._phase and phase[0] is not None and phase[1] is not None:
+            self._phase = phase
+            for w in list(self._windows.values()):
+                self._on_phase(w, int(phase[0]), str(phase[1]))
+                self._emit(
+                    AgentEvent(
+                        EventKind.PHASE,
+                        w.plan.session_id,
+                        phase[0],
+                        data={"step": phase[0], "phase": phase[1]},
+                    )
+                )
+
+    # -- step windows ------------------------------------------------------------------------
+    def _on_phase(self, w: _Window, step: int, phase: str) -> None:
+        starts = phase == ("rollout_begin" if self.colocated else "step_begin")
+        ends = phase == ("rollout_end" if self.colocated else "step_end")
+        for s in w.plan.steps:
+            if (
+                s < step
+                and s not in w.recorded
+                and s not in w.missed
+                and (w.open_group is None or s not in w.open_group)
+            ):
+                w.missed[s] = "the driver's step passed before the replica's window could start"
+        if starts and step in w.group_of and w.open_group is None and step not in w.missed:
+            self._start(w, step)
+        elif ends and w.open_group is not None and step in w.open_group:
+            if step == w.open_group[-1] or step + 1 not in w.plan.steps:
+                self._finish(w)
+        elif (
+            phase == "step_end"
+            and self.colocated
+            and step in w.group_of
+            and w.open_group is None
+            and step not in w.recorded
+        ):
+            w.missed[step] = (
+                "colocated replica: mark generation with profd.controller().rollout() so "
+                "the engine's window closes before training stages"
+            )
+        if w.resolved and w.open_group is None:
+            self._done(w)
+
+    def _options(self, window: WindowPlan) -> EngineProfileOptions:
+        return EngineProfileOptions.from_tool_config(window.tool, window.tool_config)
+
+    def _start(self, w: _Window, step: int) -> None:
+        window = w.plan
+        mode = WindowMode.DISCRETE if window.discrete else WindowMode.CONTINUOUS
+        try:
+            started = self.agent.start_window(
+                window.session_id,
+                window.save_dir,
+                self._options(window),
+                window.keep_global_ranks,
+                mode,
+            )
+        except ValueError as exc:  # options the engine cannot take
+            started = None
+            reason = str(exc)
+        if started is not None and started.ok:
+            group = w.group_of[step]
+            w.open_group = tuple(s for s in group if s >= step)
+            w.summary["warnings"].extend(started.warnings)
+            self._emit(AgentEvent(EventKind.RECORDING, window.session_id, step))
+            return
+        reason = started.reason if started is not None else reason
+        if started is not None:  # the agent keeps a failed window open: close it
+            self._report(w, self.agent.finish_window(window.session_id), (step,))
+        for s in w.group_of[step]:
+            w.missed.setdefault(s, reason)
+
+    def _finish(self, w: _Window) -> None:
+        group, w.open_group = w.open_group or (), None
+        self._emit(AgentEvent(EventKind.COLLECTING, w.plan.session_id))
+        outcome = self.agent.finish_window(w.plan.session_id)
+        if self._report(w, outcome, group):
+            w.recorded.update(group)
+        else:
+            for s in group:
+                w.missed.setdefault(s, outcome.reason or "the engine wrote no trace")
+
+    def _report(self, w: _Window, outcome: WindowOutcome, steps: tuple[int, ...]) -> bool:
+        """Send the outcome's trace / error events; keep its summary for ``part_done``."""
+        for ev in outcome.events(w.plan.tool, list(steps), self.info.node_id):
+            if ev.kind is EventKind.PART_DONE:
+                data = ev.data or {}
+                for key in ("kept_in_subdir", "incomplete", "warnings"):
+                    w.summary[key].extend(data.get(key, []))
+                continue
+            self._emit(ev)
+        return bool(outcome.traces)
+
+    def _end(self, w: _Window, reason: str) -> None:
+        if w.open_group is not None:
+            self._finish(w)
+        for s in w.plan.steps:
+            if s not in w.recorded:
+                w.missed.setdefault(s, reason)
+        self._done(w)
+
+    def _done(self, w: _Window) -> None:
+        if w.done:
+            return
+        w.done = True
+        sid = w.plan.session_id
+        self._windows.pop(sid, None)
+        self._finished.add(sid)
+        for reason in sorted(set(w.missed.values())):
+            steps = sorted(s for s, r in w.missed.items() if r == reason)
+            self._emit(AgentEvent(EventKind.MISSED, sid, steps[0], reason, {"steps": steps}))
+        data = {"recorded": sorted(w.recorded), "missed": sorted(w.missed), **w.summary}
+        self._emit(AgentEvent(EventKind.PART_DONE, sid, data=data))
+
+    # -- timed windows -------------------------------------------------------------------------
+    def _timed_window(self, window: WindowPlan) -> None:
+        sid = window.session_id
+        self._emit(AgentEvent(EventKind.RECORDING, sid))
+        try:
+            outcome = self.agent.run_window(
+                sid,
+                window.save_dir,
+                self._options(window),
+                window.duration_s or 0.0,
+                window.keep_global_ranks,
+                WindowMode.DISCRETE if window.discrete else WindowMode.CONTINUOUS,
+            )
+            events = outcome.events(window.tool, [], self.info.node_id)
+        except Exception as exc:
+            events = [
+                AgentEvent(EventKind.ERROR, sid, None, f"{type(exc).__name__}: {exc}"),
+                AgentEvent(EventKind.PART_DONE, sid, data={}),
+            ]
+        for ev in events:
+            self._emit(ev)
+
+
+def _ray_node() -> tuple[str | None, str | None]:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return None, None
+
+
+def attach_rollout(
+    replica: int,
+    parallelism: Any,
+    engine: Any,
+    *,
+    replicas: int | None = None,
+    trace_dir: str | None = None,
+    colocated: bool = False,
+    **kwargs: Any,
+) -> RolloutService:
+    """Register a rollout replica with profd and start driving its engine's profiler.
+
+    ``parallelism`` is ``(tp, dp, pp)`` (or a mapping); ``engine`` a
+    :class:`~profd.rollout.engines.VllmHttpEngine`, :class:`SglangHttpEngine` or
+    :class:`InProcessEngine`; ``trace_dir`` where a vLLM engine was launched to write.
+    """
+    find_link = kwargs.pop("find_link", None)
+    poll = kwargs.pop("poll_timeout_s", 5.0)
+    agent = RolloutAgent(replica, parallelism, engine, trace_dir=trace_dir, **kwargs)
+    return RolloutService(
+        agent, replicas=replicas, colocated=colocated, find_link=find_link, poll_timeout_s=poll
+    ).start()

@@ -1,0 +1,202 @@
+"""Rollout replicas in sessions: registration, targeting by global GPU rank, lifecycle
+ordering against training, timed windows and engine failures — fake vLLM servers over real
+HTTP, real training agents, an in-process coordinator and a single-controller driver."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rollout_helpers import vllm_pair
+
+from profd.rollout.service import RolloutService
+from profd.single_controller import Controller
+
+from helpers import start_agents, wait_terminal, wait_until
+
+
+class Job:
+    """An actor (training) and two tp=2 rollout replicas driven by one controller. (One
+    training agent: torch allows one profiler per process, and these agents share the test's.)"""
+
+    def __init__(self, owner: Any, tmp_path: Path, colocated: bool, stack: ExitStack) -> None:
+        self.owner = owner
+        self.actors = start_agents(owner, 1, role="actor")
+        self.fakes, self.replicas = [], []
+        for r in range(2):
+            fake, agent = vllm_pair(tmp_path, replica=r, tp=2)
+            stack.enter_context(fake)
+            self.fakes.append(fake)
+            svc = RolloutService(
+                agent, replicas=2, colocated=colocated, find_link=owner.link, poll_timeout_s=1.0
+            ).start()
+            self.replicas.append(svc)
+        wait_until(lambda: all(s.connected for s in self.replicas), 10, what="replicas")
+        self.ctl = Controller(lambda: owner, timeout_s=10, rollout_timeout_s=60)
+        self.stop_seen_before_training: list[bool] = []
+
+    def step(self, n: int, mark_rollout: bool) -> None:
+        with self.ctl.step(n):
+            if mark_rollout:
+                with self.ctl.rollout():
+                    for f in self.fakes:
+                        f.advance(2)
+            else:
+                for f in self.fakes:
+                    f.advance(2)
+            stops = sum(
+                1 for f in self.fakes for _, path, _ in f.requests if path == "/stop_profile"
+            )
+            self.stop_seen_before_training.append(stops)
+            for a in self.actors:
+                with a.stage("update_actor"):
+                    torch.ones(8).sum()
+
+    def close(self) -> None:
+        for a in self.actors:
+            a.close(timeout=10)
+        for s in self.replicas:
+            s.close(timeout=30)
+
+
+@pytest.fixture
+def job_factory(local_coordinator, tmp_path):
+    with ExitStack() as stack:
+        jobs: list[Job] = []
+
+        def make(colocated: bool = False) -> Job:
+            job = Job(local_coordinator, tmp_path, colocated, stack)
+            jobs.append(job)
+            return job
+
+        yield make
+        for j in jobs:
+            j.close()
+
+
+def test_replicas_register_with_their_global_rank_range(job_factory) -> None:
+    job = job_factory()
+    agents = {(a.role, a.rank): a for a in job.owner.call("list_agents")}
+    r1 = agents[("rollout", 1)]
+    assert r1.world_size == 2
+    assert r1.topology["replica_world_size"] == 2
+    assert (r1.topology["global_rank_start"], r1.topology["global_rank_stop"]) == (2, 4)
+    assert r1.capabilities["torch"] is None and r1.capabilities["py_spy"] is not None
+
+
+def test_global_ranks_select_replicas_and_only_requested_ranks_come_up(job_factory) -> None:
+    job = job_factory(colocated=False)
+    job.step(1, mark_rollout=False)
+    view = job.owner.call(
+        "create_session",
+        {
+            "next_steps": 1,
+            "roles": {"actor": {"all_ranks": True}, "rollout": {"ranks": [0, 3, 9]}},
+        },
+    )
+    assert view.steps == [3]
+    assert sorted((t.role, t.rank) for t in view.targets) == [
+        ("actor", 0),
+        ("rollout", 0),
+        ("rollout", 1),
+    ]
+    (ignored,) = view.ignored
+    assert ignored.rank == 9 and "only 2 replica(s)" in ignored.reason
+    for n in (2, 3, 4):
+        job.step(n, mark_rollout=False)
+    view = wait_terminal(job.owner, view.session_id, timeout=30)
+    assert view.state.value == "done", view.reason
+    rollout = sorted(t.file_name for t in view.traces if t.role == "rollout")
+    assert [n.split("_")[0] for n in rollout] == [
+        "rollout-replica0-globalrank0",
+        "rollout-replica1-globalrank3",
+    ]
+    session_dir = Path(view.save_dir)
+    # tp peers (global ranks 1 and 2) stay in the replicas' sub-directories, not dropped
+    assert any("rank-1" in p.name for p in (session_dir / "rollout-replica0").iterdir())
+    assert any("rank-0" in p.name for p in (session_dir / "rollout-replica1").iterdir())
+    assert [t.rank for t in view.traces if t.role == "actor"] == [0]
+
+
+def test_colocated_replica_stops_before_training_stages(job_factory) -> None:
+    job = job_factory(colocated=True)
+    job.step(1, mark_rollout=True)
+    view = job.owner.call(
+        "create_session",
+        {
+            "next_steps": 1,
+            "roles": {"actor": {"all_ranks": True}, "rollout": {"all_ranks": True}},
+        },
+    )
+    for n in (2, 3, 4):
+        job.step(n, mark_rollout=True)
+    view = wait_terminal(job.owner, view.session_id, timeout=30)
+    assert view.state.value == "done", view.reason
+    # step 3 is the window: both engines had stopped before the training stages of step 3 ran
+    assert job.stop_seen_before_training[2] == 2
+    assert len([t for t in view.traces if t.role == "rollout"]) == 4  # all ranks of 2 replicas
+
+
+def test_colocated_replica_without_rollout_marks_reports_why(job_factory) -> None:
+    job = job_factory(colocated=True)
+    job.step(1, mark_rollout=False)
+    view = job.owner.call(
+        "create_session",
+        {
+            "next_steps": 1,
+            "roles": {"actor": {"all_ranks": True}, "rollout": {"all_ranks": True}},
+        },
+    )
+    for n in (2, 3, 4):
+        job.step(n, mark_rollout=False)
+    view = wait_terminal(job.owner, view.session_id, timeout=30)
+    assert view.state.value == "partial"
+    parts = {(p.role, p.rank): p for p in view.targets}
+    assert parts[("actor", 0)].state.value == "done"
+    for r in (0, 1):
+        assert parts[("rollout", r)].state.value == "missed"
+        assert "controller().rollout()" in parts[("rollout", r)].reason
+    assert not any("/start_profile" in p for f in job.fakes for _, p, _ in f.requests)
+
+
+def test_timed_rollout_only_session(job_factory) -> None:
+    job = job_factory()
+    view = job.owner.call(
+        "create_session", {"duration_s": 0.5, "roles": {"rollout": {"all_ranks": True}}}
+    )
+    assert sorted(t.role for t in view.targets) == ["rollout", "rollout"]
+    wait_until(
+        lambda: all(any(p == "/start_profile" for _, p, _ in f.requests) for f in job.fakes),
+        10,
+        what="engines started",
+    )
+    for f in job.fakes:
+        f.advance(3)
+    view = wait_terminal(job.owner, view.session_id, timeout=30)
+    assert view.state.value == "done", view.reason
+    assert len(view.traces) == 4 and {t.scope for t in view.traces} == {"rollout"}
+
+
+def test_engine_down_makes_only_its_part_partial(job_factory) -> None:
+    job = job_factory()
+    job.step(1, mark_rollout=False)
+    view = job.owner.call(
+        "create_session",
+        {
+            "next_steps": 1,
+            "roles": {"actor": {"all_ranks": True}, "rollout": {"all_ranks": True}},
+        },
+    )
+    job.fakes[1].kill()  # replica 1's endpoint goes away
+    for n in (2, 3, 4):
+        job.step(n, mark_rollout=False)  # training is unaffected
+    view = wait_terminal(job.owner, view.session_id, timeout=30)
+    assert view.state.value == "partial"
+    parts = {(p.role, p.rank): p for p in view.targets}
+    assert parts[("rollout", 0)].state.value == "done"
+    bad = parts[("rollout", 1)]
+    assert bad.state.value in ("failed", "missed") and "start failed" in bad.reason
+    assert parts[("actor", 0)].state.value == "done"
