@@ -19,8 +19,10 @@ from pydantic import ValidationError
 
 from profd import __version__
 from profd.actors.admission import check_conflicts, check_reachable, new_session_id, session_dir
+from profd.actors.driving import ControllerMixin
 from profd.actors.finisher import Finisher
 from profd.actors.planbook import PlanBook
+from profd.actors.reporting import metrics_snapshot, session_view
 from profd.actors.runner import NodeRunner, default_runner
 from profd.actors.store import Store, open_store
 from profd.config import RoleProfilerConfig, SessionRequest, ToolKind, field_errors
@@ -33,13 +35,9 @@ from profd.settings import CoordinatorSettings
 from profd.targeting import resolve_targets
 from profd.views import (
     AgentView,
-    HookView,
-    IgnoredView,
-    PartView,
     SessionView,
     StatusView,
     TraceView,
-    UploadView,
 )
 
 __all__ = ["ProfileCoordinator", "Registration"]
@@ -65,7 +63,7 @@ def _part(t: Any) -> Part:
     return Part(t.agent.agent_id, t.agent.role, t.agent.rank, t.block_key, keep_global_ranks=keep)
 
 
-class ProfileCoordinator:
+class ProfileCoordinator(ControllerMixin):
     """Owns agents, sessions and the trace index; computes each agent's plan."""
 
     def __init__(
@@ -225,89 +223,6 @@ class ProfileCoordinator:
         session = self._sessions.get(view.session_id)
         if session is not None:
             self._finisher.upload(session, view)
-
-    # -- single-controller drivers ---------------------------------------------------------
-    async def controller_step(self, step: int, timeout: float = 10.0) -> dict[str, Any]:
-        """A driver starts step ``step``: every agent of a live session learns it before this
-        returns (or ``timeout`` passes; the slow agents are named). Cheap when nothing is
-        being profiled: no agent is contacted. Rollout agents also handle ``step_begin``
-        (replicas on their own devices start their engine's profiler) before this returns."""
-        self._ensure_ticker()
-        self._controller_step = step
-        self._controller_seen = self._clock()
-        targets = self._controller_targets()
-        if not targets:
-            return {"step": step, "agents": 0, "slow": [], "rollout": False}
-        rollout = {aid for aid in targets if self._is_rollout_agent(aid)}
-        versions = {
-            aid: self._plans.set_controller_step(
-                aid, step, "step_begin" if aid in rollout else None
-            )
-            for aid in targets
-        }
-        slow = await self._plans.wait_delivered(versions, timeout)
-        slow += await self._wait_phase(rollout - set(slow), step, "step_begin", timeout)
-        if slow:
-            log.warning(
-                "controller step %s: %d agent(s) did not confirm in %.0f s: %s",
-                step,
-                len(slow),
-                timeout,
-                ", ".join(slow),
-            )
-        return {
-            "step": step,
-            "agents": len(targets),
-            "slow": sorted(slow),
-            "rollout": bool(rollout),
-        }
-
-    async def controller_phase(self, step: int, phase: str, timeout: float = 600.0) -> dict:
-        """A driver reached ``phase`` of ``step`` (``rollout_begin`` / ``rollout_end`` /
-        ``step_end``): rollout agents start or stop their engines and confirm before this
-        returns — so a colocated engine is stopped before training stages run."""
-        if phase not in ("rollout_begin", "rollout_end", "step_end"):
-            raise RequestInvalid.at("phase", f"unknown controller phase {phase!r}")
-        rollout = {a for a in self._controller_targets() if self._is_rollout_agent(a)}
-        for aid in rollout:
-            self._plans.set_controller_step(aid, step, phase)
-        slow = await self._wait_phase(rollout, step, phase, timeout)
-        return {"step": step, "phase": phase, "agents": len(rollout), "slow": sorted(slow)}
-
-    def _controller_targets(self) -> set[str]:
-        return {
-            aid
-            for s in self._live_sessions()
-            if s.steps is not None
-            for aid, part in s.targets.items()
-            if not part.state.is_terminal
-        }
-
-    def _is_rollout_agent(self, agent_id: str) -> bool:
-        rec = self._registry.get(agent_id)
-        return rec is not None and "replica_world_size" in rec.info.topology
-
-    async def _wait_phase(
-        self, agents: set[str], step: int, phase: str, timeout: float
-    ) -> list[str]:
-        """Wait until each rollout agent confirmed ``(step, phase)`` (or its part ended)."""
-
-        def pending() -> list[str]:
-            out = []
-            for aid in agents:
-                parts = [s.targets[aid] for s in self._live_sessions() if aid in s.targets]
-                if any(p.last_phase != [step, phase] and not p.state.is_terminal for p in parts):
-                    out.append(aid)
-            return out
-
-        deadline = asyncio.get_running_loop().time() + timeout
-        while pending() and asyncio.get_running_loop().time() < deadline:
-            async with self._progress:
-                try:
-                    await asyncio.wait_for(self._progress.wait(), 0.5)
-                except TimeoutError:
-                    pass
-        return pending()
 
     # -- sessions -----------------------------------------------------------------------
     async def create_session(self, request: dict | SessionRequest) -> SessionView:
@@ -526,47 +441,6 @@ class ProfileCoordinator:
                 log.exception("coordinator tick failed")
 
     # -- views ---------------------------------------------------------------------------
-    def _view(self, s: Session) -> SessionView:
-        blocks = self._blocks.get(s.session_id, {})
-        return SessionView(
-            session_id=s.session_id,
-            state=s.state,
-            reason=s.reason,
-            tool=s.request.tool.value,
-            steps=list(s.steps) if s.steps is not None else None,
-            groups=[list(g) for g in s.groups],
-            discrete_roles=sorted(k for k, b in blocks.items() if b.discrete),
-            save_dir=s.save_dir,
-            created_at=s.created_at,
-            finished_at=s.finished_at,
-            targets=[
-                PartView(
-                    agent_id=p.agent_id,
-                    role=p.role,
-                    rank=p.rank,
-                    role_block=p.role_block,
-                    state=p.state,
-                    reason=p.reason,
-                    recorded_steps=sorted(p.recorded),
-                    missed_steps=sorted(p.missed),
-                    traces=list(p.traces),
-                    armed_at=p.armed_at,
-                )
-                for p in sorted(s.targets.values(), key=lambda p: (p.role, p.rank))
-            ],
-            ignored=[IgnoredView(role=i.role, rank=i.rank, reason=i.reason) for i in s.ignored],
-            traces=[t for t in self._traces.values() if t.session_id == s.session_id],
-            warnings=list(s.warnings),
-            hooks=[HookView.model_validate(h) for h in s.hooks],
-            uploads=[
-                UploadView(
-                    trace_id=tid, state=u["state"], path=u["path"], dest=u["dest"], error=u["error"]
-                )
-                for tid, u in s.uploads.items()
-            ],
-            request=s.request.model_dump(mode="json"),
-        )
-
     async def list_agents(self) -> list[AgentView]:
         self._ensure_ticker()
         now = self._clock()
@@ -603,38 +477,19 @@ class ProfileCoordinator:
             uptime_s=round(self._clock() - self._started, 3),
         )
 
+    def _view(self, s: Session) -> SessionView:
+        return session_view(s, self._blocks.get(s.session_id, {}), self._traces.values())
+
     async def metrics(self) -> dict[str, Any]:
-        """A snapshot for the sidecar's Prometheus endpoint."""
         self._ensure_ticker()
-        agents: dict[str, int] = {}
-        for r in self._registry.all():
-            key = f"{r.info.role}|{r.state}"
-            agents[key] = agents.get(key, 0) + 1
-        sessions: dict[str, int] = {}
-        hooks: dict[str, int] = {}
-        uploads: dict[str, int] = {}
-        for s in self._sessions.values():
-            sessions[s.state.value] = sessions.get(s.state.value, 0) + 1
-            for h in s.hooks:
-                hooks[h["state"]] = hooks.get(h["state"], 0) + 1
-            for u in s.uploads.values():
-                uploads[u["state"]] = uploads.get(u["state"], 0) + 1
-        traces: dict[str, list[float]] = {}
-        for t in self._traces.values():
-            acc = traces.setdefault(t.tool, [0, 0])
-            acc[0] += 1
-            acc[1] += t.bytes
-        return {
-            "agents": agents,
-            "sessions": sessions,
-            "traces": traces,
-            "stalls": {k: list(v) for k, v in self._stalls.items()},
-            "hooks": hooks,
-            "uploads": uploads,
-            "events_total": self._counters["events"],
-            "reports_total": self._counters["reports"],
-            "uptime_s": self._clock() - self._started,
-        }
+        return metrics_snapshot(
+            self._registry,
+            self._sessions.values(),
+            self._traces.values(),
+            self._stalls,
+            self._counters,
+            self._clock() - self._started,
+        )
 
     async def ping(self) -> str:
         self._ensure_ticker()

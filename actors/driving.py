@@ -1,0 +1,120 @@
+"""Single-controller drivers: step announcements and rollout phases (coordinator mixin).
+
+The driver's ``profd.controller()`` calls these: every agent of a live session learns the step
+before the step's first worker call, and rollout replicas start / stop their engines at the
+phases the driver marks, confirming before the driver goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from profd.errors import RequestInvalid
+
+if TYPE_CHECKING:
+    from profd.actors.planbook import PlanBook
+    from profd.registry import AgentRegistry
+    from profd.sessions import Session
+
+__all__ = ["ControllerMixin"]
+
+log = logging.getLogger(__name__)
+
+PHASES = ("rollout_begin", "rollout_end", "step_end")
+
+
+class ControllerMixin:
+    """Needs ``_plans``, ``_registry``, ``_live_sessions``, ``_progress``, ``_clock`` and
+    ``_ensure_ticker`` from the coordinator."""
+
+    _plans: PlanBook
+    _registry: AgentRegistry
+    _controller_step: int | None
+    _controller_seen: float
+
+    def _live_sessions(self) -> list[Session]:
+        raise NotImplementedError
+
+    async def controller_step(self, step: int, timeout: float = 10.0) -> dict[str, Any]:
+        """A driver starts step ``step``: every agent of a live session learns it before this
+        returns (or ``timeout`` passes; the slow agents are named). Cheap when nothing is
+        being profiled: no agent is contacted. Rollout agents also handle ``step_begin``
+        (replicas on their own devices start their engine's profiler) before this returns."""
+        self._ensure_ticker()
+        self._controller_step = step
+        self._controller_seen = self._clock()
+        targets = self._controller_targets()
+        if not targets:
+            return {"step": step, "agents": 0, "slow": [], "rollout": False}
+        rollout = {aid for aid in targets if self._is_rollout_agent(aid)}
+        versions = {
+            aid: self._plans.set_controller_step(
+                aid, step, "step_begin" if aid in rollout else None
+            )
+            for aid in targets
+        }
+        slow = await self._plans.wait_delivered(versions, timeout)
+        slow += await self._wait_phase(rollout - set(slow), step, "step_begin", timeout)
+        if slow:
+            log.warning(
+                "controller step %s: %d agent(s) did not confirm in %.0f s: %s",
+                step,
+                len(slow),
+                timeout,
+                ", ".join(slow),
+            )
+        return {
+            "step": step,
+            "agents": len(targets),
+            "slow": sorted(slow),
+            "rollout": bool(rollout),
+        }
+
+    async def controller_phase(self, step: int, phase: str, timeout: float = 600.0) -> dict:
+        """A driver reached ``phase`` of ``step`` (``rollout_begin`` / ``rollout_end`` /
+        ``step_end``): rollout agents start or stop their engines and confirm before this
+        returns — so a colocated engine is stopped before training stages run."""
+        if phase not in PHASES:
+            raise RequestInvalid.at("phase", f"unknown controller phase {phase!r}")
+        rollout = {a for a in self._controller_targets() if self._is_rollout_agent(a)}
+        for aid in rollout:
+            self._plans.set_controller_step(aid, step, phase)
+        slow = await self._wait_phase(rollout, step, phase, timeout)
+        return {"step": step, "phase": phase, "agents": len(rollout), "slow": sorted(slow)}
+
+    def _controller_targets(self) -> set[str]:
+        return {
+            aid
+            for s in self._live_sessions()
+            if s.steps is not None
+            for aid, part in s.targets.items()
+            if not part.state.is_terminal
+        }
+
+    def _is_rollout_agent(self, agent_id: str) -> bool:
+        rec = self._registry.get(agent_id)
+        return rec is not None and "replica_world_size" in rec.info.topology
+
+    async def _wait_phase(
+        self, agents: set[str], step: int, phase: str, timeout: float
+    ) -> list[str]:
+        """Wait until each rollout agent confirmed ``(step, phase)`` (or its part ended)."""
+
+        def pending() -> list[str]:
+            out = []
+            for aid in agents:
+                parts = [s.targets[aid] for s in self._live_sessions() if aid in s.targets]
+                if any(p.last_phase != [step, phase] and not p.state.is_terminal for p in parts):
+                    out.append(aid)
+            return out
+
+        deadline = asyncio.get_running_loop().time() + timeout
+        while pending() and asyncio.get_running_loop().time() < deadline:
+            async with self._progress:
+                try:
+                    await asyncio.wait_for(self._progress.wait(), 0.5)
+                except TimeoutError:
+                    pass
+        return pending()

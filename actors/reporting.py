@@ -1,0 +1,96 @@
+"""Views the coordinator answers with: sessions and metrics (pure functions)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from profd.config import RoleProfilerConfig
+from profd.registry import AgentRegistry
+from profd.sessions import Session
+from profd.views import HookView, IgnoredView, PartView, SessionView, TraceView, UploadView
+
+__all__ = ["metrics_snapshot", "session_view"]
+
+
+def session_view(
+    s: Session, blocks: dict[str, RoleProfilerConfig], traces: Iterable[TraceView]
+) -> SessionView:
+    return SessionView(
+        session_id=s.session_id,
+        state=s.state,
+        reason=s.reason,
+        tool=s.request.tool.value,
+        steps=list(s.steps) if s.steps is not None else None,
+        groups=[list(g) for g in s.groups],
+        discrete_roles=sorted(k for k, b in blocks.items() if b.discrete),
+        save_dir=s.save_dir,
+        created_at=s.created_at,
+        finished_at=s.finished_at,
+        targets=[
+            PartView(
+                agent_id=p.agent_id,
+                role=p.role,
+                rank=p.rank,
+                role_block=p.role_block,
+                state=p.state,
+                reason=p.reason,
+                recorded_steps=sorted(p.recorded),
+                missed_steps=sorted(p.missed),
+                traces=list(p.traces),
+                armed_at=p.armed_at,
+            )
+            for p in sorted(s.targets.values(), key=lambda p: (p.role, p.rank))
+        ],
+        ignored=[IgnoredView(role=i.role, rank=i.rank, reason=i.reason) for i in s.ignored],
+        traces=[t for t in traces if t.session_id == s.session_id],
+        warnings=list(s.warnings),
+        hooks=[HookView.model_validate(h) for h in s.hooks],
+        uploads=[
+            UploadView(
+                trace_id=tid, state=u["state"], path=u["path"], dest=u["dest"], error=u["error"]
+            )
+            for tid, u in s.uploads.items()
+        ],
+        request=s.request.model_dump(mode="json"),
+    )
+
+
+def metrics_snapshot(
+    registry: AgentRegistry,
+    sessions: Iterable[Session],
+    traces: Iterable[TraceView],
+    stalls: dict[str, list[float]],
+    counters: dict[str, float],
+    uptime_s: float,
+) -> dict[str, Any]:
+    """A snapshot for the sidecar's Prometheus endpoint."""
+    agents: dict[str, int] = {}
+    for r in registry.all():
+        key = f"{r.info.role}|{r.state}"
+        agents[key] = agents.get(key, 0) + 1
+    sessions: dict[str, int] = {}
+    hooks: dict[str, int] = {}
+    uploads: dict[str, int] = {}
+    for s in sessions:
+        sessions[s.state.value] = sessions.get(s.state.value, 0) + 1
+        for h in s.hooks:
+            hooks[h["state"]] = hooks.get(h["state"], 0) + 1
+        for u in s.uploads.values():
+            uploads[u["state"]] = uploads.get(u["state"], 0) + 1
+    traces: dict[str, list[float]] = {}
+    for t in traces:
+        acc = traces.setdefault(t.tool, [0, 0])
+        acc[0] += 1
+        acc[1] += t.bytes
+    return {
+        "agents": agents,
+        "sessions": sessions,
+        "traces": traces,
+        "stalls": {k: list(v) for k, v in stalls.items()},
+        "hooks": hooks,
+        "uploads": uploads,
+        "events_total": counters["events"],
+        "reports_total": counters["reports"],
+        "uptime_s": uptime_s,
+    }
