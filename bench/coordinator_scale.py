@@ -1,0 +1,164 @@
+"""The real coordinator against 10,000 simulated agents hosted in a few processes.
+
+Each host (a Ray actor) runs thousands of agents that speak the agents' real protocol to the
+real coordinator actor — ``register``, a long-poll per agent, ``report`` batches — and
+measures:
+
+* registration of all agents;
+* plan fan-out: from ``create_session`` (every agent targeted) until every agent's own
+  long-poll has returned its plan;
+* event throughput: events per second the coordinator accepts through ``report``;
+* memory: the coordinator's resident memory per agent, with every agent registered and
+  long-polling.
+
+    python bench/coordinator_scale.py [--agents 10000] [--hosts 4]
+
+Last line: ``RESULT agents=10000 fanout_ms=... events_per_s=... bytes_per_agent=...``
+(targets: fan-out ≤ 1 s, ≥ 20,000 events/s, ≤ 2 KB per agent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from typing import Any
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class AgentHost:
+    """Many simulated agents in one process, each with its own long-poll."""
+
+    def __init__(self, coordinator: Any, offset: int, count: int, world: int) -> None:
+        from profd.config import ToolKind
+        from profd.protocol import AgentInfo
+
+        caps = {t.value: None for t in ToolKind}
+        self.coord = coordinator
+        self.infos = [
+            AgentInfo(f"sim-{i}", "sim", i, world, {}, "host", os.getpid(), capabilities=caps)
+            for i in range(offset, offset + count)
+        ]
+        self.versions = {info.agent_id: 0 for info in self.infos}
+        self.received: dict[str, float] = {}
+        self.tasks: list[asyncio.Task] = []
+
+    async def register_all(self) -> float:
+        t0 = time.perf_counter()
+        for i in range(0, len(self.infos), 500):
+            chunk = self.infos[i : i + 500]
+            regs = await asyncio.gather(*[self.coord.register.remote(a, 0) for a in chunk])
+            for a, reg in zip(chunk, regs, strict=True):
+                self.versions[a.agent_id] = reg.plan.version
+        return time.perf_counter() - t0
+
+    async def _poll(self, agent_id: str) -> None:
+        while True:
+            reply = await self.coord.poll.remote(agent_id, self.versions[agent_id], 0, 60.0)
+            if reply.plan is not None:
+                self.versions[agent_id] = reply.plan.version
+                if reply.plan.windows:
+                    self.received.setdefault(agent_id, time.time())
+
+    async def start_polling(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._poll(a.agent_id)) for a in self.infos]
+        await asyncio.sleep(0)
+        return len(self.tasks)
+
+    async def received_count(self) -> tuple[int, float]:
+        return len(self.received), max(self.received.values(), default=0.0)
+
+    async def send_events(self, batches: int, size: int) -> tuple[int, float]:
+        from profd.protocol import AgentEvent, EventKind
+
+        agent = self.infos[0].agent_id
+        batch = [AgentEvent(EventKind.ERROR, "no-such-session", i, "bench") for i in range(size)]
+        t0 = time.perf_counter()
+        for i in range(0, batches, 8):
+            n = min(8, batches - i)
+            await asyncio.gather(*[self.coord.report.remote(agent, batch) for _ in range(n)])
+        return batches * size, time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=10_000)
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--event-batches", type=int, default=100, help="per host")
+    parser.add_argument("--batch-size", type=int, default=1000)
+    args = parser.parse_args()
+
+    from profd.cluster import apply_loopback_env
+
+    apply_loopback_env()  # before Ray is imported
+    import ray
+
+    from profd.actors import get_or_create_coordinator
+    from profd.constants import NAMESPACE
+    from profd.settings import ProfdSettings
+
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+    )
+    settings = ProfdSettings(poll_timeout_s=60.0, heartbeat_timeout_s=600.0).coordinator()
+    coord, _ = get_or_create_coordinator(
+        settings.model_copy(update={"state_dir": None}), detached=False
+    )
+    pid = ray.get(coord.pid.remote())
+    per_host = args.agents // args.hosts
+    host_cls = ray.remote(AgentHost).options(num_cpus=0, max_concurrency=100_000)
+    hosts = [host_cls.remote(coord, h * per_host, per_host, args.agents) for h in range(args.hosts)]
+    time.sleep(1.0)
+    base = rss_bytes(pid)
+
+    t0 = time.perf_counter()
+    ray.get([h.register_all.remote() for h in hosts])
+    register_s = time.perf_counter() - t0
+    ray.get([h.start_polling.remote() for h in hosts])
+    time.sleep(3.0)  # every agent parked in its long-poll
+    per_agent = (rss_bytes(pid) - base) / args.agents
+
+    t_create = time.time()
+    view = ray.get(
+        coord.create_session.remote({"steps": [10**9], "roles": {"sim": {"all_ranks": True}}})
+    )
+    deadline = time.monotonic() + 120
+    while True:
+        counts = ray.get([h.received_count.remote() for h in hosts])
+        if sum(c for c, _ in counts) >= args.agents or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    fanout_ms = (max(t for _, t in counts) - t_create) * 1000
+    got = sum(c for c, _ in counts)
+
+    sent = ray.get([h.send_events.remote(args.event_batches, args.batch_size) for h in hosts])
+    total = sum(n for n, _ in sent)
+    events_per_s = total / max(s for _, s in sent)
+
+    print(f"agents: {args.agents} in {args.hosts} host processes; {len(view.targets)} targeted")
+    print(f"registration      : {register_s:7.2f} s")
+    print(f"plan fan-out      : {fanout_ms:7.0f} ms  ({got}/{args.agents} agents; target <= 1000)")
+    print(f"events            : {events_per_s:9.0f} /s  ({total} events; target >= 20000)")
+    print(f"coordinator memory: {per_agent:7.0f} B per agent (RSS growth; target <= 2048)")
+    ray.shutdown()
+    print(
+        f"RESULT agents={args.agents} fanout_ms={fanout_ms:.0f} events_per_s={events_per_s:.0f} "
+        f"bytes_per_agent={per_agent:.0f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
