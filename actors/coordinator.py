@@ -8,8 +8,10 @@ Nothing here is on a training path: agents reach it only from their background t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +95,7 @@ class ProfileCoordinator(ControllerMixin):
         self._finisher = Finisher(runner or default_runner(), self._changed, settings.base_dir)
         self._restored: list[Session] = []
         self._progress_cond: asyncio.Condition | None = None
+        self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         #: Counters for /metrics (since this incarnation started).
         self._counters: dict[str, float] = {"events": 0, "reports": 0}
         self._stalls: dict[str, list[float]] = {}  # tool -> [count, sum, max]
@@ -138,6 +141,7 @@ class ProfileCoordinator(ControllerMixin):
     # -- agents -------------------------------------------------------------------------
     async def register(self, info: AgentInfo, step: int | None) -> Registration:
         self._ensure_ticker()
+        info = self._interned(info)
         now = self._clock()
         self._registry.upsert(info, now, step)
         self._plans.ensure(info.agent_id)
@@ -145,6 +149,20 @@ class ProfileCoordinator(ControllerMixin):
         self._adopt(info)
         self._publish([info.agent_id])  # a re-registering agent gets its windows back
         return Registration(self._plans.plan(info.agent_id), self.settings.poll_timeout_s)
+
+    def _interned(self, info: AgentInfo) -> AgentInfo:
+        """Thousands of agents report the same capabilities and topology keys: keep one copy."""
+        caps = tuple(sorted(info.capabilities.items()))
+        shared = self._shared.setdefault(caps, dict(caps))
+        topo = tuple(sorted(info.topology.items()))
+        shared_topo = self._shared.setdefault(("topology", *topo), dict(topo))
+        return dataclasses.replace(
+            info,
+            capabilities=shared,
+            topology=shared_topo,
+            hostname=sys.intern(info.hostname),
+            role=sys.intern(info.role),
+        )
 
     async def poll(
         self, agent_id: str, known_version: int, step: int | None, timeout: float
@@ -159,6 +177,32 @@ class ProfileCoordinator(ControllerMixin):
         if self._registry.get(agent_id) is not None:
             self._registry.get(agent_id).touch(self._clock(), None)  # type: ignore[union-attr]
         return PollReply(plan=plan)
+
+    async def poll_many(
+        self, known: dict[str, int], steps: dict[str, int | None], timeout: float
+    ) -> dict[str, PollReply]:
+        """One long-poll for every agent of a process (see :mod:`profd.agent.multiplex`):
+        the replies of the agents whose plan changed (or who must register again)."""
+        self._ensure_ticker()
+        now = self._clock()
+        replies: dict[str, PollReply] = {}
+        waiting: dict[str, int] = {}
+        for aid, version in known.items():
+            rec = self._registry.get(aid)
+            if rec is None:
+                replies[aid] = PollReply(plan=None, known=False)
+                continue
+            rec.touch(now, steps.get(aid))
+            self._note_fresh_step(aid)
+            waiting[aid] = version
+        plans = await self._plans.wait_any(waiting, 0 if replies else min(timeout, 60.0))
+        now = self._clock()
+        for aid in waiting:
+            rec = self._registry.get(aid)
+            if rec is not None:
+                rec.touch(now, None)
+        replies.update({aid: PollReply(plan=plan) for aid, plan in plans.items()})
+        return replies
 
     async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         rec = self._registry.get(agent_id)
@@ -259,6 +303,7 @@ class ProfileCoordinator(ControllerMixin):
             await self._align(session, req.next_steps or 1)
         self._advance(session)
         self._publish([*session.targets])
+        await asyncio.sleep(0)  # let parked long-polls answer before the (large) reply is built
         log.info(
             "session %s created: tool %s steps %s, %d target(s), %d ignored",
             session.session_id,
@@ -383,13 +428,21 @@ class ProfileCoordinator(ControllerMixin):
         )
 
     def _publish(self, agent_ids: list[str]) -> None:
+        live = [s for s in self._live_sessions() if s.steps is not None]
+        # Agents of one role block share one window object (thousands of agents, one plan).
+        cache: dict[tuple[Any, ...], WindowPlan] = {}
         for aid in agent_ids:
-            windows = tuple(
-                self._window(s, s.targets[aid])
-                for s in self._live_sessions()
-                if s.steps is not None and aid in s.targets and not s.targets[aid].state.is_terminal
-            )
-            self._plans.set(aid, windows)
+            windows = []
+            for s in live:
+                part = s.targets.get(aid)
+                if part is None or part.state.is_terminal:
+                    continue
+                keep = tuple(part.keep_global_ranks) if part.keep_global_ranks is not None else None
+                key = (s.session_id, part.role_block, keep)
+                if key not in cache:
+                    cache[key] = self._window(s, part)
+                windows.append(cache[key])
+            self._plans.set(aid, tuple(windows))
 
     def _advance(self, s: Session) -> None:
         was_live, was_open = s.is_live, s.open_targeting

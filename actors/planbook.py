@@ -1,31 +1,44 @@
-"""Per-agent plans with versions and long-poll wake-ups (asyncio, inside the coordinator)."""
+"""Per-agent plans with versions and long-poll wake-ups (asyncio, inside the coordinator).
+
+An agent waits either alone (:meth:`PlanBook.wait`, one long-poll per agent) or with the
+other agents of its process (:meth:`PlanBook.wait_any`, one long-poll for all of them, see
+:mod:`profd.agent.multiplex`). Wake-up events exist only while someone waits, so an idle
+agent costs a plan reference and two integers.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
 from profd.protocol import AgentPlan, WindowPlan
 
 __all__ = ["PlanBook"]
 
+_EMPTY = AgentPlan(version=0)
 
-@dataclass
+
 class _Entry:
-    plan: AgentPlan
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    #: The plan version the agent last said it holds (from its polls).
-    delivered: int = 0
-    acked: asyncio.Event = field(default_factory=asyncio.Event)
+    __slots__ = ("acked", "delivered", "plan", "waiters")
+
+    def __init__(self) -> None:
+        self.plan = _EMPTY
+        #: The plan version the agent last said it holds (from its polls).
+        self.delivered = 0
+        #: Events of long-polls parked on this agent (its own, or its process's).
+        self.waiters: list[asyncio.Event] | None = None
+        #: Events of ``wait_delivered`` calls.
+        self.acked: list[asyncio.Event] | None = None
+
+
+def _signal(events: list[asyncio.Event] | None) -> None:
+    for ev in events or ():
+        ev.set()
 
 
 class PlanBook:
-    """Holds the current plan of every agent.
-
-    ``wait`` parks a long-poll until the agent's plan changes, :meth:`wake` is called, or the
-    timeout passes. Versions come from one counter, so a plan never goes back in version.
-    """
+    """Holds the current plan of every agent. Versions come from one counter, so a plan never
+    goes back in version."""
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
@@ -35,34 +48,31 @@ class PlanBook:
 
     def plan(self, agent_id: str) -> AgentPlan:
         entry = self._entries.get(agent_id)
-        return entry.plan if entry else AgentPlan(version=0)
+        return entry.plan if entry else _EMPTY
 
     def ensure(self, agent_id: str) -> None:
         if agent_id not in self._entries:
-            self._entries[agent_id] = _Entry(AgentPlan(version=0))
+            self._entries[agent_id] = _Entry()
 
     def set(self, agent_id: str, windows: tuple[WindowPlan, ...]) -> bool:
         """Install ``windows`` for an agent; return True when that changed its plan."""
-        entry = self._entries.setdefault(agent_id, _Entry(AgentPlan(version=0)))
+        entry = self._entries.setdefault(agent_id, _Entry())
         if entry.plan.windows == windows:
             return False
-        self._install(
-            agent_id, entry, windows, entry.plan.controller_step, entry.plan.controller_phase
-        )
+        self._install(entry, windows, entry.plan.controller_step, entry.plan.controller_phase)
         return True
 
     def set_controller_step(self, agent_id: str, step: int, phase: str | None = None) -> int:
         """Announce a controller step (and phase) to an agent; return the plan version that
         carries it."""
-        entry = self._entries.setdefault(agent_id, _Entry(AgentPlan(version=0)))
+        entry = self._entries.setdefault(agent_id, _Entry())
         plan = entry.plan
         if plan.controller_step != step or plan.controller_phase != phase:
-            self._install(agent_id, entry, plan.windows, step, phase)
+            self._install(entry, plan.windows, step, phase)
         return entry.plan.version
 
     def _install(
         self,
-        agent_id: str,
         entry: _Entry,
         windows: tuple[WindowPlan, ...],
         step: int | None,
@@ -72,13 +82,65 @@ class PlanBook:
         entry.plan = AgentPlan(
             version=self._version, windows=windows, controller_step=step, controller_phase=phase
         )
-        self.wake(agent_id)
+        _signal(entry.waiters)
+
+    def wake(self, agent_id: str) -> None:
+        """Release the agent's parked long-poll without a new plan (it re-polls at once)."""
+        entry = self._entries.get(agent_id)
+        if entry is not None:
+            _signal(entry.waiters)
+
+    def _ack(self, entry: _Entry, known_version: int) -> None:
+        if known_version != entry.delivered:
+            entry.delivered = known_version
+            _signal(entry.acked)
+
+    async def wait(self, agent_id: str, known_version: int, timeout: float) -> AgentPlan | None:
+        """One agent's long-poll: its plan when it differs from ``known_version``."""
+        changed = await self.wait_any({agent_id: known_version}, timeout)
+        return changed.get(agent_id)
+
+    async def wait_any(self, known: dict[str, int], timeout: float) -> dict[str, AgentPlan]:
+        """A long-poll for several agents: the plans that differ from what each holds, as
+        soon as one does (or ``{}`` after ``timeout``, or when one is woken)."""
+        entries = [(a, self._entries.get(a)) for a in known]
+        for aid, entry in entries:
+            if entry is not None:
+                self._ack(entry, known[aid])
+        changed = self._changed(known)
+        if changed or timeout <= 0:
+            return changed
+        event = asyncio.Event()
+        parked = [e for _, e in entries if e is not None]
+        for e in parked:
+            if e.waiters is None:
+                e.waiters = []
+            e.waiters.append(event)
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            for e in parked:
+                if e.waiters is not None:
+                    e.waiters.remove(event)
+                    if not e.waiters:
+                        e.waiters = None
+        return self._changed(known)
+
+    def _changed(self, known: dict[str, int]) -> dict[str, AgentPlan]:
+        out = {}
+        for aid, version in known.items():
+            entry = self._entries.get(aid)
+            if entry is not None and entry.plan.version != version:
+                out[aid] = entry.plan
+        return out
 
     async def wait_delivered(self, versions: dict[str, int], timeout: float) -> list[str]:
         """Wait until every agent holds at least its version; return the ones that do not."""
         deadline = time.monotonic() + timeout
         pending = dict(versions)
-        while pending:
+        while True:
             pending = {
                 a: v
                 for a, v in pending.items()
@@ -86,43 +148,23 @@ class PlanBook:
             }
             left = deadline - time.monotonic()
             if not pending or left <= 0:
-                break
-            waits = [asyncio.ensure_future(self._entries[a].acked.wait()) for a in pending]
-            _done, rest = await asyncio.wait(
-                waits, timeout=left, return_when=asyncio.FIRST_COMPLETED
-            )
-            for w in rest:
-                w.cancel()
-        return sorted(pending)
-
-    def wake(self, agent_id: str) -> None:
-        entry = self._entries.get(agent_id)
-        if entry is None:
-            return
-        entry.wake.set()
-        entry.wake = asyncio.Event()
-
-    async def wait(self, agent_id: str, known_version: int, timeout: float) -> AgentPlan | None:
-        entry = self._entries.get(agent_id)
-        if entry is None:
-            return None
-        if known_version != entry.delivered:
-            entry.delivered = known_version
-            entry.acked.set()
-            entry.acked = asyncio.Event()
-        if entry.plan.version != known_version:
-            return entry.plan
-        if timeout > 0:
+                return sorted(pending)
+            event = asyncio.Event()
+            entries = [self._entries[a] for a in pending]
+            for e in entries:
+                e.acked = [*(e.acked or []), event]
             try:
-                await asyncio.wait_for(entry.wake.wait(), timeout)
+                await asyncio.wait_for(event.wait(), left)
             except TimeoutError:
                 pass
-        current = self._entries.get(agent_id)
-        if current is not None and current.plan.version != known_version:
-            return current.plan
-        return None
+            finally:
+                for e in entries:
+                    if e.acked is not None and event in e.acked:
+                        e.acked.remove(event)
+                        if not e.acked:
+                            e.acked = None
 
     def forget(self, agent_id: str) -> None:
         entry = self._entries.pop(agent_id, None)
         if entry is not None:
-            entry.wake.set()
+            _signal(entry.waiters)
