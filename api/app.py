@@ -13,8 +13,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from profd import __version__
 from profd.actors.runner import default_runner
+from profd.api import metrics
 from profd.api.client import CoordinatorClient, RayCoordinatorClient
-from profd.api.routes import agents, sessions, status, traces
+from profd.api.deps import ReadTokenDep
+from profd.api.routes import agents, dashboard, sessions, status, traces
+from profd.api.security import BodyLimit
 from profd.config import field_errors
 from profd.errors import ProfdError, RequestInvalid
 from profd.settings import SidecarConfig
@@ -64,17 +67,33 @@ def create_app(
     app = FastAPI(
         title="profd",
         version=__version__,
-        description="Live, step-aligned profiling of PyTorch training on Ray.",
+        description=_DESCRIPTION,
         lifespan=lifespan,
     )
     app.state.config = config
     app.state.client = client
     app.state.runner = None
     app.state.node_id = None
-    for router in (status.router, agents.router, sessions.router, traces.router):
-        app.include_router(router)
+    app.state.metrics = metrics.new_registry()
+    # /healthz (in status.router) stays open for liveness probes; /api/v1/status guards itself.
+    app.include_router(status.router)
+    for router in (agents.router, sessions.router, traces.router):
+        app.include_router(router, dependencies=[ReadTokenDep])
+    app.include_router(metrics.router)
+    app.include_router(dashboard.router)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     _install_error_handlers(app)
     return app
+
+
+_DESCRIPTION = """Live, step-aligned profiling of PyTorch training on Ray.
+
+* Changes (POST) need `Authorization: Bearer <token>` (the token file `profd up` prints).
+  When the sidecar listens beyond loopback, every route needs it, except `/healthz`, the
+  dashboard page `/` (which holds no data) and this schema.
+* Every error has one body: `{"error", "message", "fields": [{"field", "message", "type"}]}`;
+  422 bad input, 409 conflict, 404 unknown id, 413 body too large, 401/403 token.
+"""
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -91,7 +110,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
+        code = {
+            401: "unauthorized",
+            403: "forbidden",
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "payload_too_large",
+        }
         body = {
             "error": code.get(exc.status_code, "http_error"),
             "message": str(exc.detail),

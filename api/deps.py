@@ -15,11 +15,14 @@ __all__ = [
     "ClientDep",
     "ConfigDep",
     "NodeIdDep",
+    "ReadTokenDep",
     "RunnerDep",
+    "TokenDep",
     "get_client",
     "get_config",
     "get_node_id",
     "get_runner",
+    "require_read_token",
     "require_token",
 ]
 
@@ -46,20 +49,32 @@ RunnerDep = Annotated[NodeRunner, Depends(get_runner)]
 NodeIdDep = Annotated[str | None, Depends(get_node_id)]
 
 
-def require_token(request: Request, config: ConfigDep) -> None:
-    """Every state-changing route needs ``Authorization: Bearer <token>`` when a token is set."""
-    if not config.token:
-        return
+def _check_bearer(request: Request, token: str) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given:
+    if scheme.lower() != "bearer" or not given.strip():
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
-            "missing bearer token (see the token file printed by `profd up`)",
+            "missing bearer token: send `Authorization: Bearer <token>` with the token from the "
+            "file `profd up` printed (~/.profd/token by default)",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    if not secrets.compare_digest(given.strip().encode(), config.token.encode()):
+    # Constant time in the token's content (compare_digest); its length is not a secret.
+    if not secrets.compare_digest(given.strip().encode(), token.encode()):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "invalid token")
 
 
+def require_token(request: Request, config: ConfigDep) -> None:
+    """Every state-changing route needs ``Authorization: Bearer <token>`` when a token is set."""
+    if config.token:
+        _check_bearer(request, config.token)
+
+
+def require_read_token(request: Request, config: ConfigDep) -> None:
+    """Reads too need the token when the sidecar listens beyond loopback."""
+    if config.token and not config.loopback:
+        _check_bearer(request, config.token)
+
+
 TokenDep = Depends(require_token)
+ReadTokenDep = Depends(require_read_token)

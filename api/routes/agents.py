@@ -6,9 +6,14 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from profd.api.deps import ClientDep
+from profd.api.errors import error_responses
 from profd.views import AgentView
 
-router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
+__all__ = ["AgentList", "router"]
+
+router = APIRouter(
+    prefix="/api/v1/agents", tags=["agents"], responses=error_responses(401, 403, 503)
+)
 
 
 class AgentList(BaseModel):

@@ -11,11 +11,16 @@ from pydantic import BaseModel, Field
 
 from profd.actors.runner import NodeRunner
 from profd.api.deps import ClientDep, NodeIdDep, RunnerDep
+from profd.api.errors import error_responses
 from profd.errors import NotFoundError
 from profd.files import file_size, read_chunk
 from profd.views import TraceView
 
-router = APIRouter(prefix="/api/v1/traces", tags=["traces"])
+__all__ = ["TraceList", "router"]
+
+router = APIRouter(
+    prefix="/api/v1/traces", tags=["traces"], responses=error_responses(401, 403, 503)
+)
 
 
 class TraceList(BaseModel):
@@ -24,7 +29,7 @@ class TraceList(BaseModel):
     bytes: int = Field(description="Total size of the traces listed.")
 
 
-@router.get("", response_model=TraceList)
+@router.get("", response_model=TraceList, responses=error_responses(422))
 async def list_traces(
     client: ClientDep,
     session_id: str | None = Query(None, description="Only this session."),
@@ -53,13 +58,21 @@ async def _remote_chunks(runner: NodeRunner, trace: TraceView, size: int) -> Asy
 @router.get(
     "/{trace_id}/download",
     response_class=FileResponse,
-    responses={404: {"description": "Unknown trace or file gone"}},
+    responses={
+        200: {
+            "description": "The trace file",
+            "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+        },
+        **error_responses(404, 422),
+    },
 )
 async def download_trace(
     client: ClientDep,
     runner: RunnerDep,
     node_id: NodeIdDep,
-    trace_id: str = Path(pattern=r"^[0-9a-f]{16}$", description="Trace id"),
+    trace_id: str = Path(
+        pattern=r"^[0-9a-f]{16}$", description="Trace id (16 hex digits) from GET /api/v1/traces."
+    ),
 ) -> Response:
     """The file of a known trace (never an arbitrary path), read on the node that holds it."""
     traces = {t.trace_id: t for t in await client.call("list_traces", None, None, None)}

@@ -72,6 +72,22 @@ def up(
     allow_hook_commands: Annotated[
         bool, typer.Option(help="Accept finish_hook_cmd over HTTP.")
     ] = False,
+    allow_save_root: Annotated[
+        list[Path],
+        typer.Option(
+            "--allow-save-root",
+            help="Directory a save_path over HTTP may resolve under (repeatable; the save root "
+            "is always allowed).",
+        ),
+    ] = [],  # noqa: B006
+    allow_upload_prefix: Annotated[
+        list[str],
+        typer.Option(
+            "--allow-upload-prefix",
+            help="URI prefix an upload_uri over HTTP may start with, e.g. s3://bucket/traces "
+            "(repeatable; none by default: upload_uri is refused over HTTP).",
+        ),
+    ] = [],  # noqa: B006
     num_cpus: Annotated[int | None, typer.Option(help="CPUs of a local Ray started here.")] = None,
 ) -> None:
     """Start the coordinator and the sidecar (and a local Ray when no --address is given)."""
@@ -99,16 +115,21 @@ def up(
         started_ray = True
     connect_ray(address)
     token, token_path = read_or_create_token(settings.state_dir)
+    coord = (
+        settings.coordinator()
+        if save_root is None
+        else ProfdSettings(save_root=save_root).coordinator()
+    )
     sidecar = SidecarConfig(
         host=host or settings.host,
         port=settings.port if port is None else port,
         token=token,
         allow_hook_commands=allow_hook_commands,
-    )
-    coord = (
-        settings.coordinator()
-        if save_root is None
-        else ProfdSettings(save_root=save_root).coordinator()
+        save_roots=(coord.save_root, *(str(p.expanduser().resolve()) for p in allow_save_root)),
+        upload_prefixes=tuple(
+            p if "://" in p else str(Path(p).expanduser().resolve()) for p in allow_upload_prefix
+        ),
+        base_dir=coord.base_dir,
     )
     services = start_services(coord, sidecar, detached=True)
     addr, coord_new, side_new = (
@@ -131,6 +152,8 @@ def up(
     console.print(f"profd is up: sidecar [cyan]{addr['url']}[/cyan]")
     console.print(f"  token file: {token_path} (owner-only)")
     console.print(f"  traces under: {coord.save_root}")
+    if not sidecar.loopback:
+        console.print(f"  listening beyond loopback ({sidecar.host}): every route needs the token")
     if not (coord_new and side_new):
         console.print("  (an existing coordinator / sidecar was reused)")
 
