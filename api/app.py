@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -83,6 +85,7 @@ def create_app(
     app.include_router(dashboard.router)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     _install_error_handlers(app)
+    _declare_security(app, config)
     return app
 
 
@@ -94,6 +97,33 @@ _DESCRIPTION = """Live, step-aligned profiling of PyTorch training on Ray.
 * Every error has one body: `{"error", "message", "fields": [{"field", "message", "type"}]}`;
   422 bad input, 409 conflict, 404 unknown id, 413 body too large, 401/403 token.
 """
+
+#: Routes that stay open whatever the bind address (liveness probes).
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def _declare_security(app: FastAPI, config: SidecarConfig) -> None:
+    """The OpenAPI schema says which operations need the bearer token, for this config:
+    every change, and beyond loopback every route but :data:`OPEN_PATHS`."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        if config.token:
+            spec.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "profd up token"}
+            }
+            for path, ops in spec["paths"].items():
+                for method, op in ops.items():
+                    if method != "get" or (not config.loopback and path not in OPEN_PATHS):
+                        op["security"] = [{"bearer": []}]
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -110,6 +140,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI could not read the body (e.g. not UTF-8): bad input
+            err = RequestInvalid.at("body", f"unreadable request body: {exc.detail}")
+            return JSONResponse(err.body(), status_code=422)
         code = {
             401: "unauthorized",
             403: "forbidden",

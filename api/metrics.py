@@ -60,10 +60,12 @@ class CoordinatorCollector(Collector):
 
 
 def _labelled(
-    family: GaugeMetricFamily | CounterMetricFamily, items: dict[str, float]
-) -> GaugeMetricFamily | CounterMetricFamily:
+    family: GaugeMetricFamily, items: dict[str, float], labels: int = 1
+) -> GaugeMetricFamily:
+    """One sample per key; keys of several labels are "a|b" (only the first may hold "|")."""
+    extra = labels - 1
     for key, value in sorted(items.items()):
-        family.add_metric(key.split("|"), float(value))
+        family.add_metric(key.rsplit("|", extra) if extra else [key], float(value))
     return family
 
 
@@ -75,6 +77,7 @@ def _registry_families(snap: dict[str, Any]) -> Iterator[Metric]:
             labels=["role", "state"],
         ),
         snap.get("agents", {}),
+        labels=2,
     )
     yield _labelled(
         GaugeMetricFamily("profd_sessions", "Sessions by state.", labels=["state"]),

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
-from fastapi import APIRouter, Path, status
+from fastapi import APIRouter, Body, Path, status
 from pydantic import BaseModel, Field
 
 from profd.analysis.models import SessionSummary
@@ -35,6 +36,28 @@ class SessionList(BaseModel):
     count: int = Field(description="Number of sessions listed.")
 
 
+EXAMPLES = {
+    "next_steps": {
+        "summary": "The next 2 steps on every actor rank",
+        "value": {"next_steps": 2, "roles": {"actor": {"all_ranks": True}}},
+    },
+    "explicit": {
+        "summary": "Steps 120-121 of actor ranks 0 and 8, CPU and CUDA",
+        "value": {
+            "tool": "torch",
+            "steps": [120, 121],
+            "roles": {
+                "actor": {"ranks": [0, 8], "tool_config": {"torch": {"contents": ["cpu", "cuda"]}}}
+            },
+        },
+    },
+    "discrete": {
+        "summary": "One trace per stage of critic rank 0 at step 300",
+        "value": {"steps": [300], "roles": {"critic": {"discrete": True}}},
+    },
+}
+
+
 @router.post(
     "",
     response_model=SessionView,
@@ -42,7 +65,11 @@ class SessionList(BaseModel):
     dependencies=[TokenDep],
     responses=error_responses(409, 413, 422),
 )
-async def create_session(body: SessionRequest, client: ClientDep, config: ConfigDep) -> SessionView:
+async def create_session(
+    body: Annotated[SessionRequest, Body(openapi_examples=EXAMPLES)],
+    client: ClientDep,
+    config: ConfigDep,
+) -> SessionView:
     """Start a profiling session; the reply says what matched and what was ignored, and why.
 
     Over HTTP, ``finish_hook_cmd`` needs ``profd up --allow-hook-commands``, ``save_path``

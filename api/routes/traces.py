@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path as FsPath
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import FileResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from profd.actors.runner import NodeRunner
 from profd.api.deps import ClientDep, NodeIdDep, RunnerDep
@@ -29,12 +30,24 @@ class TraceList(BaseModel):
     bytes: int = Field(description="Total size of the traces listed.")
 
 
+def _digits(value: object) -> object:
+    """Query integers are written in digits only ("0.0" or "1e3" is not a rank)."""
+    text = str(value)
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError("must be a non-negative integer written in digits")
+    return value
+
+
 @router.get("", response_model=TraceList, responses=error_responses(422))
 async def list_traces(
     client: ClientDep,
     session_id: str | None = Query(None, description="Only this session."),
     role: str | None = Query(None, description="Only this role."),
-    rank: int | None = Query(None, ge=0, description="Only this rank."),
+    rank: Annotated[
+        int | None,
+        Query(ge=0, description="Only this rank (a non-negative integer)."),
+        BeforeValidator(_digits),
+    ] = None,
 ) -> TraceList:
     """Traces, optionally filtered."""
     traces = await client.call("list_traces", session_id, role, rank)
