@@ -1,4 +1,8 @@
-"""FastAPI dependencies: the coordinator client, the sidecar config and the token check."""
+"""FastAPI dependencies: the coordinator client, the sidecar config and the token check.
+
+All are ``async def``: they never block, and FastAPI runs a plain ``def`` dependency on a
+worker thread (two thread hand-offs per dependency, per request).
+"""
 
 from __future__ import annotations
 
@@ -27,19 +31,19 @@ __all__ = [
 ]
 
 
-def get_client(request: Request) -> CoordinatorClient:
+async def get_client(request: Request) -> CoordinatorClient:
     return request.app.state.client
 
 
-def get_config(request: Request) -> SidecarConfig:
+async def get_config(request: Request) -> SidecarConfig:
     return request.app.state.config
 
 
-def get_runner(request: Request) -> NodeRunner:
+async def get_runner(request: Request) -> NodeRunner:
     return request.app.state.runner
 
 
-def get_node_id(request: Request) -> str | None:
+async def get_node_id(request: Request) -> str | None:
     return request.app.state.node_id
 
 
@@ -64,13 +68,13 @@ def _check_bearer(request: Request, token: str) -> None:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "invalid token")
 
 
-def require_token(request: Request, config: ConfigDep) -> None:
+async def require_token(request: Request, config: ConfigDep) -> None:
     """Every state-changing route needs ``Authorization: Bearer <token>`` when a token is set."""
     if config.token:
         _check_bearer(request, config.token)
 
 
-def require_read_token(request: Request, config: ConfigDep) -> None:
+async def require_read_token(request: Request, config: ConfigDep) -> None:
     """Reads too need the token when the sidecar listens beyond loopback."""
     if config.token and not config.loopback:
         _check_bearer(request, config.token)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from profd.api.deps import ClientDep
 from profd.api.errors import error_responses
+from profd.api.responses import model_response
 from profd.views import AgentView
 
 __all__ = ["AgentList", "router"]
@@ -22,7 +24,7 @@ class AgentList(BaseModel):
 
 
 @router.get("", response_model=AgentList)
-async def list_agents(client: ClientDep) -> AgentList:
+async def list_agents(client: ClientDep) -> Response:
     """Every agent the coordinator knows, alive, lost or closed."""
     agents = await client.call("list_agents")
-    return AgentList(data=agents, count=len(agents))
+    return model_response(AgentList(data=agents, count=len(agents)))

@@ -6,6 +6,7 @@ import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, status
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from profd.analysis.models import SessionSummary
@@ -13,6 +14,7 @@ from profd.analysis.summary import summarize_files
 from profd.api.client import CoordinatorClient
 from profd.api.deps import ClientDep, ConfigDep, NodeIdDep, TokenDep
 from profd.api.errors import error_responses
+from profd.api.responses import model_response
 from profd.api.security import confine_save_path, confine_upload_uri
 from profd.config import SessionRequest
 from profd.errors import ConflictError, RequestInvalid
@@ -98,16 +100,16 @@ async def _confine(body: SessionRequest, client: CoordinatorClient, config: Side
 
 
 @router.get("", response_model=SessionList)
-async def list_sessions(client: ClientDep) -> SessionList:
+async def list_sessions(client: ClientDep) -> Response:
     """All sessions, oldest first."""
     sessions = await client.call("list_sessions")
-    return SessionList(data=sessions, count=len(sessions))
+    return model_response(SessionList(data=sessions, count=len(sessions)))
 
 
 @router.get("/{session_id}", response_model=SessionView, responses=error_responses(404, 422))
-async def get_session(client: ClientDep, session_id: str = SessionId) -> SessionView:
+async def get_session(client: ClientDep, session_id: str = SessionId) -> Response:
     """One session with per-target progress and its traces."""
-    return await client.call("get_session", session_id)
+    return model_response(await client.call("get_session", session_id))
 
 
 @router.get(

@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, Field
 from profd.actors.runner import NodeRunner
 from profd.api.deps import ClientDep, NodeIdDep, RunnerDep
 from profd.api.errors import error_responses
+from profd.api.responses import model_response
 from profd.errors import NotFoundError
 from profd.files import file_size, read_chunk
 from profd.views import TraceView
@@ -48,10 +49,11 @@ async def list_traces(
         Query(ge=0, description="Only this rank (a non-negative integer)."),
         BeforeValidator(_digits),
     ] = None,
-) -> TraceList:
+) -> Response:
     """Traces, optionally filtered."""
     traces = await client.call("list_traces", session_id, role, rank)
-    return TraceList(data=traces, count=len(traces), bytes=sum(t.bytes for t in traces))
+    listing = TraceList(data=traces, count=len(traces), bytes=sum(t.bytes for t in traces))
+    return model_response(listing)
 
 
 #: Bytes per Ray task when a file is streamed from another node.
