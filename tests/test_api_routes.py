@@ -88,6 +88,22 @@ def test_create_list_get_cancel_and_listing_filters(url: str, local_coordinator)
             a.close(timeout=10)
 
 
+def test_without_a_configured_token_changes_are_open(local_coordinator) -> None:
+    app = create_app(SidecarConfig(), client=LoopClient(local_coordinator))
+    (agent,) = start_agents(local_coordinator, 1, "actor")
+    try:
+        with UvicornThread(app) as srv:
+            r = httpx.post(f"{srv.url}/api/v1/sessions", json={"steps": [3]})
+            assert r.status_code == 201, r.text
+            sid = r.json()["session_id"]
+            r = httpx.post(f"{srv.url}/api/v1/sessions/{sid}/cancel")
+            assert r.status_code == 200 and r.json()["state"] == "cancelled"
+            spec = httpx.get(f"{srv.url}/openapi.json").json()
+            assert "securitySchemes" not in spec.get("components", {})
+    finally:
+        agent.close(timeout=10)
+
+
 def test_dashboard_page_is_self_contained(url: str) -> None:
     r = httpx.get(f"{url}/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -135,6 +151,13 @@ def test_openapi_describes_every_field_parameter_and_error(local_coordinator) ->
                     assert ref.endswith("/ErrorBody"), (where, code, ref)
     assert missing == []
     assert "HTTPValidationError" not in spec["components"]["schemas"]  # one error body only
+    secured = {
+        (m, p) for p, ops in spec["paths"].items() for m, op in ops.items() if "security" in op
+    }
+    assert secured == {
+        ("post", "/api/v1/sessions"),
+        ("post", "/api/v1/sessions/{session_id}/cancel"),
+    }  # on loopback only changes need the token
     post = spec["paths"]["/api/v1/sessions"]["post"]["responses"]
     assert {"201", "401", "403", "409", "413", "422"} <= set(post)
     assert set(spec["paths"]) >= {

@@ -16,15 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-schemathesis = pytest.importorskip("schemathesis")
-
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     ignored_auth,
     negative_data_rejection,
@@ -32,10 +30,10 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from profd.api import create_app  # noqa: E402
-from profd.settings import SidecarConfig  # noqa: E402
+from profd.api import create_app
+from profd.settings import SidecarConfig
 
-from helpers import LoopClient, UvicornThread, start_agents  # noqa: E402
+from helpers import LoopClient, UvicornThread, start_agents
 
 TOKEN = "fuzz-token"
 EXAMPLES = int(os.environ.get("PROFD_FUZZ_EXAMPLES", "40"))
