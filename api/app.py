@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -64,6 +65,9 @@ def create_app(
             app.state.client = client
         app.state.runner = default_runner()
         app.state.node_id = _local_node_id()
+        if config.freeze_gc:
+            gc.collect()
+            gc.freeze()
         yield
 
     app = FastAPI(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -116,7 +117,10 @@ def serve(port_file: Path, n_agents: int, workdir: Path) -> None:
         time.sleep(0.05)
     _record_one_session(owner, agents)
     app = ServerTiming(
-        create_app(SidecarConfig(token=TOKEN, port=0), client=ThreadLoopClient(owner))
+        create_app(
+            SidecarConfig(token=TOKEN, port=0, freeze_gc=True),  # as `profd up` starts it
+            client=ThreadLoopClient(owner),
+        )
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -132,6 +136,7 @@ def serve(port_file: Path, n_agents: int, workdir: Path) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
+    logging.getLogger("profd").setLevel(logging.ERROR)  # agents closing: nothing to report
     server.should_exit = True
     thread.join(10)
     if app.seconds:

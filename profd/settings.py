@@ -95,6 +95,13 @@ class SidecarConfig(BaseModel):
     max_body_bytes: int = Field(
         1 << 20, gt=0, description="Largest request body accepted; larger gets 413."
     )
+    freeze_gc: bool = Field(
+        False,
+        description="Once started, move the objects that exist (imports, the app) to the "
+        "collector's permanent generation (gc.freeze), so full collections do not pause "
+        "requests for tens of milliseconds; for a process that serves only the sidecar "
+        "(`profd up` turns it on).",
+    )
 
     @staticmethod
     def host_is_loopback(host: str) -> bool:

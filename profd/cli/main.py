@@ -130,6 +130,7 @@ def up(
             p if "://" in p else str(Path(p).expanduser().resolve()) for p in allow_upload_prefix
         ),
         base_dir=coord.base_dir,
+        freeze_gc=True,  # the sidecar actor's process serves nothing else
     )
     services = start_services(coord, sidecar, detached=True)
     addr, coord_new, side_new = (
