@@ -33,6 +33,33 @@ def value(metrics: dict, name: str, **labels: str) -> float:
     return metrics[(name, tuple(sorted(labels.items())))]
 
 
+def record(url: str, owner: Any, agents: list[Any]) -> Any:
+    """A session on every actor with a finish hook and uploads, run to its end."""
+    body = {
+        "steps": [1],
+        "roles": {"actor": {"all_ranks": True}},
+        "finish_hook_cmd": "true",
+        "upload_uri": "memory://profd-metrics/run",
+    }
+    r = httpx.post(f"{url}/api/v1/sessions", json=body, headers=AUTH)
+    assert r.status_code == 201, r.text
+    sid = r.json()["session_id"]
+    wait_until(lambda: all(a.plan.windows for a in agents), 10, what="plans")
+    for a in agents:
+        for n in (1, 2):
+            with a.step(n), a.stage("work"):
+                torch.ones(4) @ torch.ones(4)
+    view = wait_terminal(owner, sid)
+    assert view.state.value == "done", view.reason
+
+    def finished() -> bool:
+        v = owner.call("get_session", sid)
+        return all(u.state == "done" for u in v.uploads) and v.hooks[0].state == "done"
+
+    wait_until(finished, 20, what="hook and uploads")
+    return view
+
+
 def test_metrics_after_a_recorded_session(local_coordinator) -> None:
     config = SidecarConfig(
         token=TOKEN, allow_hook_commands=True, upload_prefixes=("memory://profd-metrics",)
@@ -42,36 +69,9 @@ def test_metrics_after_a_recorded_session(local_coordinator) -> None:
     critic = start_agents(local_coordinator, 1, "critic")[0]
     try:
         with UvicornThread(app) as srv:
-            body = {
-                "steps": [1],
-                "roles": {"actor": {"all_ranks": True}},
-                "finish_hook_cmd": "true",
-                "upload_uri": "memory://profd-metrics/run",
-            }
-            r = httpx.post(f"{srv.url}/api/v1/sessions", json=body, headers=AUTH)
-            assert r.status_code == 201, r.text
-            sid = r.json()["session_id"]
-            wait_until(lambda: all(a.plan.windows for a in agents), 10, what="plans")
-            for a in agents:
-                for n in (1, 2):
-                    with a.step(n), a.stage("work"):
-                        torch.ones(4) @ torch.ones(4)
-            view = wait_terminal(local_coordinator, sid)
-            assert view.state.value == "done", view.reason
-            wait_until(
-                lambda: (
-                    all(
-                        u.state == "done"
-                        for u in local_coordinator.call("get_session", sid).uploads
-                    )
-                    and local_coordinator.call("get_session", sid).hooks[0].state == "done"
-                ),
-                20,
-                what="hook and uploads",
-            )
-            httpx.post(
-                f"{srv.url}/api/v1/sessions", json={"steps": [50]}, headers=AUTH
-            ).raise_for_status()  # a live session: rank 0 of every role
+            view = record(srv.url, local_coordinator, agents)
+            live = httpx.post(f"{srv.url}/api/v1/sessions", json={"steps": [50]}, headers=AUTH)
+            assert live.status_code == 201  # a live session: rank 0 of every role
             r = httpx.get(f"{srv.url}/metrics")
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/plain")

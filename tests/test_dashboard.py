@@ -119,14 +119,8 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
-    from selenium.webdriver.common.by import By
-
-    url, owner, sid = recorded
-    traces = owner.call("get_session", sid).traces
-    chrome.get(f"{url}/?interval=500")
-    assert chrome.title == "profd dashboard"
-
+def check_tables(chrome: Any, url: str, owner: Any, sid: str) -> None:
+    """Agents, the recorded session and its traces, with working download links."""
     expected = [
         ("actor", "0", "alive", "2"),
         ("actor", "1", "alive", "2"),
@@ -146,7 +140,7 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
         ("actor", "0", "1"),
         ("actor", "1", "1"),
     ]
-    by_id = {t.trace_id: t for t in traces}
+    by_id = {t.trace_id: t for t in owner.call("get_session", sid).traces}
     shown = links(chrome)
     assert len(shown) == 2
     for href, text in shown:
@@ -161,7 +155,11 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     )
     assert size == by_id[href.split("/")[-2]].bytes
 
-    # Without the token the form shows the sidecar's refusal; nothing is created.
+
+def check_form(chrome: Any, owner: Any, sid: str) -> None:
+    """The form: refused without the token (the message shown), a session with it."""
+    from selenium.webdriver.common.by import By
+
     chrome.find_element(By.ID, "f-steps").send_keys("40")
     chrome.find_element(By.ID, "f-role").send_keys("actor")
     chrome.find_element(By.ID, "f-ranks").send_keys("1")
@@ -170,7 +168,7 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     wait_until(lambda: "HTTP 401" in result.text, 10, what="401 shown")
     assert "bearer token" in result.text and len(owner.call("list_sessions")) == 1
 
-    # With the token (typed into a password field, kept in sessionStorage only).
+    # The token is typed into a password field and kept in sessionStorage only.
     field = chrome.find_element(By.ID, "token")
     assert field.get_attribute("type") == "password"
     field.send_keys(TOKEN)
@@ -188,6 +186,14 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
         10,
         what="new session listed",
     )
+
+
+def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
+    url, owner, sid = recorded
+    chrome.get(f"{url}/?interval=500")
+    assert chrome.title == "profd dashboard"
+    check_tables(chrome, url, owner, sid)
+    check_form(chrome, owner, sid)
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = chrome.get_screenshot_as_png()

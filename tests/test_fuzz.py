@@ -6,7 +6,7 @@ without it. Whatever they hold: no 5xx, every response conforms to the schema (s
 content type, body), bodies that break the schema are rejected, operations that declare the
 bearer scheme refuse requests without it, and a rejected request (4xx) changes no session.
 
-``PROFD_FUZZ_EXAMPLES`` (default 40) bounds the examples per operation and generation mode.
+``PROFD_FUZZ_EXAMPLES`` (default 80) bounds the examples per operation and generation mode.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from profd.settings import SidecarConfig
 from helpers import LoopClient, UvicornThread, start_agents
 
 TOKEN = "fuzz-token"
-EXAMPLES = int(os.environ.get("PROFD_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("PROFD_FUZZ_EXAMPLES", "80"))
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -66,8 +66,10 @@ def target(local_coordinator) -> Iterator[tuple[str, Any]]:
             a.close(timeout=10)
 
 
-def state(owner: Any) -> list[tuple[str, str, int]]:
-    return [(s.session_id, s.state.value, len(s.targets)) for s in owner.call("list_sessions")]
+def state(owner: Any) -> tuple[dict[str, int], list[str]]:
+    """Sessions per state and the live ones (cheap: no view of every session is built)."""
+    st = owner.call("status")
+    return st.sessions_by_state, st.live_sessions
 
 
 def run_strategy(
