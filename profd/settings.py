@@ -95,6 +95,12 @@ class SidecarConfig(BaseModel):
     max_body_bytes: int = Field(
         1 << 20, gt=0, description="Largest request body accepted; larger gets 413."
     )
+    max_window_steps: int = Field(
+        10_000,
+        gt=0,
+        description="Most steps one session may cover over HTTP (next_steps, or the number of "
+        "steps listed); larger gets 422 (the coordinator materialises the window).",
+    )
     freeze_gc: bool = Field(
         False,
         description="Once started, move the objects that exist (imports, the app) to the "

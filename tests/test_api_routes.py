@@ -57,6 +57,16 @@ def test_error_codes_and_one_body(
     assert isinstance(err["fields"], list) and words in err["message"] + str(err["fields"])
 
 
+def test_unreadable_body_is_422_naming_the_body(url: str) -> None:
+    r = httpx.post(
+        f"{url}/api/v1/sessions",
+        content=b'{"steps": [1], "tool": "\xff\xfe"}',  # not UTF-8
+        headers={**AUTH, "content-type": "application/json"},
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == "invalid_request" and r.json()["fields"][0]["field"] == "body"
+
+
 def test_create_list_get_cancel_and_listing_filters(url: str, local_coordinator) -> None:
     agents = start_agents(local_coordinator, 2, "actor")
     try:

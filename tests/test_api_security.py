@@ -179,6 +179,15 @@ def test_hook_commands_only_when_allowed(serve, actor) -> None:
 
 
 # -- request size -----------------------------------------------------------------------------
+def test_windows_are_bounded(serve, local_coordinator) -> None:
+    with serve(max_window_steps=100) as url:
+        msg = field_error(post_session(url, {"next_steps": 2**63 - 1}), "next_steps")
+        assert "at most 100 steps" in msg
+        msg = field_error(post_session(url, {"steps": list(range(101))}), "steps")
+        assert "at most 100 steps per session, got 101" in msg
+    assert local_coordinator.call("list_sessions") == []
+
+
 def test_oversized_bodies_get_413(serve, local_coordinator) -> None:
     big = {"steps": [1], "roles": {"actor": {"ranks": list(range(300_000))}}}  # about 2 MB
     with serve(max_body_bytes=64 * 1024) as url:

@@ -75,8 +75,9 @@ async def create_session(
     """Start a profiling session; the reply says what matched and what was ignored, and why.
 
     Over HTTP, ``finish_hook_cmd`` needs ``profd up --allow-hook-commands``, ``save_path``
-    must resolve under an allowed save root and ``upload_uri`` must start with an allowed
-    upload prefix (422 naming the field otherwise). 409 names the session holding a target.
+    must resolve under an allowed save root, ``upload_uri`` must start with an allowed
+    upload prefix and a window covers at most 10,000 steps (422 naming the field
+    otherwise). 409 names the session holding a target.
     """
     if body.finish_hook_cmd is not None and not config.allow_hook_commands:
         raise RequestInvalid.at(
@@ -84,8 +85,21 @@ async def create_session(
             "shell commands over HTTP are disabled; start the sidecar with "
             "`profd up --allow-hook-commands` to accept them",
         )
+    _check_window(body, config.max_window_steps)
     await _confine(body, client, config)
     return await client.call("create_session", body)
+
+
+def _check_window(body: SessionRequest, limit: int) -> None:
+    """A window is materialised step by step: keep it to what profiling can mean."""
+    if body.next_steps is not None and body.next_steps > limit:
+        raise RequestInvalid.at(
+            "next_steps", f"at most {limit} steps per session, got {body.next_steps}"
+        )
+    if body.steps is not None and len(body.steps) > limit:
+        raise RequestInvalid.at(
+            "steps", f"at most {limit} steps per session, got {len(body.steps)}"
+        )
 
 
 async def _confine(body: SessionRequest, client: CoordinatorClient, config: SidecarConfig) -> None:
