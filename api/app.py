@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from profd import __version__
 from profd.actors.runner import default_runner
+from profd.api import metrics
 from profd.api.client import CoordinatorClient, RayCoordinatorClient
-from profd.api.routes import agents, sessions, status, traces
+from profd.api.deps import ReadTokenDep
+from profd.api.routes import agents, dashboard, sessions, status, traces
+from profd.api.security import BodyLimit
 from profd.config import field_errors
 from profd.errors import ProfdError, RequestInvalid
 from profd.settings import SidecarConfig
@@ -59,22 +65,69 @@ def create_app(
             app.state.client = client
         app.state.runner = default_runner()
         app.state.node_id = _local_node_id()
+        if config.freeze_gc:
+            gc.collect()
+            gc.freeze()
         yield
 
     app = FastAPI(
         title="profd",
         version=__version__,
-        description="Live, step-aligned profiling of PyTorch training on Ray.",
+        description=_DESCRIPTION,
         lifespan=lifespan,
     )
     app.state.config = config
     app.state.client = client
     app.state.runner = None
     app.state.node_id = None
-    for router in (status.router, agents.router, sessions.router, traces.router):
-        app.include_router(router)
+    app.state.metrics = metrics.new_registry()
+    # /healthz (in status.router) stays open for liveness probes; /api/v1/status guards itself.
+    app.include_router(status.router)
+    for router in (agents.router, sessions.router, traces.router):
+        app.include_router(router, dependencies=[ReadTokenDep])
+    app.include_router(metrics.router)
+    app.include_router(dashboard.router)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     _install_error_handlers(app)
+    _declare_security(app, config)
     return app
+
+
+_DESCRIPTION = """Live, step-aligned profiling of PyTorch training on Ray.
+
+* Changes (POST) need `Authorization: Bearer <token>` (the token file `profd up` prints).
+  When the sidecar listens beyond loopback, every route needs it, except `/healthz`, the
+  dashboard page `/` (which holds no data) and this schema.
+* Every error has one body: `{"error", "message", "fields": [{"field", "message", "type"}]}`;
+  422 bad input, 409 conflict, 404 unknown id, 413 body too large, 401/403 token.
+"""
+
+#: Routes that stay open whatever the bind address (liveness probes).
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def _declare_security(app: FastAPI, config: SidecarConfig) -> None:
+    """The OpenAPI schema says which operations need the bearer token, for this config:
+    every change, and beyond loopback every route but :data:`OPEN_PATHS`."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        if config.token:
+            spec.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "profd up token"}
+            }
+            for path, ops in spec["paths"].items():
+                for method, op in ops.items():
+                    if method != "get" or (not config.loopback and path not in OPEN_PATHS):
+                        op["security"] = [{"bearer": []}]
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -91,7 +144,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
+        if exc.status_code == 400:  # FastAPI could not read the body (e.g. not UTF-8): bad input
+            err = RequestInvalid.at("body", f"unreadable request body: {exc.detail}")
+            return JSONResponse(err.body(), status_code=422)
+        code = {
+            401: "unauthorized",
+            403: "forbidden",
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "payload_too_large",
+        }
         body = {
             "error": code.get(exc.status_code, "http_error"),
             "message": str(exc.detail),

@@ -1,4 +1,8 @@
-"""FastAPI dependencies: the coordinator client, the sidecar config and the token check."""
+"""FastAPI dependencies: the coordinator client, the sidecar config and the token check.
+
+All are ``async def``: they never block, and FastAPI runs a plain ``def`` dependency on a
+worker thread (two thread hand-offs per dependency, per request).
+"""
 
 from __future__ import annotations
 
@@ -15,28 +19,31 @@ __all__ = [
     "ClientDep",
     "ConfigDep",
     "NodeIdDep",
+    "ReadTokenDep",
     "RunnerDep",
+    "TokenDep",
     "get_client",
     "get_config",
     "get_node_id",
     "get_runner",
+    "require_read_token",
     "require_token",
 ]
 
 
-def get_client(request: Request) -> CoordinatorClient:
+async def get_client(request: Request) -> CoordinatorClient:
     return request.app.state.client
 
 
-def get_config(request: Request) -> SidecarConfig:
+async def get_config(request: Request) -> SidecarConfig:
     return request.app.state.config
 
 
-def get_runner(request: Request) -> NodeRunner:
+async def get_runner(request: Request) -> NodeRunner:
     return request.app.state.runner
 
 
-def get_node_id(request: Request) -> str | None:
+async def get_node_id(request: Request) -> str | None:
     return request.app.state.node_id
 
 
@@ -46,20 +53,32 @@ RunnerDep = Annotated[NodeRunner, Depends(get_runner)]
 NodeIdDep = Annotated[str | None, Depends(get_node_id)]
 
 
-def require_token(request: Request, config: ConfigDep) -> None:
-    """Every state-changing route needs ``Authorization: Bearer <token>`` when a token is set."""
-    if not config.token:
-        return
+def _check_bearer(request: Request, token: str) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given:
+    if scheme.lower() != "bearer" or not given.strip():
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
-            "missing bearer token (see the token file printed by `profd up`)",
+            "missing bearer token: send `Authorization: Bearer <token>` with the token from the "
+            "file `profd up` printed (~/.profd/token by default)",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    if not secrets.compare_digest(given.strip().encode(), config.token.encode()):
+    # Constant time in the token's content (compare_digest); its length is not a secret.
+    if not secrets.compare_digest(given.strip().encode(), token.encode()):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "invalid token")
 
 
+async def require_token(request: Request, config: ConfigDep) -> None:
+    """Every state-changing route needs ``Authorization: Bearer <token>`` when a token is set."""
+    if config.token:
+        _check_bearer(request, config.token)
+
+
+async def require_read_token(request: Request, config: ConfigDep) -> None:
+    """Reads too need the token when the sidecar listens beyond loopback."""
+    if config.token and not config.loopback:
+        _check_bearer(request, config.token)
+
+
 TokenDep = Depends(require_token)
+ReadTokenDep = Depends(require_read_token)

@@ -164,8 +164,12 @@ class NpuToolConfig(_Frozen):
     )
     level: NpuLevel = Field("level0", description="torch_npu profiler level.")
     analysis: StrictBool = Field(False, description="Run torch_npu's offline analysis.")
-    profile_token_start: NonNegInt | None = None
-    profile_token_end: NonNegInt | None = None
+    profile_token_start: NonNegInt | None = Field(
+        None, description="Rollout engines only: first response token of the window."
+    )
+    profile_token_end: NonNegInt | None = Field(
+        None, description="Rollout engines only: end of the token window (exclusive)."
+    )
 
     @model_validator(mode="after")
     def _token_window(self) -> NpuToolConfig:
@@ -185,11 +189,13 @@ class PySpyToolConfig(_Frozen):
 class ToolConfigs(_Frozen):
     """Per-tool options of one role; only the session's tool is used, all are validated."""
 
-    torch: TorchToolConfig = TorchToolConfig()
-    torch_memory: TorchMemoryToolConfig = TorchMemoryToolConfig()
-    nsys: NsysToolConfig = NsysToolConfig()
-    npu: NpuToolConfig = NpuToolConfig()
-    py_spy: PySpyToolConfig = PySpyToolConfig()
+    torch: TorchToolConfig = Field(TorchToolConfig(), description="Options of the torch tool.")
+    torch_memory: TorchMemoryToolConfig = Field(
+        TorchMemoryToolConfig(), description="Options of the torch_memory tool."
+    )
+    nsys: NsysToolConfig = Field(NsysToolConfig(), description="Options of the nsys tool.")
+    npu: NpuToolConfig = Field(NpuToolConfig(), description="Options of the npu tool.")
+    py_spy: PySpyToolConfig = Field(PySpyToolConfig(), description="Options of the py_spy tool.")
 
     def for_tool(self, tool: ToolKind) -> BaseModel:
         return getattr(self, ToolKind(tool).value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from profd.constants import DEFAULT_PORT, DEFAULT_SAVE_SUBDIR
@@ -77,3 +77,61 @@ class SidecarConfig(BaseModel):
         False, description="Accept finish_hook_cmd over HTTP (off unless the operator allows)."
     )
     ray_address: str | None = Field(None, description="Ray address when run outside Ray.")
+    save_roots: tuple[str, ...] = Field(
+        (),
+        description="Directories a save_path given over HTTP must resolve under (symlinks and "
+        "'..' followed); empty = the coordinator's save root only.",
+    )
+    upload_prefixes: tuple[str, ...] = Field(
+        (),
+        description="URI prefixes an upload_uri given over HTTP must start with; empty = "
+        "upload_uri is refused over HTTP.",
+    )
+    base_dir: str | None = Field(
+        None,
+        description="The coordinator's base directory, against which relative save paths "
+        "resolve; unset = a relative save_path is refused over HTTP.",
+    )
+    max_body_bytes: int = Field(
+        1 << 20, gt=0, description="Largest request body accepted; larger gets 413."
+    )
+    max_window_steps: int = Field(
+        10_000,
+        gt=0,
+        description="Most steps one session may cover over HTTP (next_steps, or the number of "
+        "steps listed); larger gets 422 (the coordinator materialises the window).",
+    )
+    freeze_gc: bool = Field(
+        False,
+        description="Once started, move the objects that exist (imports, the app) to the "
+        "collector's permanent generation (gc.freeze), so full collections do not pause "
+        "requests for tens of milliseconds; for a process that serves only the sidecar "
+        "(`profd up` turns it on).",
+    )
+
+    @staticmethod
+    def host_is_loopback(host: str) -> bool:
+        """Whether a bind address only accepts connections from this machine."""
+        import ipaddress
+
+        name = host.strip().strip("[]").lower()
+        if name in ("localhost", "localhost.", "ip6-localhost"):
+            return True
+        try:
+            return ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            return False  # any other host name may be reachable from outside
+
+    @property
+    def loopback(self) -> bool:
+        """Bound to loopback: reads are open; beyond it every route needs the token."""
+        return self.host_is_loopback(self.host)
+
+    @model_validator(mode="after")
+    def _token_beyond_loopback(self) -> SidecarConfig:
+        if not self.token and not self.loopback:
+            raise ValueError(
+                f"host: binding {self.host} (beyond loopback) needs a token; every route then "
+                "requires it"
+            )
+        return self

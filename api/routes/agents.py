@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from profd.api.deps import ClientDep
+from profd.api.errors import error_responses
+from profd.api.responses import model_response
 from profd.views import AgentView
 
-router = APIRouter(prefix="/api/v1/agents", tags=["agents"])
+__all__ = ["AgentList", "router"]
+
+router = APIRouter(
+    prefix="/api/v1/agents", tags=["agents"], responses=error_responses(401, 403, 503)
+)
 
 
 class AgentList(BaseModel):
@@ -17,7 +24,7 @@ class AgentList(BaseModel):
 
 
 @router.get("", response_model=AgentList)
-async def list_agents(client: ClientDep) -> AgentList:
+async def list_agents(client: ClientDep) -> Response:
     """Every agent the coordinator knows, alive, lost or closed."""
     agents = await client.call("list_agents")
-    return AgentList(data=agents, count=len(agents))
+    return model_response(AgentList(data=agents, count=len(agents)))

@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
-from fastapi import APIRouter, Path, status
+from fastapi import APIRouter, Body, Path, status
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from profd.analysis.models import SessionSummary
 from profd.analysis.summary import summarize_files
+from profd.api.client import CoordinatorClient
 from profd.api.deps import ClientDep, ConfigDep, NodeIdDep, TokenDep
+from profd.api.errors import error_responses
+from profd.api.responses import model_response
+from profd.api.security import confine_save_path, confine_upload_uri
 from profd.config import SessionRequest
 from profd.errors import ConflictError, RequestInvalid
+from profd.settings import SidecarConfig
 from profd.views import SessionView
 
-router = APIRouter(prefix="/api/v1/sessions", tags=["sessions"])
+__all__ = ["SessionList", "router"]
 
-SessionId = Path(description="Session id", pattern=r"^[A-Za-z0-9._\-]{1,64}$")
+router = APIRouter(
+    prefix="/api/v1/sessions", tags=["sessions"], responses=error_responses(401, 403, 503)
+)
+
+SessionId = Path(
+    description="Session id, as returned by POST /api/v1/sessions.",
+    pattern=r"^[A-Za-z0-9._\-]{1,64}$",
+)
 
 
 class SessionList(BaseModel):
@@ -24,46 +38,98 @@ class SessionList(BaseModel):
     count: int = Field(description="Number of sessions listed.")
 
 
+EXAMPLES = {
+    "next_steps": {
+        "summary": "The next 2 steps on every actor rank",
+        "value": {"next_steps": 2, "roles": {"actor": {"all_ranks": True}}},
+    },
+    "explicit": {
+        "summary": "Steps 120-121 of actor ranks 0 and 8, CPU and CUDA",
+        "value": {
+            "tool": "torch",
+            "steps": [120, 121],
+            "roles": {
+                "actor": {"ranks": [0, 8], "tool_config": {"torch": {"contents": ["cpu", "cuda"]}}}
+            },
+        },
+    },
+    "discrete": {
+        "summary": "One trace per stage of critic rank 0 at step 300",
+        "value": {"steps": [300], "roles": {"critic": {"discrete": True}}},
+    },
+}
+
+
 @router.post(
     "",
     response_model=SessionView,
     status_code=status.HTTP_201_CREATED,
     dependencies=[TokenDep],
-    responses={
-        409: {"description": "Targets held by a live session"},
-        422: {"description": "Invalid request"},
-    },
+    responses=error_responses(409, 413, 422),
 )
-async def create_session(body: SessionRequest, client: ClientDep, config: ConfigDep) -> SessionView:
-    """Start a profiling session; the reply says what matched and what was ignored, and why."""
+async def create_session(
+    body: Annotated[SessionRequest, Body(openapi_examples=EXAMPLES)],
+    client: ClientDep,
+    config: ConfigDep,
+) -> SessionView:
+    """Start a profiling session; the reply says what matched and what was ignored, and why.
+
+    Over HTTP, ``finish_hook_cmd`` needs ``profd up --allow-hook-commands``, ``save_path``
+    must resolve under an allowed save root, ``upload_uri`` must start with an allowed
+    upload prefix and a window covers at most 10,000 steps (422 naming the field
+    otherwise). 409 names the session holding a target.
+    """
     if body.finish_hook_cmd is not None and not config.allow_hook_commands:
         raise RequestInvalid.at(
             "finish_hook_cmd",
             "shell commands over HTTP are disabled; start the sidecar with "
             "`profd up --allow-hook-commands` to accept them",
         )
+    _check_window(body, config.max_window_steps)
+    await _confine(body, client, config)
     return await client.call("create_session", body)
 
 
+def _check_window(body: SessionRequest, limit: int) -> None:
+    """A window is materialised step by step: keep it to what profiling can mean."""
+    if body.next_steps is not None and body.next_steps > limit:
+        raise RequestInvalid.at(
+            "next_steps", f"at most {limit} steps per session, got {body.next_steps}"
+        )
+    if body.steps is not None and len(body.steps) > limit:
+        raise RequestInvalid.at(
+            "steps", f"at most {limit} steps per session, got {len(body.steps)}"
+        )
+
+
+async def _confine(body: SessionRequest, client: CoordinatorClient, config: SidecarConfig) -> None:
+    """Keep the session's output where the operator allowed it."""
+    if body.save_path is not None:
+        roots = list(config.save_roots)
+        if not roots:
+            roots = [(await client.call("status")).save_root]
+        confine_save_path(body.save_path, roots, config.base_dir)
+    if body.upload_uri is not None:
+        confine_upload_uri(body.upload_uri, config.upload_prefixes)
+
+
 @router.get("", response_model=SessionList)
-async def list_sessions(client: ClientDep) -> SessionList:
+async def list_sessions(client: ClientDep) -> Response:
     """All sessions, oldest first."""
     sessions = await client.call("list_sessions")
-    return SessionList(data=sessions, count=len(sessions))
+    return model_response(SessionList(data=sessions, count=len(sessions)))
 
 
-@router.get(
-    "/{session_id}", response_model=SessionView, responses={404: {"description": "Unknown"}}
-)
-async def get_session(client: ClientDep, session_id: str = SessionId) -> SessionView:
+@router.get("/{session_id}", response_model=SessionView, responses=error_responses(404, 422))
+async def get_session(client: ClientDep, session_id: str = SessionId) -> Response:
     """One session with per-target progress and its traces."""
-    return await client.call("get_session", session_id)
+    return model_response(await client.call("get_session", session_id))
 
 
 @router.get(
     "/{session_id}/summary",
     response_model=SessionSummary,
-    responses={404: {"description": "Unknown session"}, 409: {"description": "No traces yet"}},
+    responses=error_responses(404, 409, 422),
 )
 async def session_summary(
     client: ClientDep, node_id: NodeIdDep, session_id: str = SessionId
@@ -101,7 +167,7 @@ _SUMMARIES: dict[tuple[str, tuple[str, ...]], SessionSummary] = {}
     "/{session_id}/cancel",
     response_model=SessionView,
     dependencies=[TokenDep],
-    responses={404: {"description": "Unknown"}, 409: {"description": "Already finished"}},
+    responses=error_responses(404, 409, 422),
 )
 async def cancel_session(client: ClientDep, session_id: str = SessionId) -> SessionView:
     """Stop a live session; what was recorded so far is kept."""

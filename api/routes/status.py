@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from profd import __version__
 from profd.api.client import CoordinatorUnavailable
-from profd.api.deps import ClientDep
+from profd.api.deps import ClientDep, ReadTokenDep
+from profd.api.errors import error_responses
+from profd.api.responses import model_response
 from profd.views import StatusView
+
+__all__ = ["Health", "router"]
 
 router = APIRouter(tags=["status"])
 
@@ -29,7 +34,12 @@ async def healthz(client: ClientDep) -> Health:
     return Health(status="ok", coordinator=True, version=__version__)
 
 
-@router.get("/api/v1/status", response_model=StatusView)
-async def get_status(client: ClientDep) -> StatusView:
+@router.get(
+    "/api/v1/status",
+    response_model=StatusView,
+    dependencies=[ReadTokenDep],
+    responses=error_responses(401, 403, 503),
+)
+async def get_status(client: ClientDep) -> Response:
     """Agents, sessions and traces at a glance."""
-    return await client.call("status")
+    return model_response(await client.call("status"))

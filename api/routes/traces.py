@@ -4,18 +4,25 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path as FsPath
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import FileResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from profd.actors.runner import NodeRunner
 from profd.api.deps import ClientDep, NodeIdDep, RunnerDep
+from profd.api.errors import error_responses
+from profd.api.responses import model_response
 from profd.errors import NotFoundError
 from profd.files import file_size, read_chunk
 from profd.views import TraceView
 
-router = APIRouter(prefix="/api/v1/traces", tags=["traces"])
+__all__ = ["TraceList", "router"]
+
+router = APIRouter(
+    prefix="/api/v1/traces", tags=["traces"], responses=error_responses(401, 403, 503)
+)
 
 
 class TraceList(BaseModel):
@@ -24,16 +31,29 @@ class TraceList(BaseModel):
     bytes: int = Field(description="Total size of the traces listed.")
 
 
-@router.get("", response_model=TraceList)
+def _digits(value: object) -> object:
+    """Query integers are written in digits only ("0.0" or "1e3" is not a rank)."""
+    text = str(value)
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError("must be a non-negative integer written in digits")
+    return value
+
+
+@router.get("", response_model=TraceList, responses=error_responses(422))
 async def list_traces(
     client: ClientDep,
     session_id: str | None = Query(None, description="Only this session."),
     role: str | None = Query(None, description="Only this role."),
-    rank: int | None = Query(None, ge=0, description="Only this rank."),
-) -> TraceList:
+    rank: Annotated[
+        int | None,
+        Query(ge=0, description="Only this rank (a non-negative integer)."),
+        BeforeValidator(_digits),
+    ] = None,
+) -> Response:
     """Traces, optionally filtered."""
     traces = await client.call("list_traces", session_id, role, rank)
-    return TraceList(data=traces, count=len(traces), bytes=sum(t.bytes for t in traces))
+    listing = TraceList(data=traces, count=len(traces), bytes=sum(t.bytes for t in traces))
+    return model_response(listing)
 
 
 #: Bytes per Ray task when a file is streamed from another node.
@@ -53,13 +73,21 @@ async def _remote_chunks(runner: NodeRunner, trace: TraceView, size: int) -> Asy
 @router.get(
     "/{trace_id}/download",
     response_class=FileResponse,
-    responses={404: {"description": "Unknown trace or file gone"}},
+    responses={
+        200: {
+            "description": "The trace file",
+            "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+        },
+        **error_responses(404, 422),
+    },
 )
 async def download_trace(
     client: ClientDep,
     runner: RunnerDep,
     node_id: NodeIdDep,
-    trace_id: str = Path(pattern=r"^[0-9a-f]{16}$", description="Trace id"),
+    trace_id: str = Path(
+        pattern=r"^[0-9a-f]{16}$", description="Trace id (16 hex digits) from GET /api/v1/traces."
+    ),
 ) -> Response:
     """The file of a known trace (never an arbitrary path), read on the node that holds it."""
     traces = {t.trace_id: t for t in await client.call("list_traces", None, None, None)}

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from profd.cluster import load_state, read_token
-from profd.constants import DEFAULT_PORT
+from profd.constants import DEFAULT_PORT, TOKEN_FILE
 
 __all__ = ["ApiClient", "CliError", "resolve_url"]
 
@@ -33,34 +33,63 @@ def resolve_url(url: str | None, state_dir: Path) -> str:
 
 
 class ApiClient:
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        token_file: Path | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
+        self.has_token = bool(token)
+        self.token_file = token_file
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
     @classmethod
     def from_state(cls, url: str | None, state_dir: Path, token: str | None = None) -> ApiClient:
-        return cls(resolve_url(url, state_dir), token or read_token(state_dir))
+        return cls(
+            resolve_url(url, state_dir),
+            token or read_token(state_dir),
+            token_file=state_dir / TOKEN_FILE,
+        )
+
+    def _auth_hint(self, status: int) -> str:
+        where = str(self.token_file) if self.token_file else "the profd state directory"
+        if not self.has_token:
+            return (
+                f" (no token: {where} does not exist; run `profd up` on this machine, or copy "
+                "the token file of the `profd up` that started this sidecar there; "
+                "PROFD_STATE_DIR picks another state directory)"
+            )
+        return (
+            f" (the token in {where} was refused: it belongs to another `profd up`; copy the "
+            "token file of the `profd up` that started this sidecar)"
+        )
+
+    def _unreachable(self, exc: Exception) -> CliError:
+        return CliError(
+            f"cannot reach the profd sidecar at {self.url} ({type(exc).__name__}); "
+            "is `profd up` running? (or pass --url)",
+            EXIT_UNREACHABLE,
+        )
+
+    def _error(self, resp: httpx.Response) -> CliError:
+        try:
+            body = resp.json()
+            msg = body.get("message") or str(body)
+        except (ValueError, AttributeError):
+            msg = resp.text[:500]
+        hint = self._auth_hint(resp.status_code) if resp.status_code in (401, 403) else ""
+        return CliError(f"HTTP {resp.status_code}: {msg}{hint}", EXIT_FAILED, resp.status_code)
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise CliError(
-                f"cannot reach the profd sidecar at {self.url} ({type(exc).__name__}); "
-                "is `profd up` running? (or pass --url)",
-                EXIT_UNREACHABLE,
-            ) from None
+            raise self._unreachable(exc) from None
         if resp.status_code >= 400:
-            try:
-                body = resp.json()
-                msg = body.get("message") or str(body)
-            except ValueError:
-                msg = resp.text[:500]
-            hint = ""
-            if resp.status_code in (401, 403):
-                hint = " (the token lives in the profd state directory; see `profd up`)"
-            raise CliError(f"HTTP {resp.status_code}: {msg}{hint}", EXIT_FAILED, resp.status_code)
+            raise self._error(resp)
         if resp.headers.get("content-type", "").startswith("application/json"):
             return resp.json()
         return resp.content
@@ -72,13 +101,16 @@ class ApiClient:
         return self.request("POST", path, json=body)
 
     def download(self, path: str, dest: Path) -> int:
-        with self._http.stream("GET", path) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                raise CliError(f"HTTP {resp.status_code}: {resp.text[:300]}", EXIT_FAILED)
-            size = 0
-            with open(dest, "wb") as f:
-                for chunk in resp.iter_bytes():
-                    f.write(chunk)
-                    size += len(chunk)
+        try:
+            with self._http.stream("GET", path) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise self._error(resp)
+                size = 0
+                with open(dest, "wb") as f:
+                    for chunk in resp.iter_bytes():
+                        f.write(chunk)
+                        size += len(chunk)
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from None
         return size

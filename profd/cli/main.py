@@ -58,6 +58,51 @@ def _print_json(data: Any) -> None:
 
 
 # -- up / down ------------------------------------------------------------------------------
+AllowSaveRootOpt = Annotated[
+    list[Path],
+    typer.Option(
+        "--allow-save-root",
+        help="Directory a save_path over HTTP may resolve under (repeatable; the save root "
+        "is always allowed).",
+    ),
+]
+AllowUploadOpt = Annotated[
+    list[str],
+    typer.Option(
+        "--allow-upload-prefix",
+        help="URI prefix an upload_uri over HTTP may start with, e.g. s3://bucket/traces "
+        "(repeatable; none by default: upload_uri is refused over HTTP).",
+    ),
+]
+
+
+def _sidecar_config(
+    settings: ProfdSettings,
+    coord: Any,
+    token: str,
+    host: str | None,
+    port: int | None,
+    allow_hook_commands: bool,
+    allow_save_root: list[Path],
+    allow_upload_prefix: list[str],
+) -> Any:
+    """How `profd up` serves the sidecar: the token, and where sessions may write."""
+    from profd.settings import SidecarConfig
+
+    return SidecarConfig(
+        host=host or settings.host,
+        port=settings.port if port is None else port,
+        token=token,
+        allow_hook_commands=allow_hook_commands,
+        save_roots=(coord.save_root, *(str(p.expanduser().resolve()) for p in allow_save_root)),
+        upload_prefixes=tuple(
+            p if "://" in p else str(Path(p).expanduser().resolve()) for p in allow_upload_prefix
+        ),
+        base_dir=coord.base_dir,
+        freeze_gc=True,  # the sidecar actor's process serves nothing else
+    )
+
+
 @app.command()
 def up(
     address: Annotated[
@@ -72,6 +117,8 @@ def up(
     allow_hook_commands: Annotated[
         bool, typer.Option(help="Accept finish_hook_cmd over HTTP.")
     ] = False,
+    allow_save_root: AllowSaveRootOpt = [],  # noqa: B006
+    allow_upload_prefix: AllowUploadOpt = [],  # noqa: B006
     num_cpus: Annotated[int | None, typer.Option(help="CPUs of a local Ray started here.")] = None,
 ) -> None:
     """Start the coordinator and the sidecar (and a local Ray when no --address is given)."""
@@ -85,7 +132,6 @@ def up(
         start_local_ray,
         start_services,
     )
-    from profd.settings import SidecarConfig
 
     settings = _settings()
     previous = load_state(settings.state_dir)
@@ -100,16 +146,20 @@ def up(
         started_ray = True
     connect_ray(address)
     token, token_path = read_or_create_token(settings.state_dir)
-    sidecar = SidecarConfig(
-        host=host or settings.host,
-        port=settings.port if port is None else port,
-        token=token,
-        allow_hook_commands=allow_hook_commands,
-    )
     coord = (
         settings.coordinator()
         if save_root is None
         else ProfdSettings(save_root=save_root).coordinator()
+    )
+    sidecar = _sidecar_config(
+        settings,
+        coord,
+        token,
+        host,
+        port,
+        allow_hook_commands,
+        allow_save_root,
+        allow_upload_prefix,
     )
     services = start_services(coord, sidecar, detached=True)
     addr, coord_new, side_new = (
@@ -132,6 +182,8 @@ def up(
     console.print(f"profd is up: sidecar [cyan]{addr['url']}[/cyan]")
     console.print(f"  token file: {token_path} (owner-only)")
     console.print(f"  traces under: {coord.save_root}")
+    if not sidecar.loopback:
+        console.print(f"  beyond loopback ({sidecar.host}): every route needs the token")
     if not (coord_new and side_new):
         console.print("  (an existing coordinator / sidecar was reused)")
 

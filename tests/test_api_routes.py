@@ -1,0 +1,197 @@
+"""Each route's error codes over real HTTP, the one error body everywhere, and an OpenAPI
+schema that describes every field, parameter and error response."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from profd.api import create_app
+from profd.settings import SidecarConfig
+
+from helpers import LoopClient, UvicornThread, start_agents
+
+TOKEN = "routes-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def url(local_coordinator) -> Iterator[str]:
+    app = create_app(SidecarConfig(token=TOKEN), client=LoopClient(local_coordinator))
+    with UvicornThread(app) as srv:
+        yield srv.url
+
+
+CASES = [
+    # (method, path, json body, headers, status, error code, words in the message)
+    ("GET", "/api/v1/sessions/has%20space", None, {}, 422, "invalid_request", "session_id"),
+    ("GET", "/api/v1/sessions/" + "x" * 65, None, {}, 422, "invalid_request", "session_id"),
+    ("GET", "/api/v1/sessions/nope", None, {}, 404, "not_found", "no session 'nope'"),
+    ("GET", "/api/v1/sessions/nope/summary", None, {}, 404, "not_found", "nope"),
+    ("GET", "/api/v1/sessions/a%2Fb/summary", None, {}, 404, "not_found", ""),
+    ("POST", "/api/v1/sessions/nope/cancel", None, {}, 401, "unauthorized", "bearer token"),
+    ("POST", "/api/v1/sessions/nope/cancel", None, AUTH, 404, "not_found", "nope"),
+    ("POST", "/api/v1/sessions/x%20y/cancel", None, AUTH, 422, "invalid_request", "session_id"),
+    ("GET", "/api/v1/traces?rank=-1", None, {}, 422, "invalid_request", "rank"),
+    ("GET", "/api/v1/traces?rank=abc", None, {}, 422, "invalid_request", "rank"),
+    ("GET", "/api/v1/traces/not-hex/download", None, {}, 422, "invalid_request", "trace_id"),
+    ("GET", "/api/v1/traces/0123456789abcdef/download", None, {}, 404, "not_found", "no trace"),
+    ("POST", "/api/v1/sessions", [1, 2], AUTH, 422, "invalid_request", ""),
+    ("POST", "/api/v1/sessions", {"steps": [1]}, {}, 401, "unauthorized", "profd up"),
+    ("DELETE", "/api/v1/sessions", None, AUTH, 405, "method_not_allowed", ""),
+    ("GET", "/api/v2/nothing", None, {}, 404, "not_found", ""),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status", "code", "words"), CASES)
+def test_error_codes_and_one_body(
+    url: str, method: str, path: str, body: Any, headers: dict, status: int, code: str, words: str
+) -> None:
+    r = httpx.request(method, url + path, json=body, headers=headers)
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert set(err) <= {"error", "message", "fields", "detail"} and err["error"] == code
+    assert isinstance(err["fields"], list) and words in err["message"] + str(err["fields"])
+
+
+def test_unreadable_body_is_422_naming_the_body(url: str) -> None:
+    r = httpx.post(
+        f"{url}/api/v1/sessions",
+        content=b'{"steps": [1], "tool": "\xff\xfe"}',  # not UTF-8
+        headers={**AUTH, "content-type": "application/json"},
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == "invalid_request" and r.json()["fields"][0]["field"] == "body"
+
+
+def test_create_list_get_cancel_and_listing_filters(url: str, local_coordinator) -> None:
+    agents = start_agents(local_coordinator, 2, "actor")
+    try:
+        r = httpx.post(
+            f"{url}/api/v1/sessions",
+            json={"steps": [7], "roles": {"actor": {"ranks": [1]}}},
+            headers=AUTH,
+        )
+        assert r.status_code == 201
+        sid = r.json()["session_id"]
+        assert [s["session_id"] for s in httpx.get(f"{url}/api/v1/sessions").json()["data"]] == [
+            sid
+        ]
+        assert httpx.get(f"{url}/api/v1/sessions/{sid}").json()["targets"][0]["rank"] == 1
+        # The second request for the same rank names the holder (409), nothing is created.
+        r = httpx.post(
+            f"{url}/api/v1/sessions",
+            json={"steps": [8], "roles": {"actor": {"ranks": [1]}}},
+            headers=AUTH,
+        )
+        assert r.status_code == 409 and r.json()["detail"]["holders"] == [sid]
+        assert httpx.get(f"{url}/api/v1/sessions").json()["count"] == 1
+        r = httpx.post(f"{url}/api/v1/sessions/{sid}/cancel", headers=AUTH)
+        assert r.status_code == 200 and r.json()["state"] == "cancelled"
+        listing = httpx.get(f"{url}/api/v1/traces", params={"session_id": sid, "role": "actor"})
+        assert listing.json() == {"data": [], "count": 0, "bytes": 0}
+    finally:
+        for a in agents:
+            a.close(timeout=10)
+
+
+def test_without_a_configured_token_changes_are_open(local_coordinator) -> None:
+    app = create_app(SidecarConfig(), client=LoopClient(local_coordinator))
+    (agent,) = start_agents(local_coordinator, 1, "actor")
+    try:
+        with UvicornThread(app) as srv:
+            r = httpx.post(f"{srv.url}/api/v1/sessions", json={"steps": [3]})
+            assert r.status_code == 201, r.text
+            sid = r.json()["session_id"]
+            r = httpx.post(f"{srv.url}/api/v1/sessions/{sid}/cancel")
+            assert r.status_code == 200 and r.json()["state"] == "cancelled"
+            spec = httpx.get(f"{srv.url}/openapi.json").json()
+            assert "securitySchemes" not in spec.get("components", {})
+    finally:
+        agent.close(timeout=10)
+
+
+def test_dashboard_page_is_self_contained(url: str) -> None:
+    r = httpx.get(f"{url}/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert "<script>" in page and "<style>" in page
+    assert "http://" not in page and "https://" not in page and "src=" not in page  # no CDN
+    assert TOKEN not in page
+    csp = r.headers["content-security-policy"]
+    assert "script-src 'sha256-" in csp and "connect-src 'self'" in csp
+    assert r.headers["x-frame-options"] == "DENY"
+
+
+def _described(spec: dict, schema: dict) -> bool:
+    if schema.get("description"):
+        return True
+    ref = schema.get("$ref") or next(
+        (s.get("$ref") for s in schema.get("allOf", []) + schema.get("anyOf", []) if "$ref" in s),
+        None,
+    )
+    if ref:
+        return bool(spec["components"]["schemas"][ref.rsplit("/", 1)[1]].get("description"))
+    return False
+
+
+def test_openapi_describes_every_field_parameter_and_error(local_coordinator) -> None:
+    spec = create_app(SidecarConfig(token="t"), client=LoopClient(local_coordinator)).openapi()
+    missing = []
+    for name, schema in spec["components"]["schemas"].items():
+        for prop, ps in schema.get("properties", {}).items():
+            if not _described(spec, ps):
+                missing.append(f"{name}.{prop}")
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            where = f"{method.upper()} {path}"
+            if not op.get("description"):
+                missing.append(where)
+            missing += [
+                f"{where} ?{p['name']}"
+                for p in op.get("parameters", [])
+                if not p.get("description")
+            ]
+            for code, resp in op["responses"].items():
+                if code.startswith(("4", "5")):
+                    ref = resp["content"]["application/json"]["schema"]["$ref"]
+                    assert ref.endswith("/ErrorBody"), (where, code, ref)
+    assert missing == []
+    assert "HTTPValidationError" not in spec["components"]["schemas"]  # one error body only
+    secured = {
+        (m, p) for p, ops in spec["paths"].items() for m, op in ops.items() if "security" in op
+    }
+    assert secured == {
+        ("post", "/api/v1/sessions"),
+        ("post", "/api/v1/sessions/{session_id}/cancel"),
+    }  # on loopback only changes need the token
+    post = spec["paths"]["/api/v1/sessions"]["post"]["responses"]
+    assert {"201", "401", "403", "409", "413", "422"} <= set(post)
+    assert set(spec["paths"]) >= {
+        "/healthz",
+        "/metrics",
+        "/api/v1/status",
+        "/api/v1/agents",
+        "/api/v1/sessions",
+        "/api/v1/sessions/{session_id}",
+        "/api/v1/sessions/{session_id}/cancel",
+        "/api/v1/sessions/{session_id}/summary",
+        "/api/v1/traces",
+        "/api/v1/traces/{trace_id}/download",
+    }
+
+
+def test_freeze_gc_moves_the_startup_heap_out_of_collections(local_coordinator) -> None:
+    import gc
+
+    gc.unfreeze()
+    app = create_app(SidecarConfig(freeze_gc=True), client=LoopClient(local_coordinator))
+    try:
+        with UvicornThread(app) as srv:
+            assert httpx.get(f"{srv.url}/healthz").status_code == 200
+            assert gc.get_freeze_count() > 10_000  # imports and the app, frozen at start
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,214 @@
+"""Sidecar security over real HTTP: the token rule beyond loopback, save_path / upload_uri
+confinement, the request size limit, and hook commands only when the operator allowed them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from profd.api import create_app
+from profd.settings import SidecarConfig
+
+from helpers import LoopClient, UvicornThread, start_agents
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def serve(local_coordinator) -> Callable[..., Any]:
+    """``with serve(**config) as url:`` a real uvicorn on 127.0.0.1 for that config."""
+
+    @contextmanager
+    def run(**config: Any) -> Iterator[str]:
+        config.setdefault("token", TOKEN)
+        app = create_app(SidecarConfig(**config), client=LoopClient(local_coordinator))
+        with UvicornThread(app) as srv:
+            yield srv.url
+
+    return run
+
+
+@pytest.fixture
+def actor(local_coordinator) -> Iterator[Any]:
+    (agent,) = start_agents(local_coordinator, 1, "actor")
+    yield agent
+    agent.close(timeout=10)
+
+
+def post_session(url: str, body: dict[str, Any], headers: dict[str, str] = AUTH) -> httpx.Response:
+    return httpx.post(f"{url}/api/v1/sessions", json=body, headers=headers)
+
+
+def field_error(r: httpx.Response, field: str) -> str:
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["error"] == "invalid_request"
+    messages = [f["message"] for f in body["fields"] if f["field"] == field]
+    assert messages, body
+    return messages[0]
+
+
+# -- the token --------------------------------------------------------------------------------
+READS = [
+    "/api/v1/status",
+    "/api/v1/agents",
+    "/api/v1/sessions",
+    "/api/v1/sessions/s1",
+    "/api/v1/sessions/s1/summary",
+    "/api/v1/traces",
+    "/api/v1/traces/0123456789abcdef/download",
+    "/metrics",
+]
+
+
+def test_beyond_loopback_every_route_needs_the_token(serve) -> None:
+    # Configured as if bound to every interface; served on 127.0.0.1 (tests stay on loopback).
+    with serve(host="0.0.0.0") as url:
+        for path in READS:
+            r = httpx.get(url + path)
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"] == "unauthorized" and r.headers["www-authenticate"] == "Bearer"
+            wrong = httpx.get(url + path, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 403 and wrong.json()["message"] == "invalid token"
+            ok = httpx.get(url + path, headers=AUTH)
+            assert ok.status_code in (200, 404), (path, ok.text)  # 404: unknown ids
+        # Liveness, the data-free dashboard page and the schema stay open.
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        assert httpx.get(f"{url}/").status_code == 200
+        assert httpx.get(f"{url}/openapi.json").status_code == 200
+        assert post_session(url, {"steps": [1]}, headers={}).status_code == 401
+
+
+def test_on_loopback_reads_are_open_and_changes_are_not(serve, local_coordinator) -> None:
+    with serve() as url:
+        for path in READS:
+            assert httpx.get(url + path).status_code in (200, 404), path
+        r = httpx.post(f"{url}/api/v1/sessions/s1/cancel")
+        assert r.status_code == 401
+        assert post_session(url, {"steps": [1]}, headers={}).status_code == 401
+        for bad in ("Bearer s3cret", f"Bearer {TOKEN}x", f"Basic {TOKEN}", "Bearer", TOKEN):
+            r = post_session(url, {"steps": [1]}, headers={"Authorization": bad})
+            assert r.status_code in (401, 403), bad
+        # The scheme is case-insensitive; a 422 shows the token was accepted.
+        r = post_session(url, {"steps": []}, headers={"Authorization": f"bearer {TOKEN}"})
+        assert field_error(r, "steps") == "must list at least one step"
+    assert local_coordinator.call("list_sessions") == []
+
+
+def test_binding_beyond_loopback_without_a_token_is_refused() -> None:
+    with pytest.raises(ValueError, match="beyond loopback"):
+        SidecarConfig(host="0.0.0.0")
+    assert SidecarConfig(host="::1").loopback and SidecarConfig(host="localhost").loopback
+    assert not SidecarConfig(host="10.1.2.3", token="t").loopback
+
+
+# -- save_path --------------------------------------------------------------------------------
+def test_save_path_must_stay_under_the_save_root(serve, actor, local_coordinator, tmp_path) -> None:
+    root = Path(local_coordinator.coordinator.settings.save_root)
+    root.mkdir(parents=True, exist_ok=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, root / "escape")
+    with serve() as url:
+        for bad in ("/etc", f"{root}/../outside", f"{root}/escape/x", f"{root}x"):
+            msg = field_error(post_session(url, {"steps": [5], "save_path": bad}), "save_path")
+            assert "allowed save root" in msg and str(root) in msg, msg
+        msg = field_error(post_session(url, {"steps": [5], "save_path": "rel"}), "save_path")
+        assert "absolute" in msg
+        assert local_coordinator.call("list_sessions") == []  # nothing half-applied
+        r = post_session(url, {"steps": [5], "save_path": f"{root}/mine"})
+        assert r.status_code == 201, r.text
+        assert r.json()["save_dir"].startswith(f"{root}/mine/")
+
+
+def test_operator_allowed_save_roots_and_relative_paths(serve, actor, tmp_path) -> None:
+    extra = tmp_path / "team"
+    with serve(save_roots=(str(extra),), base_dir=str(tmp_path)) as url:
+        r = post_session(url, {"steps": [5], "save_path": "team/run1"})
+        assert r.status_code == 201, r.text
+        assert r.json()["save_dir"].startswith(f"{extra}/run1/")
+        msg = field_error(post_session(url, {"steps": [6], "save_path": "team/../x"}), "save_path")
+        assert str(tmp_path / "x") in msg
+
+
+# -- upload_uri -------------------------------------------------------------------------------
+def test_upload_uri_is_refused_unless_a_prefix_is_allowed(serve, local_coordinator) -> None:
+    with serve() as url:
+        r = post_session(url, {"steps": [5], "upload_uri": "memory://bucket/traces"})
+        assert "uploads over HTTP are disabled" in field_error(r, "upload_uri")
+    assert local_coordinator.call("list_sessions") == []
+
+
+def test_upload_uri_must_start_with_an_allowed_prefix(serve, actor, tmp_path) -> None:
+    bucket = tmp_path / "bucket"
+    prefixes = ("memory://bucket/traces", f"file://{bucket}")
+    with serve(upload_prefixes=prefixes) as url:
+        for bad, rule in [
+            ("memory://bucket/tracesX", "allowed upload prefix"),
+            ("memory://bucket/traces/../other", "'..' segments"),
+            ("memory://other/traces", "allowed upload prefix"),
+            (f"file://{bucket}/../etc", "'..' segments"),
+            (f"file://{tmp_path}", "allowed upload prefix"),
+            ("simplecache::memory://bucket/traces", "protocol"),  # the model refuses chains
+        ]:
+            msg = field_error(post_session(url, {"steps": [5], "upload_uri": bad}), "upload_uri")
+            assert rule in msg, (bad, msg)
+        r = post_session(url, {"steps": [5], "upload_uri": "memory://bucket/traces/run1"})
+        assert r.status_code == 201, r.text
+        sid = r.json()["session_id"]
+        httpx.post(f"{url}/api/v1/sessions/{sid}/cancel", headers=AUTH).raise_for_status()
+        r = post_session(url, {"steps": [6], "upload_uri": f"file://{bucket}/run2"})
+        assert r.status_code == 201, r.text
+
+
+# -- hooks ------------------------------------------------------------------------------------
+def test_hook_commands_only_when_allowed(serve, actor) -> None:
+    body = {"steps": [5], "finish_hook_cmd": "echo done"}
+    with serve() as url:
+        assert "--allow-hook-commands" in field_error(post_session(url, body), "finish_hook_cmd")
+    with serve(allow_hook_commands=True) as url:
+        r = post_session(url, body)
+        assert r.status_code == 201 and r.json()["request"]["finish_hook_cmd"] == "echo done"
+
+
+# -- request size -----------------------------------------------------------------------------
+def test_windows_are_bounded(serve, local_coordinator) -> None:
+    with serve(max_window_steps=100) as url:
+        msg = field_error(post_session(url, {"next_steps": 2**63 - 1}), "next_steps")
+        assert "at most 100 steps" in msg
+        msg = field_error(post_session(url, {"steps": list(range(101))}), "steps")
+        assert "at most 100 steps per session, got 101" in msg
+    assert local_coordinator.call("list_sessions") == []
+
+
+def test_oversized_bodies_get_413(serve, local_coordinator) -> None:
+    big = {"steps": [1], "roles": {"actor": {"ranks": list(range(300_000))}}}  # about 2 MB
+    with serve(max_body_bytes=64 * 1024) as url:
+        r = post_session(url, big)
+        assert r.status_code == 413, r.text
+        body = r.json()
+        assert body["error"] == "payload_too_large" and "65536" in body["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            yield b'{"steps": [1], "roles": {"actor": {"ranks": ['
+            for _ in range(2000):
+                yield b"0, " * 100
+            yield b"0]}}}"
+
+        r = httpx.post(
+            f"{url}/api/v1/sessions",
+            content=chunks(),
+            headers={**AUTH, "content-type": "application/json"},
+        )
+        assert r.status_code == 413, r.text
+        assert r.json()["error"] == "payload_too_large"
+        # Under the limit the same route answers normally (no agent: 422 naming roles).
+        assert field_error(post_session(url, {"next_steps": 1}), "roles")
+    assert local_coordinator.call("list_sessions") == []
