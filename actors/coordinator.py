@@ -500,6 +500,13 @@ class ProfileCoordinator(ControllerMixin):
         recs = sorted(self._registry.all(), key=lambda r: (r.info.role, r.info.rank))
         return [r.view(now) for r in recs]
 
+    async def get_trace(self, trace_id: str) -> TraceView:
+        self._ensure_ticker()
+        trace = self._traces.get(trace_id)
+        if trace is None:
+            raise NotFoundError(f"no trace {trace_id!r}", trace_id=trace_id)
+        return trace
+
     async def list_traces(
         self, session_id: str | None = None, role: str | None = None, rank: int | None = None
     ) -> list[TraceView]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -65,31 +66,26 @@ def metrics_snapshot(
     uptime_s: float,
 ) -> dict[str, Any]:
     """A snapshot for the sidecar's Prometheus endpoint."""
-    agents: dict[str, int] = {}
-    for r in registry.all():
-        key = f"{r.info.role}|{r.state}"
-        agents[key] = agents.get(key, 0) + 1
-    sessions: dict[str, int] = {}
-    hooks: dict[str, int] = {}
-    uploads: dict[str, int] = {}
+    agents = Counter(f"{r.info.role}|{r.state}" for r in registry.all())
+    by_state: Counter[str] = Counter()
+    hooks: Counter[str] = Counter()
+    uploads: Counter[str] = Counter()
     for s in sessions:
-        sessions[s.state.value] = sessions.get(s.state.value, 0) + 1
-        for h in s.hooks:
-            hooks[h["state"]] = hooks.get(h["state"], 0) + 1
-        for u in s.uploads.values():
-            uploads[u["state"]] = uploads.get(u["state"], 0) + 1
-    traces: dict[str, list[float]] = {}
+        by_state[s.state.value] += 1
+        hooks.update(h["state"] for h in s.hooks)
+        uploads.update(u["state"] for u in s.uploads.values())
+    written: dict[str, list[float]] = {}
     for t in traces:
-        acc = traces.setdefault(t.tool, [0, 0])
+        acc = written.setdefault(t.tool, [0, 0])
         acc[0] += 1
         acc[1] += t.bytes
     return {
-        "agents": agents,
-        "sessions": sessions,
-        "traces": traces,
+        "agents": dict(agents),
+        "sessions": dict(by_state),
+        "traces": written,
         "stalls": {k: list(v) for k, v in stalls.items()},
-        "hooks": hooks,
-        "uploads": uploads,
+        "hooks": dict(hooks),
+        "uploads": dict(uploads),
         "events_total": counters["events"],
         "reports_total": counters["reports"],
         "uptime_s": uptime_s,

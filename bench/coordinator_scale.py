@@ -104,22 +104,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1000)
     args = parser.parse_args()
 
-    from profd.cluster import apply_loopback_env
+    from profd.cluster import init_local_ray
 
-    apply_loopback_env()  # before Ray is imported
+    init_local_ray()  # on 127.0.0.1; the loopback settings come before Ray is imported
     import ray
 
     from profd.actors import get_or_create_coordinator
-    from profd.constants import NAMESPACE
     from profd.settings import ProfdSettings
 
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        namespace=NAMESPACE,
-        log_to_driver=False,
-    )
     settings = ProfdSettings(poll_timeout_s=60.0, heartbeat_timeout_s=600.0).coordinator()
     coord, _ = get_or_create_coordinator(
         settings.model_copy(update={"state_dir": None}), detached=False

@@ -73,22 +73,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    from profd.cluster import apply_loopback_env
+    from profd.cluster import init_local_ray
 
-    apply_loopback_env()  # before Ray is imported: it reads these at import
+    init_local_ray()  # on 127.0.0.1; the loopback settings come before Ray is imported
     import ray
 
     from profd.cluster import start_services
-    from profd.constants import NAMESPACE
     from profd.settings import ProfdSettings, SidecarConfig
 
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        namespace=NAMESPACE,
-        log_to_driver=False,
-    )
     token = secrets.token_urlsafe(16)
     services = start_services(
         ProfdSettings(poll_timeout_s=5.0).coordinator().model_copy(update={"state_dir": None}),

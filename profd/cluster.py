@@ -28,8 +28,10 @@ __all__ = [
     "connect_ray",
     "current_address",
     "gcs_reachable",
+    "init_local_ray",
     "is_local_address",
     "load_state",
+    "ray_node",
     "read_or_create_token",
     "read_token",
     "save_state",
@@ -122,6 +124,32 @@ def stop_local_ray(temp_dir: str | None, timeout: float = 15.0) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return len(pids)
+
+
+def init_local_ray(num_cpus: int = 4) -> None:
+    """Start a private Ray in this process on 127.0.0.1 (the demo, benchmarks)."""
+    apply_loopback_env()
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+    )
+
+
+def ray_node() -> tuple[str | None, str | None]:
+    """(node id, node address) of this process when it is part of a Ray cluster."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return None, None
 
 
 def is_local_address(address: str | None) -> bool:

@@ -61,6 +61,8 @@ class ToolKind(StrEnum):
     PY_SPY = "py_spy"
 
 
+#: A session profiles at most this many steps (a window, not a run's whole length).
+MAX_WINDOW_STEPS = 10_000
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 PosInt = Annotated[StrictInt, Field(gt=0)]
 RoleName = Annotated[str, StringConstraints(pattern=r"^(\*|[A-Za-z0-9][A-Za-z0-9_.\-]{0,63})$")]
@@ -257,7 +259,10 @@ class GlobalProfilerConfig(_Frozen):
             return None
         if not v:
             raise ValueError("must list at least one step")
-        return tuple(sorted(set(v)))
+        steps = tuple(sorted(set(v)))
+        if len(steps) > MAX_WINDOW_STEPS:
+            raise ValueError(f"at most {MAX_WINDOW_STEPS} steps in one session, got {len(steps)}")
+        return steps
 
     @field_validator("upload_uri")
     @classmethod
@@ -292,7 +297,7 @@ class SessionRequest(GlobalProfilerConfig):
     with the default block (rank 0).
     """
 
-    next_steps: PosInt | None = Field(
+    next_steps: Annotated[StrictInt, Field(gt=0, le=MAX_WINDOW_STEPS)] | None = Field(
         None, description="Profile the next N steps that every target can still reach."
     )
     duration_s: float | None = Field(

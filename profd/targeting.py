@@ -67,6 +67,14 @@ def _by_topology(
     return keep, RankSelection(sel.selected, tuple(ignored))
 
 
+def _tool_refused(req: SessionRequest, info: AgentInfo) -> Ignored | None:
+    """The agent cannot run the session's tool: say so, with its own reason."""
+    reason = info.capabilities.get(req.tool.value, "the agent did not report this tool")
+    if reason is None:
+        return None
+    return Ignored(info.role, info.rank, f"tool {req.tool.value} unavailable: {reason}")
+
+
 def _is_rollout(ranks: dict[int, AgentInfo]) -> bool:
     return any("replica_world_size" in i.topology for i in ranks.values())
 
@@ -87,9 +95,9 @@ def _replicas(
     out, skipped = [], list(sel.ignored)
     for replica in sel.replicas:
         info = agents[replica]
-        reason = info.capabilities.get(req.tool.value, "the agent did not report this tool")
-        if reason is not None:
-            skipped.append(Ignored(role, replica, f"tool {req.tool.value} unavailable: {reason}"))
+        refused = _tool_refused(req, info)
+        if refused is not None:
+            skipped.append(refused)
             continue
         out.append(Target(info, key, block, sel.keep_global_ranks))
     return out, skipped
@@ -123,12 +131,11 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
             sel = select_ranks(role, block, ranks.keys(), world)
         ignored.extend(sel.ignored)
         for rank in sel.selected:
-            info = ranks[rank]
-            reason = info.capabilities.get(req.tool.value, "the agent did not report this tool")
-            if reason is not None:
-                ignored.append(Ignored(role, rank, f"tool {req.tool.value} unavailable: {reason}"))
+            refused = _tool_refused(req, ranks[rank])
+            if refused is not None:
+                ignored.append(refused)
                 continue
-            targets.append(Target(info, key, block))
+            targets.append(Target(ranks[rank], key, block))
     for key in req.roles:
         if key in used_keys or key == WILDCARD:
             continue

@@ -73,3 +73,12 @@ def wait_armed(agent: Any, sid: str) -> None:
 
 def user_ranges(trace: dict) -> list[str]:
     return [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
+
+
+def busy_python_work(seconds: float) -> int:
+    """Pure-Python work for a while (what py-spy should find by name)."""
+    end = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < end:
+        n += sum(i * i for i in range(200))
+    return n

@@ -181,8 +181,10 @@ def test_hook_commands_only_when_allowed(serve, actor) -> None:
 # -- request size -----------------------------------------------------------------------------
 def test_windows_are_bounded(serve, local_coordinator) -> None:
     with serve(max_window_steps=100) as url:
+        msg = field_error(post_session(url, {"next_steps": 500}), "next_steps")
+        assert "at most 100 steps" in msg  # the operator's cap
         msg = field_error(post_session(url, {"next_steps": 2**63 - 1}), "next_steps")
-        assert "at most 100 steps" in msg
+        assert "less than or equal to 10000" in msg  # the model's own bound
         msg = field_error(post_session(url, {"steps": list(range(101))}), "steps")
         assert "at most 100 steps per session, got 101" in msg
     assert local_coordinator.call("list_sessions") == []

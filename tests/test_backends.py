@@ -26,7 +26,7 @@ from profd.backends.torch_memory import CudaMemoryApi, TorchMemoryBackend
 from profd.config import NpuToolConfig, PySpyToolConfig
 from profd.nvtx_guard import DISABLED_PATH, NVTX_VAR, apply_guard, runtime_env
 
-from helpers import start_agents, wait_armed, wait_terminal
+from helpers import busy_python_work, start_agents, wait_armed, wait_terminal
 
 
 def spec(tmp_path: Path, stem: str = "actor_train_step1_rank0_pid1_20260101000000000") -> Any:
@@ -114,14 +114,6 @@ def test_torch_memory_session_writes_one_snapshot_per_step(fake_cuda_memory, loc
 
 
 # -- py-spy (real) ------------------------------------------------------------------------------
-def busy_python_work(seconds: float) -> int:
-    end = time.perf_counter() + seconds
-    n = 0
-    while time.perf_counter() < end:
-        n += sum(i * i for i in range(200))
-    return n
-
-
 def test_py_spy_command_options() -> None:
     cmd = py_spy_command("py-spy", 42, Path("/o.json"), PySpyToolConfig(rate_hz=50, native=True))
     assert cmd[:4] == ["py-spy", "record", "--pid", "42"]

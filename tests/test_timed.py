@@ -12,15 +12,7 @@ import torch
 from profd.backends.torch_backend import read_trace
 from profd.config import SessionRequest
 
-from helpers import start_agents, user_ranges, wait_armed, wait_terminal
-
-
-def busy_python_work(seconds: float) -> int:
-    end = time.perf_counter() + seconds
-    n = 0
-    while time.perf_counter() < end:
-        n += sum(i * i for i in range(200))
-    return n
+from helpers import busy_python_work, start_agents, user_ranges, wait_armed, wait_terminal
 
 
 def test_window_kinds_are_exclusive_and_validated() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path as FsPath
 from typing import Annotated
@@ -90,14 +91,18 @@ async def download_trace(
     ),
 ) -> Response:
     """The file of a known trace (never an arbitrary path), read on the node that holds it."""
-    traces = {t.trace_id: t for t in await client.call("list_traces", None, None, None)}
-    trace = traces.get(trace_id)
-    if trace is None:
-        raise NotFoundError(f"no trace {trace_id!r}", trace_id=trace_id)
+    trace = await client.call("get_trace", trace_id)
     headers = {"Content-Disposition": f'attachment; filename="{trace.file_name}"'}
     remote = trace.node_id is not None and node_id is not None and trace.node_id != node_id
     if remote:
-        size = await runner.run(trace.node_id, file_size, trace.path)
+        try:
+            size = await asyncio.wait_for(runner.run(trace.node_id, file_size, trace.path), 30)
+        except Exception as exc:  # the node died or cannot be reached
+            raise NotFoundError(
+                f"trace {trace_id} lives on node {trace.node_id} ({trace.hostname}), which does "
+                f"not answer: {type(exc).__name__}",
+                trace_id=trace_id,
+            ) from None
         if size is None:
             raise NotFoundError(
                 f"trace {trace_id} is gone from its node ({trace.hostname})", trace_id=trace_id

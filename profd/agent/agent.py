@@ -25,6 +25,7 @@ from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
 from profd.agent.recorder import IDLE, ArmedPlan, Recorder
 from profd.agent.timed import TimedWindows
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
+from profd.cluster import ray_node
 from profd.naming import sanitize
 from profd.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
@@ -58,17 +59,6 @@ class _StepMark:
         return False
 
 
-def _ray_node() -> tuple[str | None, str | None]:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return None, None
-
-
 class ProfilerAgent:
     """Marks for one (role, rank) of a worker. Create it with :func:`profd.attach`."""
 
@@ -92,7 +82,7 @@ class ProfilerAgent:
         ):
             raise ValueError(f"world_size: must be an int > rank ({rank}), got {world_size!r}")
         topo = {str(k): int(v) for k, v in (topology or {}).items()}
-        node_id, node_ip = _ray_node()
+        node_id, node_ip = ray_node()
         self.info = AgentInfo(
             agent_id=f"{sanitize(role)}-{rank}-{uuid.uuid4().hex[:8]}",
             role=role,

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from profd.cli.client import ApiClient
-from profd.cluster import apply_loopback_env, is_local_address, start_services
+from profd.cluster import apply_loopback_env, init_local_ray, is_local_address, start_services
 from profd.constants import NAMESPACE
 from profd.settings import ProfdSettings, SidecarConfig
 
@@ -98,13 +98,7 @@ def _start_ray(console: Console, address: str | None) -> bool:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return False
     console.print("[bold]Starting a local Ray on 127.0.0.1[/bold] ...")
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        namespace=NAMESPACE,
-        log_to_driver=False,
-    )
+    init_local_ray()
     return True
 
 

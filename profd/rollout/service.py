@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
+from profd.cluster import ray_node
 from profd.protocol import AgentEvent, AgentPlan, EventKind, WindowPlan
 from profd.rollout.engine_args import EngineProfileOptions
 from profd.rollout.rollout_agent import RolloutAgent
@@ -71,7 +72,7 @@ class RolloutService:
     ) -> None:
         self.agent = agent
         self.colocated = colocated
-        node_id, node_ip = _ray_node()
+        node_id, node_ip = ray_node()
         info = agent.describe().to_agent_info(
             agent_id=f"rollout-{agent.replica_index}-{uuid.uuid4().hex[:8]}",
             hostname=socket.gethostname(),
@@ -286,17 +287,6 @@ class RolloutService:
             ]
         for ev in events:
             self._emit(ev)
-
-
-def _ray_node() -> tuple[str | None, str | None]:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return None, None
 
 
 def attach_rollout(
