@@ -8,19 +8,17 @@ Nothing here is on a training path: agents reach it only from their background t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from profd import __version__
 from profd.actors.admission import check_conflicts, check_reachable, new_session_id, session_dir
+from profd.actors.agent_rpc import AgentRpcMixin, Registration
 from profd.actors.driving import ControllerMixin
 from profd.actors.finisher import Finisher
 from profd.actors.planbook import PlanBook
@@ -29,8 +27,8 @@ from profd.actors.runner import NodeRunner, default_runner
 from profd.actors.store import Store, open_store
 from profd.config import RoleProfilerConfig, SessionRequest, ToolKind, field_errors
 from profd.errors import ConflictError, NotFoundError, RequestInvalid
-from profd.protocol import AgentEvent, AgentInfo, EventKind, PollReply, WindowPlan
-from profd.registry import AgentRecord, AgentRegistry
+from profd.protocol import AgentInfo, WindowPlan
+from profd.registry import AgentRegistry
 from profd.selection import WILDCARD
 from profd.sessions import Part, Session
 from profd.settings import CoordinatorSettings
@@ -47,25 +45,12 @@ __all__ = ["ProfileCoordinator", "Registration"]
 log = logging.getLogger(__name__)
 
 
-class Registration:
-    """Reply to :meth:`ProfileCoordinator.register`."""
-
-    __slots__ = ("plan", "poll_timeout_s")
-
-    def __init__(self, plan: Any, poll_timeout_s: float) -> None:
-        self.plan = plan
-        self.poll_timeout_s = poll_timeout_s
-
-    def __reduce__(self):
-        return (Registration, (self.plan, self.poll_timeout_s))
-
-
 def _part(t: Any) -> Part:
     keep = sorted(t.keep_global_ranks) if t.keep_global_ranks is not None else None
     return Part(t.agent.agent_id, t.agent.role, t.agent.rank, t.block_key, keep_global_ranks=keep)
 
 
-class ProfileCoordinator(ControllerMixin):
+class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
     """Owns agents, sessions and the trace index; computes each agent's plan."""
 
     def __init__(
@@ -137,136 +122,6 @@ class ProfileCoordinator(ControllerMixin):
     def _changed(self, s: Session) -> None:
         """A session changed outside an agent event (upload or hook finished)."""
         self._advance(s)
-
-    # -- agents -------------------------------------------------------------------------
-    async def register(self, info: AgentInfo, step: int | None) -> Registration:
-        self._ensure_ticker()
-        info = self._interned(info)
-        now = self._clock()
-        self._registry.upsert(info, now, step)
-        self._plans.ensure(info.agent_id)
-        log.info("agent %s registered (role %s rank %s)", info.agent_id, info.role, info.rank)
-        self._adopt(info)
-        self._publish([info.agent_id])  # a re-registering agent gets its windows back
-        return Registration(self._plans.plan(info.agent_id), self.settings.poll_timeout_s)
-
-    def _interned(self, info: AgentInfo) -> AgentInfo:
-        """Thousands of agents report the same capabilities and topology keys: keep one copy."""
-        caps = tuple(sorted(info.capabilities.items()))
-        shared = self._shared.setdefault(caps, dict(caps))
-        topo = tuple(sorted(info.topology.items()))
-        shared_topo = self._shared.setdefault(("topology", *topo), dict(topo))
-        return dataclasses.replace(
-            info,
-            capabilities=shared,
-            topology=shared_topo,
-            hostname=sys.intern(info.hostname),
-            role=sys.intern(info.role),
-        )
-
-    async def poll(
-        self, agent_id: str, known_version: int, step: int | None, timeout: float
-    ) -> PollReply:
-        self._ensure_ticker()
-        rec = self._registry.get(agent_id)
-        if rec is None:
-            return PollReply(plan=None, known=False)
-        rec.touch(self._clock(), step)
-        self._note_fresh_step(agent_id)
-        plan = await self._plans.wait(agent_id, known_version, min(timeout, 60.0))
-        if self._registry.get(agent_id) is not None:
-            self._registry.get(agent_id).touch(self._clock(), None)  # type: ignore[union-attr]
-        return PollReply(plan=plan)
-
-    async def poll_many(
-        self, known: dict[str, int], steps: dict[str, int | None], timeout: float
-    ) -> dict[str, PollReply]:
-        """One long-poll for every agent of a process (see :mod:`profd.agent.multiplex`):
-        the replies of the agents whose plan changed (or who must register again)."""
-        self._ensure_ticker()
-        now = self._clock()
-        replies: dict[str, PollReply] = {}
-        waiting: dict[str, int] = {}
-        for aid, version in known.items():
-            rec = self._registry.get(aid)
-            if rec is None:
-                replies[aid] = PollReply(plan=None, known=False)
-                continue
-            rec.touch(now, steps.get(aid))
-            self._note_fresh_step(aid)
-            waiting[aid] = version
-        plans = await self._plans.wait_any(waiting, 0 if replies else min(timeout, 60.0))
-        now = self._clock()
-        for aid in waiting:
-            rec = self._registry.get(aid)
-            if rec is not None:
-                rec.touch(now, None)
-        replies.update({aid: PollReply(plan=plan) for aid, plan in plans.items()})
-        return replies
-
-    async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
-        rec = self._registry.get(agent_id)
-        if rec is None:
-            return False
-        now = self._clock()
-        rec.touch(now, None)
-        self._counters["reports"] += 1
-        self._counters["events"] += len(events)
-        touched: dict[str, Session] = {}
-        for ev in events:
-            if ev.kind is EventKind.TRACE and ev.data:
-                self._index_trace(rec, ev)
-            if ev.kind is EventKind.CLOSED:
-                self._registry.close(agent_id)
-                for s in self._live_sessions():
-                    if agent_id in s.targets:
-                        s.apply(agent_id, ev)
-                        touched[s.session_id] = s
-                continue
-            s = self._sessions.get(ev.session_id or "")
-            if s is not None:
-                s.apply(agent_id, ev)
-                touched[s.session_id] = s
-        for s in touched.values():
-            self._advance(s)
-        if touched:
-            async with self._progress:
-                self._progress.notify_all()
-        return True
-
-    def _index_trace(self, rec: AgentRecord, ev: AgentEvent) -> None:
-        d = ev.data or {}
-        info = rec.info
-        path = str(d["path"])
-        view = TraceView(
-            trace_id=str(d["trace_id"]),
-            session_id=ev.session_id or "",
-            agent_id=info.agent_id,
-            role=info.role,
-            rank=info.rank,
-            tool=str(d.get("tool", "")),
-            scope=str(d.get("scope", "")),
-            steps=[int(s) for s in d.get("steps", [])],
-            path=path,
-            file_name=Path(path).name,
-            bytes=int(d.get("bytes", 0)),
-            node_id=info.node_id,
-            node_ip=info.node_ip,
-            hostname=info.hostname,
-            created_at=ev.time,
-        )
-        if view.trace_id in self._traces:
-            return  # a re-sent event (agent retried after an outage): indexed once
-        self._traces[view.trace_id] = view
-        stall = self._stalls.setdefault(view.tool, [0, 0.0, 0.0])
-        s_val = float(d.get("stall_s") or 0.0)
-        stall[0] += 1
-        stall[1] += s_val
-        stall[2] = max(stall[2], s_val)
-        self._store.save_trace(view.trace_id, view.session_id, view.model_dump(mode="json"))
-        session = self._sessions.get(view.session_id)
-        if session is not None:
-            self._finisher.upload(session, view)
 
     # -- sessions -----------------------------------------------------------------------
     async def create_session(self, request: dict | SessionRequest) -> SessionView:
@@ -369,12 +224,6 @@ class ProfileCoordinator(ControllerMixin):
             s.targets[info.agent_id] = _part(t.targets[0])
             self._publish([info.agent_id])
             log.info("session %s adopted %s rank %s", s.session_id, info.role, info.rank)
-
-    def _note_fresh_step(self, agent_id: str) -> None:
-        for pending, done in self._align_waiters:
-            pending.discard(agent_id)
-            if not pending:
-                done.set()
 
     async def get_session(self, session_id: str) -> SessionView:
         self._ensure_ticker()
