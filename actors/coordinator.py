@@ -384,6 +384,8 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             trace_bytes=sum(t.bytes for t in self._traces.values()),
             save_root=self.settings.save_root,
             uptime_s=round(self._clock() - self._started, 3),
+            state_write_failures=self._store.failed_writes,
+            state_last_error=self._store.last_error,
         )
 
     def _view(self, s: Session) -> SessionView:

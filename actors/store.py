@@ -31,6 +31,9 @@ CREATE TABLE IF NOT EXISTS uploads (trace_id TEXT PRIMARY KEY, data BLOB NOT NUL
 
 
 class Store(Protocol):
+    failed_writes: int
+    last_error: str | None
+
     def load(self) -> dict[str, list[dict[str, Any]]]: ...
 
     def save_session(self, session_id: str, data: dict[str, Any]) -> None: ...
@@ -42,6 +45,9 @@ class Store(Protocol):
 
 class MemoryStore:
     """Keeps nothing: a coordinator with this store starts empty after a restart."""
+
+    failed_writes = 0
+    last_error: str | None = None
 
     def load(self) -> dict[str, list[dict[str, Any]]]:
         return {"sessions": [], "traces": [], "uploads": []}
@@ -66,6 +72,8 @@ class SqliteStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        self.failed_writes = 0
+        self.last_error: str | None = None
 
     def load(self) -> dict[str, list[dict[str, Any]]]:
         with self._lock:
@@ -75,23 +83,27 @@ class SqliteStore:
                 out[table] = [orjson.loads(r[0]) for r in rows]
         return out
 
-    def _put(self, sql: str, *args: Any) -> None:
-        with self._lock:
-            self._db.execute(sql, args)
+    def _put(self, sql: str, key: str, *args: Any, data: dict[str, Any]) -> None:
+        """Write one row. A failed write (disk full, a value JSON cannot hold) is logged and
+        counted, never raised: the coordinator's live state stays authoritative and serving."""
+        try:
+            blob = orjson.dumps(data)
+            with self._lock:
+                self._db.execute(sql, (key, *args, blob))
+        except (sqlite3.Error, TypeError, ValueError, OSError) as exc:
+            self.failed_writes += 1
+            self.last_error = f"{key}: {exc}"
+            if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
+                log.warning("state write failed (%d so far): %s", self.failed_writes, exc)
 
     def save_session(self, session_id: str, data: dict[str, Any]) -> None:
-        self._put("INSERT OR REPLACE INTO sessions VALUES (?, ?)", session_id, orjson.dumps(data))
+        self._put("INSERT OR REPLACE INTO sessions VALUES (?, ?)", session_id, data=data)
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
-        self._put(
-            "INSERT OR REPLACE INTO traces VALUES (?, ?, ?)",
-            trace_id,
-            session_id,
-            orjson.dumps(data),
-        )
+        self._put("INSERT OR REPLACE INTO traces VALUES (?, ?, ?)", trace_id, session_id, data=data)
 
     def save_upload(self, trace_id: str, data: dict[str, Any]) -> None:
-        self._put("INSERT OR REPLACE INTO uploads VALUES (?, ?)", trace_id, orjson.dumps(data))
+        self._put("INSERT OR REPLACE INTO uploads VALUES (?, ?)", trace_id, data=data)
 
 
 def open_store(state_dir: str | None) -> Store:

@@ -63,8 +63,11 @@ class ToolKind(StrEnum):
 
 #: A session profiles at most this many steps (a window, not a run's whole length).
 MAX_WINDOW_STEPS = 10_000
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
-PosInt = Annotated[StrictInt, Field(gt=0)]
+#: Every integer a request carries fits a JSON number any reader keeps exactly (JavaScript,
+#: SQLite, orjson): larger values are refused at validation, not at persistence.
+MAX_INT = 2**53 - 1
+NonNegInt = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
+PosInt = Annotated[StrictInt, Field(gt=0, le=MAX_INT)]
 RoleName = Annotated[str, StringConstraints(pattern=r"^(\*|[A-Za-z0-9][A-Za-z0-9_.\-]{0,63})$")]
 TorchContent = Literal["cuda", "cpu", "memory", "shapes", "stack"]
 NpuContent = Literal["npu", "cpu", "memory", "shapes", "module", "stack"]
@@ -151,10 +154,10 @@ class NsysToolConfig(_Frozen):
     trace: str = Field("cuda,nvtx,cublas,ucx", description="nsys --trace value (at launch).")
     extra_args: tuple[str, ...] = Field((), description="Extra nsys arguments (at launch).")
     flush_timeout_s: float = Field(
-        600.0, gt=0, description="How long to wait for nsys to finish writing a report."
+        600.0, gt=0, le=86_400, description="How long to wait for nsys to finish a report."
     )
     settle_s: float = Field(
-        2.0, gt=0, description="A report is complete once its size is unchanged this long."
+        2.0, gt=0, le=3_600, description="A report is complete once unchanged this long."
     )
 
 

@@ -168,6 +168,10 @@ class StatusView(_View):
     trace_bytes: int = Field(description="Total size of those files.")
     save_root: str = Field(description="Default directory sessions are saved under.")
     uptime_s: float = Field(description="Seconds since the coordinator started.")
+    state_write_failures: int = Field(
+        0, description="Writes to the state directory that failed (0 when persistence is healthy)."
+    )
+    state_last_error: str | None = Field(None, description="The last such failure, if any.")
 
 
 class HookView(_View):

@@ -27,6 +27,8 @@ def coordinator_settings(tmp_path: Path, **overrides: Any) -> Any:
     values = dict(
         save_root=str(tmp_path / "profile"),
         base_dir=str(tmp_path),
+        # Persist as `profd up` does, so every API test also exercises the SQLite store.
+        state_dir=str(tmp_path / "state"),
         poll_timeout_s=1.0,
         heartbeat_timeout_s=6.0,
         align_timeout_s=1.0,

@@ -41,6 +41,7 @@ CASES = [
     ("GET", "/api/v1/traces/0123456789abcdef/download", None, {}, 404, "not_found", "no trace"),
     ("POST", "/api/v1/sessions", [1, 2], AUTH, 422, "invalid_request", ""),
     ("POST", "/api/v1/sessions", {"steps": [1]}, {}, 401, "unauthorized", "profd up"),
+    ("POST", "/api/v1/sessions", {"steps": [2**70]}, AUTH, 422, "invalid_request", "steps.0"),
     ("DELETE", "/api/v1/sessions", None, AUTH, 405, "method_not_allowed", ""),
     ("GET", "/api/v2/nothing", None, {}, 404, "not_found", ""),
 ]
@@ -96,6 +97,28 @@ def test_create_list_get_cancel_and_listing_filters(url: str, local_coordinator)
     finally:
         for a in agents:
             a.close(timeout=10)
+
+
+def test_oversized_integers_are_refused_whole_and_hold_nothing(url: str, local_coordinator) -> None:
+    """Integers no JSON reader keeps exactly are a 422 naming the field, before anything is
+    held: the same rank is free for the next request."""
+    agents = start_agents(local_coordinator, 1, "actor")
+    try:
+        for body, field in (
+            ({"steps": [5], "roles": {"actor": {"ranks": [0, 2**70]}}}, "roles.actor.ranks.1"),
+            ({"steps": [5], "finish_hook_ranks": [2**64]}, "finish_hook_ranks.0"),
+        ):
+            r = httpx.post(f"{url}/api/v1/sessions", json=body, headers=AUTH)
+            assert r.status_code == 422, r.text
+            assert field in [f["field"] for f in r.json()["fields"]]
+        assert httpx.get(f"{url}/api/v1/sessions").json()["data"] == []
+        r = httpx.post(f"{url}/api/v1/sessions", json={"steps": [5]}, headers=AUTH)
+        assert r.status_code == 201, r.text
+        status = httpx.get(f"{url}/api/v1/status").json()
+        assert status["state_write_failures"] == 0 and status["state_last_error"] is None
+    finally:
+        for a in agents:
+            a.close()
 
 
 def test_without_a_configured_token_changes_are_open(local_coordinator) -> None:

@@ -91,3 +91,13 @@ def test_finished_sessions_survive_a_restart(tmp_path: Path) -> None:
     assert after.state == before.state and after.reason == before.reason
     assert [t.trace_id for t in listed] == [t.trace_id for t in before.traces]
     assert (tmp_path / "state" / "coordinator.sqlite3").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_failed_state_write_is_counted_never_raised(tmp_path: Path) -> None:
+    from profd.actors.store import SqliteStore
+
+    store = SqliteStore(tmp_path / "state" / "coordinator.sqlite3")
+    store.save_session("bad", {"step": 2**70})  # orjson cannot encode it
+    store.save_session("good", {"step": 3})
+    assert store.failed_writes == 1 and "bad" in (store.last_error or "")
+    assert store.load()["sessions"] == [{"step": 3}]

@@ -130,9 +130,13 @@ def up(
             ray_temp_dir=temp_dir,
         ),
     )
-    console.print(f"profd is up: sidecar [cyan]{addr['url']}[/cyan]")
+    _report_up(addr["url"], token_path, coord.save_root, sidecar, services)
+
+
+def _report_up(url: str, token_path: Path, save_root: str, sidecar: Any, services: Any) -> None:
+    console.print(f"profd is up: sidecar [cyan]{url}[/cyan]")
     console.print(f"  token file: {token_path} (owner-only)")
-    console.print(f"  traces under: {coord.save_root}")
+    console.print(f"  traces under: {save_root}")
     if not sidecar.loopback:
         console.print(f"  beyond loopback ({sidecar.host}): every route needs the token")
     if not (services.coordinator_created and services.sidecar_created):

@@ -183,6 +183,18 @@ def _trigger(api: ApiClient, console: Console, progress: dict[str, int]) -> dict
     return _wait_for(finished, 180, f"session {sid} to finish", interval=0.25)
 
 
+def _print_outcome(console: Console, session: dict[str, Any], traces: list[dict]) -> None:
+    console.print(
+        f"Session {session['session_id']} [bold]{session['state']}[/bold]: {session['reason']}"
+    )
+    console.print(trace_table(traces))
+    console.print(
+        "Open a trace at [cyan]https://ui.perfetto.dev[/cyan] (Open trace file) or in "
+        "[cyan]chrome://tracing[/cyan] (Load); both read .json.gz directly. "
+        "[cyan]profd summarize <dir>[/cyan] gives the per-stage summary."
+    )
+
+
 def run_demo(
     console: Console,
     *,
@@ -234,15 +246,7 @@ def run_demo(
                 driver.join(300)
             results = ray.get([w.close.remote() for w in workers], timeout=120)
         traces = api.get("/api/v1/traces", session_id=session["session_id"])["data"]
-        console.print(
-            f"Session {session['session_id']} [bold]{session['state']}[/bold]: {session['reason']}"
-        )
-        console.print(trace_table(traces))
-        console.print(
-            "Open a trace at [cyan]https://ui.perfetto.dev[/cyan] (Open trace file) or in "
-            "[cyan]chrome://tracing[/cyan] (Load); both read .json.gz directly. "
-            "[cyan]profd summarize <dir>[/cyan] gives the per-stage summary."
-        )
+        _print_outcome(console, session, traces)
         return DemoResult(
             session=session, traces=traces, workers=[{"closed_cleanly": r} for r in results]
         )

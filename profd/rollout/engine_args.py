@@ -21,11 +21,17 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from profd.config import NpuContent, NpuToolConfig, TorchContent, TorchToolConfig
+from profd.config import (
+    NonNegInt,
+    NpuContent,
+    NpuToolConfig,
+    TorchContent,
+    TorchToolConfig,
+)
 
 __all__ = [
     "VLLM_ITERATION_ENV_SINCE",
@@ -48,8 +54,6 @@ VLLM_ITERATION_ENV_SINCE = (0, 12, 0)
 _ENGINE_TOOLS = ("torch", "npu")
 _CONTENTS = {"torch": set(get_args(TorchContent)), "npu": set(get_args(NpuContent))}
 _DEVICE = {"torch": "cuda", "npu": "npu"}
-
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
 
 
 @dataclass(frozen=True, slots=True)
