@@ -196,6 +196,12 @@ class Session:
             part.recorded.update(int(s) for s in data.get("recorded") or ())
             part.missed.update(int(s) for s in data.get("missed") or ())
             part.missed -= part.recorded
+            who = f"{part.role} replica {data.get('replica', part.rank)}"
+            self.warnings.extend(f"{who}: {w}" for w in data.get("warnings") or ())
+            self.warnings.extend(
+                f"{who}: incomplete {i.get('path')}: {i.get('reason')}"
+                for i in data.get("incomplete") or ()
+            )
             self._close_part(part)
         elif kind is EventKind.CLOSED:
             # An agent that shut down before finishing its window cannot finish it later.

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_helpers import vllm_pair
+from rollout_helpers import sglang_pair, vllm_pair
 
 from profd.rollout.service import RolloutService
 from profd.single_controller import Controller
@@ -200,3 +200,35 @@ def test_engine_down_makes_only_its_part_partial(job_factory) -> None:
     bad = parts[("rollout", 1)]
     assert bad.state.value in ("failed", "missed") and "start failed" in bad.reason
     assert parts[("actor", 0)].state.value == "done"
+
+
+def test_engine_warnings_reach_the_session(local_coordinator, tmp_path) -> None:
+    """Options an engine cannot honour are a warning in the session, not only in a log."""
+    fake, agent = sglang_pair(tmp_path, replica=0, tp=1)
+    with fake:
+        svc = RolloutService(
+            agent, replicas=1, find_link=local_coordinator.link, poll_timeout_s=1.0
+        ).start()
+        try:
+            wait_until(lambda: svc.connected, 10, what="replica registered")
+            view = local_coordinator.call(
+                "create_session",
+                {
+                    "duration_s": 0.3,
+                    "roles": {
+                        "rollout": {
+                            "all_ranks": True,
+                            "tool_config": {"torch": {"contents": ["cpu", "memory"]}},
+                        }
+                    },
+                },
+            )
+            wait_until(lambda: fake.requests, 10, what="engine started")
+            fake.advance(2)
+            view = wait_terminal(local_coordinator, view.session_id, timeout=30)
+        finally:
+            svc.close(timeout=30)
+    assert view.state.value == "done", view.reason
+    assert any(w.startswith("rollout replica 0:") and "memory" in w for w in view.warnings), (
+        view.warnings
+    )
