@@ -292,3 +292,49 @@ def test_colocated_roles_share_one_collection_named_by_the_combined_role(
     assert "compute_log_prob" in names and "ref_compute_log_prob" in names
     ref.close()
     assert not actor.connected or actor._closed
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+def test_profiler_fault_mid_update_ends_the_window_not_the_loop(
+    monkeypatch, local_coordinator, discrete: bool
+) -> None:
+    """torch raising inside a mini-batch step: the window is given up once (never stopped
+    twice, which crashes Kineto), reported, and the loop runs on unprofiled."""
+    from profd.backends import torch_backend
+
+    real_step, calls = torch_backend._TorchCollection.step, []
+
+    def step_once_broken(self) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("kineto said no")
+        real_step(self)
+
+    monkeypatch.setattr(torch_backend._TorchCollection, "step", step_once_broken)
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1], "roles": {"*": {"discrete": discrete}}})
+    wait_armed(agent, view.session_id)
+    for s in (1, 2, 3):
+        with agent.step(s):
+            with agent.stage("update_actor", update_loop=True):
+                for i in range(2):
+                    with agent.mini_batch(i):
+                        torch.ones(8).sum()
+            with agent.stage("update_critic"):
+                torch.ones(8).sum()
+    view = wait_terminal(owner, view.session_id)
+    # what ran before the fault is kept; the part says why it is not complete
+    assert view.state.value == "partial"
+    assert "kineto said no" in view.targets[0].reason
+    assert agent.current_step == 3 and not agent.recording
+    # a later session on the same agent records normally
+    again = owner.call("create_session", {"steps": [5]})
+    wait_armed(agent, again.session_id)
+    for s in (4, 5, 6):
+        train_step(agent, s)
+    again = wait_terminal(owner, again.session_id)
+    assert again.state.value == "done", again.reason
+    assert "actor_update" in user_ranges(read_trace(again.traces[0].path))
+    agent.close()

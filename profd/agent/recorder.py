@@ -415,11 +415,15 @@ class Recorder:
         ws.scope = None
         if self.active is scope:
             self.active = None
-        if scope is not None and scope.current is not None and scope.ticket is not None:
-            try:
-                self.close_ticket(scope.ticket, scope.current)
-            except Exception:
-                pass
+        if scope is not None:
+            # Detach first: marks still open (a stage's __exit__) must not stop it again.
+            collection, ticket = scope.current, scope.ticket
+            scope.current = scope.ticket = None
+            if collection is not None and ticket is not None and not ticket.closed:
+                try:
+                    self.close_ticket(ticket, collection)
+                except Exception:
+                    pass
         self._emit(
             AgentEvent(
                 EventKind.ERROR,

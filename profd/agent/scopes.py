@@ -74,6 +74,17 @@ class Scope:
     def fault(self, exc: BaseException) -> None:
         self.recorder.fault(self.ws, exc)
 
+    def ranged(self, label: str, on_exit=None) -> AbstractContextManager[Any]:
+        """A range in the current collection; a failure to create it ends the window."""
+        if self.current is None:
+            return NULL_RANGE
+        try:
+            cm = self.current.annotate(label)
+        except Exception as exc:
+            self.fault(exc)
+            return NULL_RANGE
+        return SafeRange(self, cm, on_exit)
+
     def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
         raise NotImplementedError
 
@@ -83,15 +94,10 @@ class Scope:
             self.recorder.submit(self.ticket, self.current.take_ready())
 
     def mini_batch(self, index: int) -> AbstractContextManager[Any]:
-        if self.current is None:
-            return NULL_RANGE
-        cm = self.current.annotate(f"mini_batch{index}")
-        return SafeRange(self, cm, self._after_mini_batch)
+        return self.ranged(f"mini_batch{index}", self._after_mini_batch)
 
     def micro_batch(self, index: int) -> AbstractContextManager[Any]:
-        if self.current is None:
-            return NULL_RANGE
-        return SafeRange(self, self.current.annotate(f"micro_batch{index}"))
+        return self.ranged(f"micro_batch{index}")
 
 
 class ContinuousScope(Scope):
@@ -106,8 +112,9 @@ class ContinuousScope(Scope):
 
     def enter_step(self, step: int) -> None:
         self.ticket.steps.append(step)  # type: ignore[union-attr]
-        self._step_range = SafeRange(self, self.current.annotate(f"step{step}"))  # type: ignore[union-attr]
-        self._step_range.__enter__()
+        rng = self.ranged(f"step{step}")
+        rng.__enter__()
+        self._step_range = rng if isinstance(rng, SafeRange) else None
 
     def exit_step(self, step: int) -> None:
         if self._step_range is not None:
@@ -119,11 +126,10 @@ class ContinuousScope(Scope):
         self.in_update_loop = False
 
     def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
-        cm = self.current.annotate(label)  # type: ignore[union-attr]
         if update_loop:
             self.in_update_loop = True
-            return SafeRange(self, cm, self._end_update_loop)
-        return SafeRange(self, cm)
+            return self.ranged(label, self._end_update_loop)
+        return self.ranged(label)
 
     def close(self) -> None:
         if self._step_range is not None:  # closing mid-step (cancel, job end)
@@ -155,8 +161,9 @@ class DiscreteStage:
             scope.fault(exc)
             return
         scope.in_update_loop = self._update_loop
-        self._range = SafeRange(scope, scope.current.annotate(self._label))
-        self._range.__enter__()
+        rng = scope.ranged(self._label)
+        rng.__enter__()
+        self._range = rng if isinstance(rng, SafeRange) else None
 
     def __exit__(self, *exc_info: Any) -> bool:
         scope = self._scope
@@ -184,7 +191,7 @@ class DiscreteScope(Scope):
 
     def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
         if self.current is not None:  # nested stage: a range in the enclosing collection
-            return SafeRange(self, self.current.annotate(label))
+            return self.ranged(label)
         return DiscreteStage(self, label, update_loop)
 
 

@@ -163,6 +163,7 @@ class _TorchCollection(Collection):
         import torch.profiler as tp
 
         self._spec = spec
+        self._closed = False
         self._record_function = tp.record_function
         self._ready: list[PendingOutput] = []
         self._saves = 0
@@ -214,6 +215,10 @@ class _TorchCollection(Collection):
         return ready
 
     def close(self) -> list[PendingOutput]:
+        # Stopping twice crashes Kineto: a second close (after a fault) only drains.
+        if self._closed:
+            return self.take_ready()
+        self._closed = True
         # torch saves a window cut short in RECORD on stop() (the partial-window flush).
         try:
             self._prof.stop()
