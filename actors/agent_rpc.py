@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,9 @@ class AgentRpcMixin:
         raise NotImplementedError
 
     def _advance(self, s: Session) -> None:
+        raise NotImplementedError
+
+    def _advance_soon(self, sessions: Iterable[Session]) -> None:
         raise NotImplementedError
 
     def _live_sessions(self) -> list[Session]:
@@ -163,8 +166,7 @@ class AgentRpcMixin:
             if s is not None:
                 s.apply(agent_id, ev)
                 touched[s.session_id] = s
-        for s in touched.values():
-            self._advance(s)
+        self._advance_soon(touched.values())
         if touched:
             async with self._progress:
                 self._progress.notify_all()

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,6 +43,9 @@ from profd.views import (
 __all__ = ["ProfileCoordinator", "Registration"]
 
 log = logging.getLogger(__name__)
+
+#: Reports arriving within this long of each other share one pass over their sessions.
+ADVANCE_COALESCE_S = 0.01
 
 
 def _part(t: Any) -> Part:
@@ -80,6 +83,8 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._finisher = Finisher(runner or default_runner(), self._changed, settings.base_dir)
         self._restored: list[Session] = []
         self._progress_cond: asyncio.Condition | None = None
+        self._to_advance: dict[str, Session] = {}
+        self._advance_handle: asyncio.TimerHandle | None = None
         self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         #: Counters for /metrics (since this incarnation started).
         self._counters: dict[str, float] = {"events": 0, "reports": 0}
@@ -221,7 +226,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             except ConflictError as exc:
                 s.warnings.append(f"{info.role} rank {info.rank} not adopted: {exc.message}")
                 continue
-            s.targets[info.agent_id] = _part(t.targets[0])
+            s.add_part(_part(t.targets[0]))
             self._publish([info.agent_id])
             log.info("session %s adopted %s rank %s", s.session_id, info.role, info.rank)
 
@@ -293,13 +298,35 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
                 windows.append(cache[key])
             self._plans.set(aid, tuple(windows))
 
-    def _advance(self, s: Session) -> None:
+    def _advance_soon(self, sessions: Iterable[Session]) -> None:
+        """Advance ``sessions`` shortly: reports arriving together share one pass (deriving
+        a 10,000-part session's state costs milliseconds, and thousands of agents report
+        at once)."""
+        self._to_advance.update((s.session_id, s) for s in sessions)
+        if self._to_advance and self._advance_handle is None:
+            loop = asyncio.get_running_loop()
+            self._advance_handle = loop.call_later(ADVANCE_COALESCE_S, self._advance_pending)
+
+    def _advance_pending(self) -> None:
+        self._advance_handle = None
+        pending, self._to_advance = self._to_advance, {}
+        for s in pending.values():
+            try:
+                self._advance(s)
+            except Exception:  # one broken session must not stall the others
+                log.exception("advancing session %s failed", s.session_id)
+
+    def _advance(self, s: Session, *, tick: bool = False) -> None:
+        """Take every transition ``s`` can take now and persist what changed (a tick that
+        changed nothing writes nothing)."""
         was_live, was_open = s.is_live, s.open_targeting
+        moved = False
         while s.advance(self._clock()) is not None:
-            pass
+            moved = True
         if s.is_live and s.request.finish_hook_cmd is not None and not s.hooks_planned:
             traces = [t for t in self._traces.values() if t.session_id == s.session_id]
             self._finisher.start_hooks(s, self._registry.all(), traces)
+            moved = True
             while s.advance(self._clock()) is not None:
                 pass
         if was_open and not s.open_targeting:
@@ -309,7 +336,9 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         if was_live and not s.is_live:
             log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
         self._publish([aid for aid, p in s.targets.items() if p.state.is_terminal or not s.is_live])
-        self._store.save_session(s.session_id, s.to_dict())
+        if tick and not moved and not s.dirty_parts:
+            return
+        self._store.save_session(s.session_id, s.header_dict(), s.take_dirty_parts())
 
     def tick(self) -> None:
         """Housekeeping: lose silent agents, expire sessions past their deadline."""
@@ -326,7 +355,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
                         s.mark_lost(aid, "the agent did not come back after a coordinator restart")
             self._restored = []
         for s in self._live_sessions():
-            self._advance(s)
+            self._advance(s, tick=True)
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():

@@ -1,4 +1,4 @@
-"""Where the coordinator keeps sessions, the trace index and upload records.
+"""Where the coordinator keeps sessions (one row per part) and the trace index.
 
 :class:`SqliteStore` writes them to one SQLite file in the state directory on the head node
 (WAL mode, one row per object as JSON), so a restarted coordinator — Ray restarts it after a
@@ -26,7 +26,10 @@ CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS traces (
     id TEXT PRIMARY KEY, session_id TEXT NOT NULL, data BLOB NOT NULL
 );
-CREATE TABLE IF NOT EXISTS uploads (trace_id TEXT PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS parts (
+    session_id TEXT NOT NULL, agent_id TEXT NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (session_id, agent_id)
+);
 """
 
 
@@ -36,11 +39,11 @@ class Store(Protocol):
 
     def load(self) -> dict[str, list[dict[str, Any]]]: ...
 
-    def save_session(self, session_id: str, data: dict[str, Any]) -> None: ...
+    def save_session(
+        self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
+    ) -> None: ...
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None: ...
-
-    def save_upload(self, trace_id: str, data: dict[str, Any]) -> None: ...
 
 
 class MemoryStore:
@@ -50,15 +53,14 @@ class MemoryStore:
     last_error: str | None = None
 
     def load(self) -> dict[str, list[dict[str, Any]]]:
-        return {"sessions": [], "traces": [], "uploads": []}
+        return {"sessions": [], "traces": []}
 
-    def save_session(self, session_id: str, data: dict[str, Any]) -> None:
+    def save_session(
+        self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
+    ) -> None:
         pass
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
-        pass
-
-    def save_upload(self, trace_id: str, data: dict[str, Any]) -> None:
         pass
 
 
@@ -76,34 +78,56 @@ class SqliteStore:
         self.last_error: str | None = None
 
     def load(self) -> dict[str, list[dict[str, Any]]]:
+        """Sessions (each with its ``targets`` put back together; upload records are part
+        of the session) and the trace index."""
         with self._lock:
             out = {}
-            for table in ("sessions", "traces", "uploads"):
+            for table in ("sessions", "traces"):
                 rows = self._db.execute(f"SELECT data FROM {table}").fetchall()  # fixed table names
                 out[table] = [orjson.loads(r[0]) for r in rows]
+            parts = self._db.execute("SELECT session_id, agent_id, data FROM parts").fetchall()
+        by_session: dict[str, dict[str, Any]] = {}
+        for session_id, agent_id, data in parts:
+            by_session.setdefault(session_id, {})[agent_id] = orjson.loads(data)
+        for d in out["sessions"]:
+            d["targets"] = {**d.get("targets", {}), **by_session.get(d["session_id"], {})}
         return out
 
-    def _put(self, sql: str, key: str, *args: Any, data: dict[str, Any]) -> None:
-        """Write one row. A failed write (disk full, a value JSON cannot hold) is logged and
-        counted, never raised: the coordinator's live state stays authoritative and serving."""
+    def _put(self, key: str, *rows: tuple[str, tuple[Any, ...], dict[str, Any]]) -> None:
+        """Write rows ``(sql, leading values, data)`` in one transaction. A failed write (disk
+        full, a value JSON cannot hold) is logged and counted, never raised: the coordinator's
+        live state stays authoritative and serving."""
         try:
-            blob = orjson.dumps(data)
+            encoded = [(sql, (*args, orjson.dumps(data))) for sql, args, data in rows]
             with self._lock:
-                self._db.execute(sql, (key, *args, blob))
+                self._db.execute("BEGIN")
+                try:
+                    for sql, values in encoded:
+                        self._db.execute(sql, values)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
         except (sqlite3.Error, TypeError, ValueError, OSError) as exc:
             self.failed_writes += 1
             self.last_error = f"{key}: {exc}"
             if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
                 log.warning("state write failed (%d so far): %s", self.failed_writes, exc)
 
-    def save_session(self, session_id: str, data: dict[str, Any]) -> None:
-        self._put("INSERT OR REPLACE INTO sessions VALUES (?, ?)", session_id, data=data)
+    def save_session(
+        self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
+    ) -> None:
+        """The session's header and the parts that changed since its last save."""
+        part_sql = "INSERT OR REPLACE INTO parts VALUES (?, ?, ?)"
+        self._put(
+            session_id,
+            ("INSERT OR REPLACE INTO sessions VALUES (?, ?)", (session_id,), data),
+            *((part_sql, (session_id, aid), d) for aid, d in parts.items()),
+        )
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
-        self._put("INSERT OR REPLACE INTO traces VALUES (?, ?, ?)", trace_id, session_id, data=data)
-
-    def save_upload(self, trace_id: str, data: dict[str, Any]) -> None:
-        self._put("INSERT OR REPLACE INTO uploads VALUES (?, ?)", trace_id, data=data)
+        sql = "INSERT OR REPLACE INTO traces VALUES (?, ?, ?)"
+        self._put(trace_id, (sql, (trace_id, session_id), data))
 
 
 def open_store(state_dir: str | None) -> Store:

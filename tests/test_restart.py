@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -97,7 +98,57 @@ def test_a_failed_state_write_is_counted_never_raised(tmp_path: Path) -> None:
     from profd.actors.store import SqliteStore
 
     store = SqliteStore(tmp_path / "state" / "coordinator.sqlite3")
-    store.save_session("bad", {"step": 2**70})  # orjson cannot encode it
-    store.save_session("good", {"step": 3})
+    store.save_session("bad", {"session_id": "bad"}, {"a": {"step": 2**70}})  # not JSON-able
+    store.save_session("good", {"session_id": "good"}, {"a": {"step": 3}})
     assert store.failed_writes == 1 and "bad" in (store.last_error or "")
-    assert store.load()["sessions"] == [{"step": 3}]
+    # the failed write left nothing half-written: neither the header nor the part
+    assert store.load()["sessions"] == [{"session_id": "good", "targets": {"a": {"step": 3}}}]
+
+
+def test_sessions_persist_one_row_per_changed_part(tmp_path: Path) -> None:
+    """An event rewrites one part, not the session's 10,000; an idle tick writes nothing;
+    a restart puts the parts back together."""
+    from profd.actors.store import SqliteStore
+
+    settings = coordinator_settings(tmp_path)
+    coord = ProfileCoordinator(settings)
+    writes: list[tuple[str, list[str]]] = []
+    real_save = coord._store.save_session
+
+    def counting_save(session_id, data, parts):
+        writes.append((session_id, sorted(parts)))
+        real_save(session_id, data, parts)
+
+    coord._store.save_session = counting_save
+    owner = InProcessCoordinator(coord)
+    agents = [ProfilerAgent("actor", r, 3, find_link=owner.link).start() for r in range(3)]
+    try:
+        wait_until(lambda: all(a.connected for a in agents), 10, what="agents registered")
+        for a in agents:
+            step(a, 0)
+        view = owner.call("create_session", {"steps": [2], "roles": {"actor": {"all_ranks": True}}})
+        wait_until(lambda: writes, 5, what="first save")
+        assert len(writes[0][1]) == 3  # a new session writes every part once
+        wait_until(lambda: all(a.plan.windows for a in agents), 10, what="armed")
+        time.sleep(1.0)  # armed events arrive; then ticks with nothing new
+        writes.clear()
+        time.sleep(1.0)  # five ticks of 0.2 s
+        assert writes == []
+        step(agents[0], 1)
+        step(agents[0], 2)
+        wait_until(lambda: writes, 5, what="a save after agent 0's events")
+        assert {aid for _, parts in writes for aid in parts} == {agents[0].agent_id}
+        for a in agents[1:]:
+            step(a, 1)
+            step(a, 2)
+        for a in agents:
+            step(a, 3)
+        assert wait_terminal(owner, view.session_id).state.value == "done"
+    finally:
+        for a in agents:
+            a.close()
+        owner.close()
+    restored = SqliteStore(Path(settings.state_dir) / "coordinator.sqlite3").load()["sessions"]
+    (saved,) = restored
+    assert {p["state"] for p in saved["targets"].values()} == {"done"}
+    assert len(saved["targets"]) == 3
