@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import pytest
@@ -24,6 +26,8 @@ from profd.settings import SidecarConfig
 from helpers import LoopClient, UvicornThread, start_agents, wait_terminal, wait_until
 
 TOKEN = "dashboard-token"
+LATE_S = 0.05  # rank 1's extra time in stage "update"
+STAGES = ["work", "update"]
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 FLAGS = (
@@ -64,6 +68,7 @@ def chrome() -> Iterator[Any]:
     opts.binary_location = browser
     for flag in FLAGS:
         opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # to see uncaught errors
     drv = webdriver.Chrome(service=Service(driver), options=opts)
     drv.set_page_load_timeout(30)
     yield drv
@@ -72,7 +77,11 @@ def chrome() -> Iterator[Any]:
 
 @pytest.fixture
 def recorded(local_coordinator) -> Iterator[tuple[str, Any, str]]:
-    """A sidecar whose two actors recorded step 1 (two traces); a critic idles."""
+    """A sidecar whose two actors recorded step 1 (two traces); a critic idles.
+
+    Each actor step runs stage ``work`` then stage ``update``; rank 1's ``update`` sleeps
+    ``LATE_S``, so the summary calls actor rank 1 a straggler of ``update``.
+    """
     app = create_app(SidecarConfig(token=TOKEN), client=LoopClient(local_coordinator))
     actors = start_agents(local_coordinator, 2, "actor")
     critic = start_agents(local_coordinator, 1, "critic")[0]
@@ -82,10 +91,13 @@ def recorded(local_coordinator) -> Iterator[tuple[str, Any, str]]:
             r = httpx.post(f"{srv.url}/api/v1/sessions", json=body, headers=AUTH)
             sid = r.json()["session_id"]
             wait_until(lambda: all(a.plan.windows for a in actors), 10, what="plans")
-            for a in actors:
+            for rank, a in enumerate(actors):
                 for n in (1, 2):
-                    with a.step(n), a.stage("work"):
-                        torch.ones(4) @ torch.ones(4)
+                    with a.step(n):
+                        with a.stage("work"):
+                            torch.ones(4) @ torch.ones(4)
+                        with a.stage("update"):
+                            time.sleep(LATE_S if rank == 1 else 0)
             with critic.step(2):
                 pass
             assert wait_terminal(local_coordinator, sid).state.value == "done"
@@ -156,8 +168,8 @@ def check_tables(chrome: Any, url: str, owner: Any, sid: str) -> None:
     assert size == by_id[href.split("/")[-2]].bytes
 
 
-def check_form(chrome: Any, owner: Any, sid: str) -> None:
-    """The form: refused without the token (the message shown), a session with it."""
+def check_form(chrome: Any, owner: Any, sid: str) -> str:
+    """The form: refused without the token (the message shown), a session with it; its id."""
     from selenium.webdriver.common.by import By
 
     chrome.find_element(By.ID, "f-steps").send_keys("40")
@@ -186,6 +198,146 @@ def check_form(chrome: Any, owner: Any, sid: str) -> None:
         10,
         what="new session listed",
     )
+    return new_sid
+
+
+def ms_value(cell: str) -> float:
+    """A duration as the page prints it ('1.23 ms', '+4.56 ms', '1.20 s'), in ms."""
+    number, unit = cell.lstrip("+").split()
+    assert unit in ("ms", "s"), cell
+    return float(number) * (1000.0 if unit == "s" else 1.0)
+
+
+def near(cell: str, value: float) -> bool:
+    """``cell`` shows ``value`` (milliseconds) to the page's two decimals."""
+    return abs(ms_value(cell) - value) <= (5.0 if cell.endswith(" s") else 0.005) + 1e-9
+
+
+def panel_state(chrome: Any, sid: str, state: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    panel = chrome.find_element(By.ID, "session-summary")
+    wait_until(
+        lambda: (
+            panel.get_attribute("data-session-id") == sid
+            and panel.get_attribute("data-state") == state
+        ),
+        20,
+        what=f"summary panel of {sid!r} {state}",
+    )
+
+
+PLOT = """
+const svg = document.getElementById('sum-plot'), box = svg.getBoundingClientRect();
+const attr = (e, k) => e.getAttribute(k);
+return {
+  width: box.width, height: box.height,
+  labels: [...svg.querySelectorAll('g.rank-row')].map(g => g.querySelector('text').textContent),
+  legend: [...document.querySelectorAll('#sum-legend .legend-item')].map(e => e.textContent),
+  bars: [...svg.querySelectorAll('rect.bar')].map(r => [attr(r, 'data-track'),
+    attr(r, 'data-stage'), Number(attr(r, 'data-ms')), r.width.baseVal.value,
+    r.getBoundingClientRect().width, r.getBoundingClientRect().height]),
+};
+"""
+
+
+def check_summary(chrome: Any, url: str, sid: str, new_sid: str, tmp_path: Path) -> None:
+    """The summary panel of the finished session shows what the summary route computed."""
+    from selenium.webdriver.common.by import By
+
+    api = httpx.get(f"{url}/api/v1/sessions/{sid}/summary").json()
+    # What the fixture did, as the analysis read it back from the real traces.
+    assert api["stages"] == STAGES and api["steps"] == [1]
+    assert [(t["role"], t["rank"]) for t in api["tracks"]] == [("actor", 0), ("actor", 1)]
+    assert (1, "update") in [(s["rank"], s["stage"]) for s in api["stragglers"]]
+
+    # A summary button on sessions with traces only; it opens the panel.
+    by_sid = {r[0]: r for r in rows(chrome, "sessions")}
+    assert "summary" in by_sid[sid][7] and "summary" not in by_sid[new_sid][7]
+    clicked = chrome.execute_script(
+        "const tr = [...document.querySelectorAll('#sessions tbody tr')]"
+        ".find(tr => tr.dataset.sessionId === arguments[0]);"
+        "const b = tr && tr.querySelector('button.summary'); if (b) b.click(); return !!b;",
+        sid,
+    )
+    assert clicked
+    panel_state(chrome, sid, "ok")
+    assert chrome.find_element(By.ID, "sum-id").text == sid
+    assert f"summary={sid}" in chrome.current_url  # a link to this view
+
+    stats = rows(chrome, "sum-stages")
+    assert [r[:4] for r in stats] == [
+        [str(s["step"]), s["stage"], s["role"], str(s["ranks"])] for s in api["stage_stats"]
+    ]
+    assert sorted(r[1] for r in stats) == sorted(STAGES)
+    keys = ("wall_min_ms", "wall_median_ms", "wall_max_ms", "end_spread_ms")
+    for row, st in zip(stats, api["stage_stats"], strict=True):
+        assert all(near(c, st[k]) for c, k in zip(row[4:8], keys, strict=True)), (row, st)
+        assert row[8] == st["slowest"]
+
+    late = rows(chrome, "sum-stragglers")
+    assert len(late) == len(api["stragglers"])
+    for row, s in zip(late, api["stragglers"], strict=True):
+        assert row[:4] == [str(s["step"]), s["stage"], s["role"], str(s["rank"])]
+        assert row[4].startswith("+") and near(row[4], s["late_ms"]) and row[8] == s["track"]
+    (update,) = [r for r in late if r[1] == "update" and r[3] == "1"]
+    assert ms_value(update[4]) >= 0.9 * LATE_S * 1000
+
+    walls: dict[tuple[str, str], float] = {}
+    for st in api["stage_times"]:
+        key = (st["track"], st["stage"])
+        walls[key] = walls.get(key, 0.0) + st["wall_ms"]
+    head = chrome.execute_script(
+        "return [...document.querySelectorAll('#sum-ranks thead th')].map(th => th.innerText);"
+    )
+    assert head == ["role", "rank", "host", *STAGES, "in stages", "idle"]
+    per_rank = rows(chrome, "sum-ranks")
+    assert [r[:2] for r in per_rank] == [["actor", "0"], ["actor", "1"]]
+    for row, track in zip(per_rank, api["tracks"], strict=True):
+        for cell, stage in zip(row[3:], STAGES, strict=False):
+            assert near(cell, walls[track["track"], stage]), (row, stage)
+
+    plot = chrome.execute_script(PLOT)
+    assert plot["width"] > 300 and plot["height"] > 40
+    assert plot["labels"] == ["actor 0", "actor 1"] and plot["legend"] == STAGES
+    assert {(b[0], b[1]) for b in plot["bars"]} == set(walls) and len(plot["bars"]) == len(walls)
+    scale = plot["bars"][0][3] / plot["bars"][0][2]
+    for track, stage, value, width, shown_w, shown_h in plot["bars"]:
+        assert value == pytest.approx(walls[track, stage])
+        assert width == pytest.approx(value * scale, rel=1e-4)  # bar length ∝ wall time
+        assert shown_w > 0 and shown_h > 0
+    widest = max(plot["bars"], key=lambda b: b[4])
+    assert widest[:2] == [api["tracks"][1]["track"], "update"] and widest[4] > 100
+
+    panel = chrome.find_element(By.ID, "session-summary")
+    chrome.execute_script("arguments[0].scrollIntoView({block: 'start'});", panel)
+    shot = panel.screenshot_as_png
+    (ARTIFACTS / "dashboard-summary.png").write_bytes(shot)
+    (tmp_path / "dashboard-summary.png").write_bytes(shot)
+    width, height = png_size(shot)
+    assert width >= 1000 and height >= 600 and len(shot) > 30_000  # the whole panel
+
+    chrome.find_element(By.ID, "sum-close").click()
+    assert not chrome.find_element(By.ID, "session-summary").is_displayed()
+    assert "summary=" not in chrome.current_url
+
+
+def check_summary_errors(chrome: Any, url: str, new_sid: str) -> None:
+    """Unknown id, a session without traces, markup in the id: a message in the panel."""
+    from selenium.webdriver.common.by import By
+
+    odd = '<b id="injected">x</b>'
+    for sid, words in (
+        ("nope", "HTTP 404: no session 'nope'"),
+        (new_sid, "HTTP 409: session " + new_sid + " has no Chrome trace"),
+        (odd, "HTTP 4"),
+    ):
+        chrome.get(f"{url}/?interval=500&{urlencode({'summary': sid})}")
+        panel_state(chrome, sid, "error")
+        assert words in chrome.find_element(By.ID, "sum-msg").text
+        assert chrome.find_element(By.ID, "sum-id").text == sid
+        assert not chrome.find_element(By.ID, "sum-content").is_displayed()
+    assert not chrome.find_elements(By.ID, "injected")  # shown as text, never parsed
 
 
 def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
@@ -193,7 +345,7 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     chrome.get(f"{url}/?interval=500")
     assert chrome.title == "profd dashboard"
     check_tables(chrome, url, owner, sid)
-    check_form(chrome, owner, sid)
+    new_sid = check_form(chrome, owner, sid)
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = chrome.get_screenshot_as_png()
@@ -201,3 +353,8 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     (tmp_path / "dashboard.png").write_bytes(shot)
     width, height = png_size(shot)
     assert width >= 1000 and height >= 700 and len(shot) > 30_000  # a rendered page, not blank
+
+    check_summary(chrome, url, sid, new_sid, tmp_path)
+    check_summary_errors(chrome, url, new_sid)
+    uncaught = [e["message"] for e in chrome.get_log("browser") if "Uncaught" in e["message"]]
+    assert not uncaught
