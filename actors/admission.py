@@ -10,6 +10,7 @@ from typing import Any
 
 from profd.config import SessionRequest
 from profd.errors import ConflictError, RequestInvalid
+from profd.protocol import AgentInfo
 from profd.registry import AgentRegistry
 from profd.sessions import Part, Session
 from profd.settings import CoordinatorSettings
@@ -18,32 +19,92 @@ from profd.targeting import Target
 __all__ = ["check_conflicts", "check_reachable", "new_session_id", "session_dir"]
 
 
+def _is_replica(info: AgentInfo) -> bool:
+    return "replica_world_size" in info.topology
+
+
+def _domains(info: AgentInfo) -> set[tuple[Any, ...]]:
+    """What an agent's profiler occupies while it records.
+
+    * a training agent: its process (torch allows one profiler per process; colocated roles
+      share it) and its rank's device;
+    * a rollout replica: its engine (the replica's own processes — not the process hosting
+      the replica's agent, which may host other replicas); a *colocated* replica also
+      occupies the devices of its global ranks, which the training ranks of those numbers
+      use too (a hybrid engine runs inside the training workers).
+    """
+    if _is_replica(info):
+        out: set[tuple[Any, ...]] = {("engine", info.agent_id)}
+        if info.topology.get("colocated"):
+            start, stop = info.topology["global_rank_start"], info.topology["global_rank_stop"]
+            out.update(("device", g) for g in range(start, stop))
+        return out
+    return {("process", info.hostname, info.pid), ("device", info.rank)}
+
+
+def _clash(a: AgentInfo, b: AgentInfo) -> bool:
+    """Whether ``a`` and ``b`` could run two profilers on one process or device at once.
+
+    Training agents of different processes never clash on a rank number alone (actor rank 0
+    and critic rank 0 are different workers); a device clash needs a colocated replica on
+    one side.
+    """
+    if a.agent_id == b.agent_id:
+        return True
+    shared = _domains(a) & _domains(b)
+    if not shared:
+        return False
+    if _is_replica(a) or _is_replica(b):
+        return True
+    return any(d[0] == "process" for d in shared)
+
+
 def check_conflicts(
-    live: Iterable[Session], registry: AgentRegistry, targets: Iterable[Target]
+    live: Iterable[Session],
+    registry: AgentRegistry,
+    targets: Iterable[Target],
+    *,
+    timed: bool = False,
 ) -> None:
-    """Refuse targets a live session holds — the same agent, or another agent in the same
-    process (never two profilers on one device)."""
-    held: dict[Any, tuple[str, Part]] = {}
+    """Refuse targets that would share a process or device with a part another live session
+    holds (never two profilers on one device; reference §11). A timed session (``timed``)
+    has no controller to order a colocated replica before training, so inside it the two
+    clash as well."""
+    # Indexed by domain: a 10,000-agent session is checked in linear time.
+    held: dict[tuple[Any, ...], list[tuple[str | None, Part | Target, AgentInfo]]] = {}
     for s in live:
         for aid, part in s.targets.items():
-            if part.state.is_terminal:
-                continue
-            held[aid] = (s.session_id, part)
             rec = registry.get(aid)
-            if rec is not None:
-                held[(rec.info.hostname, rec.info.pid)] = (s.session_id, part)
-    clashes = []
+            if not part.state.is_terminal and rec is not None:
+                for d in _domains(rec.info) | {("agent", aid)}:
+                    held.setdefault(d, []).append((s.session_id, part, rec.info))
+    targets = list(targets)
+    if timed:  # within the request only a replica and a training agent can clash
+        for t in targets:
+            for d in _domains(t.agent):
+                if d[0] == "device":
+                    held.setdefault(d, []).append((None, t, t.agent))
+    clashes: dict[tuple[str, str], tuple[Target, str, str | None]] = {}
     for t in targets:
-        hit = held.get(t.agent.agent_id) or held.get((t.agent.hostname, t.agent.pid))
-        if hit:
-            clashes.append((t, hit))
+        keys = _domains(t.agent) | {("agent", t.agent.agent_id)}
+        for d in keys:
+            for sid, holder, info in held.get(d, ()):
+                if info.agent_id == t.agent.agent_id and sid is None:
+                    continue  # itself, in this request
+                if sid is None and _is_replica(info) == _is_replica(t.agent):
+                    continue
+                if not _clash(t.agent, info):
+                    continue
+                what = (
+                    f"session {sid} ({holder.role} rank {holder.rank}, {holder.state.value})"
+                    if sid is not None
+                    else f"this timed request ({info.role} rank {info.rank} shares its devices)"
+                )
+                clashes.setdefault((t.agent.agent_id, info.agent_id), (t, what, sid))
     if clashes:
-        desc = "; ".join(
-            f"{t.agent.role} rank {t.agent.rank} is held by session {sid} "
-            f"({p.role} rank {p.rank}, {p.state.value})"
-            for t, (sid, p) in clashes
-        )
-        holders = sorted({sid for _, (sid, _) in clashes})
+        found = clashes.values()
+        desc = "; ".join(f"{t.agent.role} rank {t.agent.rank} is held by {w}" for t, w, _ in found)
+        holders = sorted({sid for _, _, sid in found if sid is not None})
         raise ConflictError(f"targets busy: {desc}", holders=holders)
 
 

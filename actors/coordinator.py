@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: Reports arriving within this long of each other share one pass over their sessions.
 ADVANCE_COALESCE_S = 0.01
+#: A timed session's targets have at least this long after the window to hand in files.
+TIMED_GRACE_S = 300
 
 
 def _part(t: Any) -> Part:
@@ -148,7 +150,12 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             raise RequestInvalid.at(
                 "roles", f"no registered agent matches the request ({detail or 'no agents'})"
             )
-        check_conflicts(self._live_sessions(), self._registry, targeting.targets)
+        check_conflicts(
+            self._live_sessions(),
+            self._registry,
+            targeting.targets,
+            timed=req.duration_s is not None,
+        )
         if req.steps is not None:
             check_reachable(req.steps, self._registry, targeting.targets)
         session = self._new_session(req, targeting)
@@ -157,8 +164,13 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             session.resolve_steps(req.steps)
         elif req.duration_s is not None:
             session.resolve_steps(())
-            # bounded: the window, then time to write the files
-            session.deadline = min(session.deadline, session.created_at + req.duration_s + 300)
+            # bounded: the window, then time to write the files (rollout engines say how long
+            # theirs may take: stop, then flush)
+            grace = max(
+                [TIMED_GRACE_S]
+                + [t.agent.topology.get("collect_budget_s", 0) for t in targeting.targets]
+            )
+            session.deadline = min(session.deadline, session.created_at + req.duration_s + grace)
         else:
             await self._align(session, req.next_steps or 1)
         self._advance(session)

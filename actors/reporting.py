@@ -28,6 +28,7 @@ def session_view(
         save_dir=s.save_dir,
         created_at=s.created_at,
         finished_at=s.finished_at,
+        deadline=s.deadline,
         targets=[
             PartView(
                 agent_id=p.agent_id,

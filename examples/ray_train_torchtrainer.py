@@ -12,7 +12,8 @@ Run it on a cluster where ``profd up --address auto`` ran on the head::
     profd profile --role trainer --all-ranks --next-steps 2 --wait
 
 or declare the window when the job starts (no ``profd up`` needed: the job then owns a
-coordinator for its lifetime)::
+coordinator for its lifetime); without ``--address`` the script starts a private Ray on
+127.0.0.1 (see :func:`init_ray`)::
 
     python examples/ray_train_torchtrainer.py --profile-steps 3,4
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -97,6 +100,29 @@ def wait_for_session(session_id: str, timeout: float = 120.0) -> Any:
         time.sleep(0.5)
 
 
+def init_ray(address: str | None, num_cpus: int) -> None:
+    """Join the cluster at ``address`` (or ``$RAY_ADDRESS``, as under ``ray job submit``);
+    with neither, start a private Ray on 127.0.0.1 for this script.
+
+    profd's helpers do it: a Ray started here (or one at a 127.0.0.1 address) gets the
+    loopback settings (``RAY_AUTH_MODE=disabled``, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` so
+    every port binds 127.0.0.1, ``RAY_USAGE_STATS_ENABLED=0``); a cluster elsewhere (``auto``,
+    a remote address) keeps its own settings, token auth included. Ray reads them when it is
+    first imported, so this script imports ``ray`` only after this call. A Ray the caller
+    already joined (a test, a notebook) is kept.
+    """
+    from profd.cluster import connect_ray, init_local_ray
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        init_local_ray(num_cpus=num_cpus)
+    else:
+        connect_ray(address)
+
+
 def main(
     steps: int = 6,
     num_workers: int = 2,
@@ -106,14 +132,12 @@ def main(
     storage_path: str | None = None,
 ) -> dict[str, Any]:
     """Train with ``num_workers`` CPU workers; return the session and its trace files."""
-    import ray
+    init_ray(address, num_cpus=max(4, num_workers))
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     import profd
 
-    if not ray.is_initialized():
-        ray.init(address=address)
     session_id = None
     if profile_steps:
         # Launch-time window: every trainer rank that attaches joins it (profd's own layout;
@@ -142,7 +166,11 @@ def main(
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--address", default=None, help="Ray address (default: start or find one)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray address, e.g. auto (default: $RAY_ADDRESS, else a private Ray on 127.0.0.1)",
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--step-seconds", type=float, default=0.0, help="minimum time per step")

@@ -10,7 +10,8 @@ verl's shape, in miniature:
   ``with profd.controller().step(n): ...`` announces step ``n`` to every profiled agent
   before any worker call of the step runs.
 
-A verl config (``global_profiler`` + ``<role>.profiler``) is given to profd unchanged::
+A verl config (``global_profiler`` + ``<role>.profiler``) is given to profd unchanged (here
+on a private Ray on 127.0.0.1, since no ``--address`` is given; see :func:`init_ray`)::
 
     python examples/single_controller.py --config examples/verl_config.yaml
 
@@ -25,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from typing import Any
-
-import ray
 
 VOCAB = 32
 HIDDEN = 48
@@ -150,10 +151,14 @@ class RayWorkerGroup:
     (data parallel) and the results are concatenated, as verl's ``DP_COMPUTE`` dispatch does."""
 
     def __init__(self, cls: type, world_size: int, **options: Any) -> None:
+        import ray
+
         remote = ray.remote(cls).options(**options)
         self.workers = [remote.remote(rank, world_size) for rank in range(world_size)]
 
     def _call(self, method: str, *batches: Any) -> list[Any]:
+        import ray
+
         shards = [b.chunk(len(self.workers)) for b in batches]
         refs = [
             getattr(w, method).remote(*(s[i] for s in shards)) for i, w in enumerate(self.workers)
@@ -170,10 +175,14 @@ class RayWorkerGroup:
         return call
 
     def close(self) -> list[bool]:
+        import ray
+
         return ray.get([w.close.remote() for w in self.workers])
 
     def wait_profd(self, timeout: float = 30.0) -> bool:
         """Wait until every rank's agent holds its plan (for a window declared at launch)."""
+        import ray
+
         deadline = time.monotonic() + timeout
         while not all(ray.get([w.profd_connected.remote() for w in self.workers])):
             if time.monotonic() > deadline:
@@ -217,6 +226,8 @@ def fit(
 
 def wait_for_session(session_id: str, timeout: float = 120.0) -> Any:
     """The session's view once it has ended (state, reason, traces), from the coordinator."""
+    import ray
+
     from profd.actors import get_coordinator
 
     coordinator = get_coordinator()
@@ -228,6 +239,29 @@ def wait_for_session(session_id: str, timeout: float = 120.0) -> Any:
         time.sleep(0.5)
 
 
+def init_ray(address: str | None, num_cpus: int) -> None:
+    """Join the cluster at ``address`` (or ``$RAY_ADDRESS``, as under ``ray job submit``);
+    with neither, start a private Ray on 127.0.0.1 for this script.
+
+    profd's helpers do it: a Ray started here (or one at a 127.0.0.1 address) gets the
+    loopback settings (``RAY_AUTH_MODE=disabled``, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` so
+    every port binds 127.0.0.1, ``RAY_USAGE_STATS_ENABLED=0``); a cluster elsewhere (``auto``,
+    a remote address) keeps its own settings, token auth included. Ray reads them when it is
+    first imported, so this script imports ``ray`` only after this call. A Ray the caller
+    already joined (a test, a notebook) is kept.
+    """
+    from profd.cluster import connect_ray, init_local_ray
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        init_local_ray(num_cpus=num_cpus)
+    else:
+        connect_ray(address)
+
+
 def main(
     steps: int = 4,
     config: str | None = None,
@@ -235,10 +269,11 @@ def main(
     address: str | None = None,
     actor_world_size: int = 2,
 ) -> dict[str, Any]:
+    init_ray(address, num_cpus=4)
+    import ray
+
     import profd
 
-    if not ray.is_initialized():
-        ray.init(address=address)
     session_id = None
     if config is not None:  # verl's own profiler config, unchanged (before the workers start)
         session_id = profd.start_session(config).session_id
@@ -253,7 +288,13 @@ def main(
     finally:
         for w in arr_wg.workers + critic_wg.workers:
             ray.kill(w)
-    out = {"session_id": session_id, "steps": len(history), "closed": closed, "last": history[-1]}
+    out = {
+        "ray_address": ray.get_runtime_context().gcs_address,
+        "session_id": session_id,
+        "steps": len(history),
+        "closed": closed,
+        "last": history[-1],
+    }
     if session_id is not None:
         view = wait_for_session(session_id)
         out.update(state=view.state.value, traces=[t.path for t in view.traces])
@@ -262,7 +303,11 @@ def main(
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--address", default=None, help="Ray address (default: start or find one)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray address, e.g. auto (default: $RAY_ADDRESS, else a private Ray on 127.0.0.1)",
+    )
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--step-seconds", type=float, default=0.0, help="minimum time per step")
     p.add_argument("--config", default=None, help="verl (or profd) profiler config, YAML")

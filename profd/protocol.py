@@ -37,6 +37,8 @@ class AgentInfo:
     node_id: str | None = None
     node_ip: str | None = None
     capabilities: dict[str, str | None] = field(default_factory=dict)
+    #: Free-form descriptions (a rollout replica's engine kind, endpoint, trace directory).
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

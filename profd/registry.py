@@ -44,6 +44,7 @@ class AgentRecord:
             current_step=self.current_step,
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             capabilities=dict(i.capabilities),
+            labels=dict(i.labels),
         )
 
 

@@ -99,6 +99,11 @@ class AgentView(_View):
     capabilities: dict[str, str | None] = Field(
         description="Tool → null when usable on this agent, else the reason it is not."
     )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="What else the agent said about itself: a rollout replica's engine "
+        "(engine_kind, engine_flavor), endpoint and trace_dir.",
+    )
 
 
 class IgnoredView(_View):
@@ -149,6 +154,9 @@ class SessionView(_View):
     save_dir: str = Field(description="Directory the traces are written to, on every node.")
     created_at: float = Field(description="Unix time the session was created.")
     finished_at: float | None = Field(description="Unix time it reached a terminal state.")
+    deadline: float | None = Field(
+        None, description="Unix time after which parts still unfinished expire."
+    )
     targets: list[PartView] = Field(description="Every matched agent and its progress.")
     ignored: list[IgnoredView] = Field(description="Requested targets that were not used, why.")
     traces: list[TraceView] = Field(description="Traces written so far.")

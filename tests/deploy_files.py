@@ -122,14 +122,45 @@ def _comment_commands(text: str) -> list[str]:
     return spans
 
 
-def _markdown_lines(path: Path) -> list[str]:
-    lines, fenced = [], False
-    for raw in path.read_text().splitlines():
+def markdown_lines(text: str) -> list[str]:
+    """Fenced code as shell lines; of prose, the inline code spans, paragraph by paragraph, so
+    a span broken over two lines (as markdown allows) is read whole."""
+    lines: list[str] = []
+    fenced = False
+    paragraph: list[str] = []
+
+    def flush() -> None:
+        lines.extend(s.replace("\n", " ") for s in re.findall(r"`([^`]+)`", "\n".join(paragraph)))
+        paragraph.clear()
+
+    for raw in text.splitlines():
         if raw.lstrip().startswith("```"):
+            flush()
             fenced = not fenced
-            continue
-        lines.extend(_shell_lines([raw]) if fenced else re.findall(r"`([^`]+)`", raw))
+        elif fenced:
+            lines.extend(_shell_lines([raw]))
+        elif raw.strip():
+            paragraph.append(raw)
+        else:
+            flush()
+    flush()
     return lines
+
+
+#: The markdown files whose commands are checked: the README, deploy/, docs/ and examples/.
+MARKDOWN = sorted(
+    [
+        ROOT / "README.md",
+        *DEPLOY.rglob("*.md"),
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "examples").glob("*.md"),
+    ]
+)
+
+
+def markdown_commands(path: Path) -> list[list[str]]:
+    """Every profd command one markdown file shows (fenced blocks and inline code)."""
+    return [tok for line in markdown_lines(path.read_text()) for tok in commands_in_line(line)]
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:
@@ -137,9 +168,8 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     sources: list[tuple[Path, list[str]]] = []
     for path in sorted([*DEPLOY.rglob("*.yaml"), *(ROOT / "examples").glob("*.yaml")]):
         sources.append((path, _yaml_lines(path)))
-    docs = [*DEPLOY.rglob("*.md"), *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.md")]
-    for path in sorted([ROOT / "README.md", *docs]):
-        sources.append((path, _markdown_lines(path)))
+    for path in MARKDOWN:
+        sources.append((path, markdown_lines(path.read_text())))
     docker = [rest for word, rest in dockerfile_instructions() if word == "RUN"]
     docker += [t for ln in DOCKERFILE.read_text().splitlines() for t in _shell_lines([ln])[1:]]
     sources.append((DOCKERFILE, docker))

@@ -19,6 +19,7 @@ import yaml
 from deploy_files import (
     DEPLOY,
     DOCKERFILE,
+    MARKDOWN,
     ROOT,
     cli_spec,
     command_errors,
@@ -26,6 +27,8 @@ from deploy_files import (
     dockerfile_instructions,
     documented_commands,
     load_all,
+    markdown_commands,
+    markdown_lines,
 )
 
 from helpers import wait_until
@@ -67,9 +70,11 @@ def test_every_profd_command_in_deploy_docs_and_examples_exists() -> None:
         "deploy/kuberay/rayjob.yaml",
         "deploy/cluster-launcher/profd.yaml",
         "deploy/docker/Dockerfile",
-        "deploy/README.md",
-        "README.md",
+        *(str(p.relative_to(ROOT)) for p in MARKDOWN),
     } <= files
+    assert {"README.md", "deploy/README.md", "docs/multinode.md", "docs/verl.md"} <= {
+        str(p.relative_to(ROOT)) for p in MARKDOWN
+    }
     used = {tok[0] for _, tok in found if tok and not tok[0].startswith("-")}
     assert {"up", "down", "status", "profile", "traces", "summarize"} <= used
     assert len(found) >= 30
@@ -93,6 +98,60 @@ def test_the_command_check_catches_drift() -> None:
     assert errors("cp /opt/profd/x . ; import profd; profd.attach(role)") == []
 
 
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_profd_command_in_the_markdown_exists(path: Path) -> None:
+    """Each page on its own: the commands it quotes (fenced blocks and inline code) use only
+    subcommands and options the CLI has, and the page is really read (it quotes some)."""
+    spec = cli_spec()
+    found = markdown_commands(path)
+    assert found, f"{path.relative_to(ROOT)}: no profd command found"
+    errors = [f"profd {' '.join(tok)}: {e}" for tok in found for e in command_errors(tok, spec)]
+    assert errors == []
+
+
+def test_the_markdown_reader_finds_every_kind_of_command() -> None:
+    """Fenced blocks (comments too), inline code, and inline code broken over two lines."""
+    spec = cli_spec()
+    page = "\n".join(
+        [
+            "Run `profd up --adress auto` and then `profd",
+            "  status --jsn`; prose about profd --nothing is no command.",
+            "",
+            "```bash",
+            "profd profile --next-step 2   # or `profd traces --downlod DIR`",
+            "```",
+            "| a | `profd summarize <dir> --json` |",
+        ]
+    )
+    errors = [
+        e
+        for ln in markdown_lines(page)
+        for tok in commands_in_line(ln)
+        for e in command_errors(tok, spec)
+    ]
+    assert errors == [
+        "up has no option --adress",
+        "status has no option --jsn",
+        "profile has no option --next-step",
+        "traces has no option --downlod",
+    ]
+
+
+def test_the_docs_show_how_an_operator_allows_uploads_and_save_paths() -> None:
+    """Over HTTP an upload_uri needs `profd up --allow-upload-prefix` and a save_path outside
+    the save root `--allow-save-root` (api/security.py): the pages that use them say so."""
+    shown = {
+        str(path.relative_to(ROOT)): {
+            t.split("=")[0] for tok in markdown_commands(path) if tok[:1] == ["up"] for t in tok
+        }
+        for path in MARKDOWN
+    }
+    assert "--allow-upload-prefix" in shown["docs/multinode.md"]
+    assert "--allow-save-root" in shown["docs/multinode.md"]
+    assert "--allow-save-root" in shown["docs/verl.md"]
+    assert "--allow-upload-prefix" in shown["deploy/README.md"]
+
+
 def test_every_manifest_parses() -> None:
     """Every YAML file in deploy/ and examples/ loads, each with the kinds it should hold."""
     kinds = {
@@ -113,9 +172,14 @@ def test_every_manifest_parses() -> None:
 
 
 # -- KubeRay ------------------------------------------------------------------------------------
-def up_flags(script: str) -> dict[str, str]:
+def up_line(script: str) -> list[str]:
+    """The tokens after ``profd up`` in the head's script."""
     (line,) = [ln for ln in script.splitlines() if ln.strip().startswith("profd up")]
-    tokens = shlex.split(line.split("&&")[0])[2:]
+    return shlex.split(line.split("&&")[0])[2:]
+
+
+def up_flags(script: str) -> dict[str, str]:
+    tokens = [t for t in up_line(script) if not t.startswith("$")]  # $PROFD_UP_ARGS: extra flags
     return dict(zip(tokens[::2], tokens[1::2], strict=True))
 
 
@@ -131,6 +195,13 @@ def test_kuberay_raycluster_head_runs_the_sidecar_behind_a_service() -> None:
     assert script.strip().splitlines()[-1].strip() == "$KUBERAY_GEN_RAY_START_CMD"
     flags = up_flags(script)
     assert flags["--address"] == "auto" and flags["--host"] == "0.0.0.0"
+    # the operator's extra flags (--allow-upload-prefix, ...): an empty variable, appended
+    assert up_line(script)[-1] == "$PROFD_UP_ARGS"
+    assert {e["name"]: e["value"] for e in head["env"]}["PROFD_UP_ARGS"] == ""
+    up_options = cli_spec()["up"]
+    for manifest in ("raycluster.yaml", "rayjob.yaml"):
+        named = set(re.findall(r"--allow-[a-z-]+", (KUBERAY / manifest).read_text()))
+        assert {"--allow-upload-prefix", "--allow-save-root"} <= named <= up_options
     # KubeRay passes rayStartParams as strings; a YAML number or bool there is rejected
     for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
         assert all(isinstance(v, str) for v in group["rayStartParams"].values())
@@ -284,11 +355,12 @@ def runnable_head_script(tmp_path: Path, token_file: Path) -> str:
     return script
 
 
-def run_head_script(script: str, tmp_path: Path, address: str) -> str:
+def run_head_script(script: str, tmp_path: Path, address: str, up_args: str = "") -> str:
     env = dict(
         os.environ,
         HOME=str(tmp_path),
         PROFD_STATE_DIR=str(tmp_path / "state"),
+        PROFD_UP_ARGS=up_args,  # the manifest's variable, as an operator sets it
         RAY_ADDRESS=address,  # what `--address auto` finds on a real head
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
@@ -333,7 +405,9 @@ def test_kuberay_head_script_starts_profd_for_a_running_job(ray_session: Any, tm
         ray.get(budget.extend_to.remote(80))
         for w in workers:
             w.run.remote(80, 0.3, 1, budget)
-        log = run_head_script(script, tmp_path, address)
+        uploads = tmp_path / "uploads"
+        up_args = f"--allow-upload-prefix file://{uploads}"
+        log = run_head_script(script, tmp_path, address, up_args)
         assert "profd is up: sidecar http://127.0.0.1:" in log, log
         state = tmp_path / "state"
         assert (state / "token").read_text() == "s3cret-from-the-secret"
@@ -354,7 +428,12 @@ def test_kuberay_head_script_starts_profd_for_a_running_job(ray_session: Any, tm
             return sum(a["current_step"] is not None for a in agents) == 2
 
         wait_until(stepping, 60, 0.2, what="the running job's agents")
-        body = {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}}
+        body: dict[str, Any] = {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}}
+        # PROFD_UP_ARGS reached `profd up`: an upload_uri under the allowed prefix only
+        outside = dict(body, upload_uri=f"file://{tmp_path / 'elsewhere'}")
+        r = httpx.post(f"{url}/api/v1/sessions", json=outside, headers=auth, timeout=30)
+        assert r.status_code == 422 and "upload_uri" in r.text, r.text
+        body["upload_uri"] = f"file://{uploads}/team"
         r = httpx.post(f"{url}/api/v1/sessions", json=body, headers=auth, timeout=30)
         assert r.status_code == 201, r.text
         sid = r.json()["session_id"]
@@ -370,6 +449,13 @@ def test_kuberay_head_script_starts_profd_for_a_running_job(ray_session: Any, tm
         got = httpx.get(f"{url}/api/v1/traces/{trace['trace_id']}/download", headers=auth)
         assert got.status_code == 200 and got.headers["X-Profd-Node"] == trace["node_id"]
         assert got.content == Path(trace["path"]).read_bytes()
+        names = sorted(Path(t["path"]).name for t in view["traces"])
+        wait_until(
+            lambda: sorted(p.name for p in (uploads / "team" / sid).glob("*.json.gz")) == names,
+            30,
+            0.2,
+            what="the uploads",
+        )
     finally:
         for w in workers:
             ray.kill(w)

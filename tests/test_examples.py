@@ -2,7 +2,9 @@
 
 * Ray Train: a ``TorchTrainer`` with 2 CPU workers attaches each worker with its world rank;
 * verl style: a single-controller driver (worker groups, stages marked in worker methods, the
-  driver announcing the step) with a verl config given to profd unchanged.
+  driver announcing the step) with a verl config given to profd unchanged;
+* standalone, as ``examples/README.md`` shows: no ``--address``, so the example starts its
+  own Ray on 127.0.0.1 with profd's loopback settings.
 """
 
 from __future__ import annotations
@@ -209,3 +211,56 @@ def test_verl_config_example_maps_as_verl_reads_it() -> None:
     )
     assert body["next_steps"] == 2 and "steps" not in body
     assert set(body["roles"]) == {"actor", "rollout", "critic"}
+
+
+def test_single_controller_standalone_starts_its_own_loopback_ray(tmp_path: Path) -> None:
+    """``python examples/single_controller.py --config examples/verl_config.yaml`` as the
+    README runs it: no ``--address``, no ``RAY_ADDRESS`` and none of the loopback variables in
+    the environment, so the example itself must start a private Ray on 127.0.0.1 (profd's
+    ``init_local_ray``), record verl's window and stop that Ray when it exits."""
+    import json
+
+    from profd.cluster import LOOPBACK_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in (*LOOPBACK_ENV, "RAY_ADDRESS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "single_controller.py"),
+            "--steps",
+            "3",  # verl_config.yaml profiles steps 2 and 3
+            "--config",
+            str(EXAMPLES / "verl_config.yaml"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Started a local Ray instance" in r.stderr  # its own Ray, not a cluster it found
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ray_address"].startswith("127.0.0.1:")  # every port on loopback
+    assert out["steps"] == 3 and out["closed"] == [True, True, True]
+    assert out["state"] == "done"
+    save_dir = tmp_path / "outputs" / "profile" / out["session_id"]  # verl's save_path
+    files = sorted(save_dir.glob("*.json.gz"))
+    assert sorted(map(str, files)) == sorted(out["traces"])
+    # the actor group on both ranks, the critic in discrete mode: 2 steps x (2 + 2) files
+    heads = sorted(parse_trace_name(f.name).head for f in files)
+    assert heads == sorted(
+        [("actor-rollout-ref", "train")] * 4
+        + [("critic", "compute-values")] * 2
+        + [("critic", "update-critic")] * 2
+    )
+    for f in files:
+        parts = parse_trace_name(f.name)
+        assert parts.step in ("2", "3")
+        assert read_trace(str(f))["distributedInfo"]["rank"] == parts.rank
+        names = annotations(str(f))
+        if parts.head[0] == "critic":  # discrete: the stage's own window
+            assert parts.head[1].replace("-", "_") in names
+        else:
+            assert names.count(f"step{parts.step}") == 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 from rollout_helpers import sglang_pair, vllm_pair
 
+from profd.errors import ConflictError
 from profd.rollout.service import RolloutService
 from profd.single_controller import Controller
 
@@ -85,6 +86,8 @@ def test_replicas_register_with_their_global_rank_range(job_factory) -> None:
     assert r1.topology["replica_world_size"] == 2
     assert (r1.topology["global_rank_start"], r1.topology["global_rank_stop"]) == (2, 4)
     assert r1.capabilities["torch"] is None and r1.capabilities["py_spy"] is not None
+    assert r1.labels["engine_kind"] == "vllm" and r1.labels["endpoint"] == job.fakes[1].url
+    assert r1.labels["trace_dir"] == job.replicas[1].agent.describe().trace_dir != ""
 
 
 def test_global_ranks_select_replicas_and_only_requested_ranks_come_up(job_factory) -> None:
@@ -232,3 +235,70 @@ def test_engine_warnings_reach_the_session(local_coordinator, tmp_path) -> None:
     assert any(w.startswith("rollout replica 0:") and "memory" in w for w in view.warnings), (
         view.warnings
     )
+
+
+def test_replicas_hosted_in_one_process_are_profiled_independently(job_factory) -> None:
+    """A replica's profiler lives in its engine: two replicas whose agents share a process
+    are two devices, not one."""
+    job = job_factory(colocated=False)
+    first = job.owner.call(
+        "create_session", {"duration_s": 30, "roles": {"rollout": {"ranks": [0]}}}
+    )
+    second = job.owner.call(
+        "create_session", {"duration_s": 30, "roles": {"rollout": {"ranks": [2]}}}
+    )
+    assert [t.rank for t in first.targets] == [0] and [t.rank for t in second.targets] == [1]
+    with pytest.raises(ConflictError, match=first.session_id):
+        job.owner.call("create_session", {"duration_s": 5, "roles": {"rollout": {"ranks": [1]}}})
+
+    def engines_saw(path: str) -> bool:
+        return all(any(p == path for _, p, _ in f.requests) for f in job.fakes)
+
+    wait_until(lambda: engines_saw("/start_profile"), 10, what="both engines started")
+    for view in (first, second):
+        job.owner.call("cancel_session", view.session_id)
+    # cancelling a timed window stops the engine now, not when its 30 s are up
+    wait_until(lambda: engines_saw("/stop_profile"), 10, what="engines stopped on cancel")
+
+
+def test_colocated_replica_and_training_on_its_devices_never_profile_at_once(job_factory) -> None:
+    """A colocated replica shares its global ranks' devices (and, in a hybrid engine, their
+    processes) with the training ranks of those numbers: another session cannot take one
+    while a session holds the other, and a timed request cannot take both at once."""
+    job = job_factory(colocated=True)
+    job.step(1, mark_rollout=True)
+    training = job.owner.call("create_session", {"steps": [50], "roles": {"actor": {}}})
+    assert [(t.role, t.rank) for t in training.targets] == [("actor", 0)]
+    with pytest.raises(ConflictError, match=training.session_id) as err:
+        job.owner.call("create_session", {"steps": [50], "roles": {"rollout": {"ranks": [1]}}})
+    assert "rollout rank 0" in err.value.message
+    other = job.owner.call(  # replica 1 (global ranks 2-3) shares nothing with actor rank 0
+        "create_session", {"steps": [50], "roles": {"rollout": {"ranks": [2]}}}
+    )
+    for view in (training, other):
+        job.owner.call("cancel_session", view.session_id)
+    with pytest.raises(ConflictError, match="this timed request"):
+        job.owner.call(
+            "create_session",
+            {"duration_s": 5, "roles": {"actor": {"ranks": [0]}, "rollout": {"ranks": [0]}}},
+        )
+    assert all(s.state.value == "cancelled" for s in job.owner.call("list_sessions"))
+
+
+def test_timed_session_waits_as_long_as_its_engines_may_flush(local_coordinator, tmp_path) -> None:
+    """Engines flush slowly: a timed session's deadline leaves the replica its whole stop
+    and flush budget (here an hour), not a fixed five minutes."""
+    from profd.rollout.relocate import FlushWait
+
+    fake, agent = sglang_pair(tmp_path, replica=0, tp=1, flush=FlushWait(timeout_s=3600))
+    with fake:
+        svc = RolloutService(agent, replicas=1, find_link=local_coordinator.link).start()
+        try:
+            wait_until(lambda: svc.connected, 10, what="replica registered")
+            view = local_coordinator.call(
+                "create_session", {"duration_s": 2, "roles": {"rollout": {"all_ranks": True}}}
+            )
+            assert view.deadline - view.created_at >= 2 + 3600 + 5  # + the engine's stop_s
+            local_coordinator.call("cancel_session", view.session_id)
+        finally:
+            svc.close(timeout=30)

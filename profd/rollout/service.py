@@ -82,12 +82,17 @@ class RolloutService:
             replicas=replicas,
         )
         info.topology["colocated"] = int(colocated)
+        # How long this replica may take after a window to hand in its files (engine stop,
+        # then the flush wait): a timed session's deadline leaves at least this much.
+        stop_s = getattr(getattr(agent.engine, "timeouts", None), "stop_s", 0.0)
+        info.topology["collect_budget_s"] = int(stop_s + agent.flush.timeout_s) + 1
         self.info = info
         self._windows: dict[str, _Window] = {}
         self._finished: set[str] = set()
         self._phase: tuple[int | None, str | None] = (None, None)
         self._work: queue.Queue[AgentPlan | None] = queue.Queue()
         self._timed: list[threading.Thread] = []
+        self._timed_stop: dict[str, threading.Event] = {}
         self._channel = Channel(
             info,
             find_link or find_ray_link,
@@ -110,6 +115,8 @@ class RolloutService:
         """Finish any open window, report, and stop."""
         self._work.put(None)
         self._worker.join(timeout)
+        for stop in self._timed_stop.values():
+            stop.set()  # a timed window still open ends now and reports what it has
         for t in self._timed:
             t.join(timeout)
         if self._channel.connected:
@@ -138,12 +145,16 @@ class RolloutService:
         for sid, w in list(self._windows.items()):
             if sid not in wanted:
                 self._end(w, "the session ended before these steps")
+        for sid, stop in self._timed_stop.items():
+            if sid not in wanted:  # cancelled (or expired): stop the engine now
+                stop.set()
         for sid, window in wanted.items():
             if sid in self._windows or sid in self._finished:
                 continue
             self._emit(AgentEvent(EventKind.ARMED, sid))
             if window.duration_s is not None:
                 self._finished.add(sid)
+                self._timed_stop[sid] = threading.Event()
                 t = threading.Thread(target=self._timed_window, args=(window,), daemon=True)
                 self._timed.append(t)
                 t.start()
@@ -278,6 +289,7 @@ class RolloutService:
                 window.duration_s or 0.0,
                 window.keep_global_ranks,
                 WindowMode.DISCRETE if window.discrete else WindowMode.CONTINUOUS,
+                cancel=self._timed_stop[sid],
             )
             events = outcome.events(window.tool, [], self.info.node_id)
         except Exception as exc:

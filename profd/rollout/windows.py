@@ -71,6 +71,12 @@ class RolloutAgentInfo:
             node_id=node_id,
             node_ip=node_ip,
             capabilities=dict(self.capabilities),
+            labels={
+                "engine_kind": self.engine_kind,
+                "engine_flavor": self.engine_flavor,
+                "endpoint": self.endpoint,
+                **({"trace_dir": self.trace_dir} if self.trace_dir else {}),
+            },
         )
 
 
