@@ -145,7 +145,11 @@ class TorchMemoryToolConfig(_Frozen):
     """Options of the ``torch_memory`` tool (CUDA allocator history, reference §2.3.3)."""
 
     trace_alloc_max_entries: PosInt = Field(100_000, description="Allocator events kept.")
-    stack_depth: PosInt = Field(32, description="Frames kept per allocator event.")
+    stack_depth: PosInt = Field(
+        32,
+        description="Accepted for verl compatibility; no effect (torch >= 2.1 records full "
+        "stacks and has no depth setting).",
+    )
 
 
 class NsysToolConfig(_Frozen):

@@ -4,8 +4,9 @@ CUPTI takes one subscriber per process. An image-level ``NVTX_INJECTION64_PATH``
 at a CUPTI-based library grabs it, and Kineto then records CPU operators only. profd points
 the variable at an unloadable path in workers — at ``attach`` for a running job, or through
 :func:`runtime_env` at launch — unless the worker runs under profd's Nsight launcher (nsys
-needs its injection) or the operator opts out with ``PROFD_KEEP_NVTX_INJECTION=1``
-(verl's ``VERL_KEEP_NVTX_INJECTION=1`` is honoured too).
+needs its injection; so does a worker whose variable already names Nsight Systems' own
+injection library, e.g. under Ray's ``nsight`` runtime_env) or the operator opts out with
+``PROFD_KEEP_NVTX_INJECTION=1`` (verl's ``VERL_KEEP_NVTX_INJECTION=1`` is honoured too).
 
 NVTX loads its injection library at the first NVTX call; when that already happened before
 ``attach``, changing the variable cannot help, and the warning says to relaunch with
@@ -34,6 +35,11 @@ def _opted_out(env: Mapping[str, str]) -> bool:
     return any(env.get(v) == "1" for v in OPT_OUT_VARS)
 
 
+def _is_nsys_injection(library: str) -> bool:
+    """Nsight Systems injects ``libToolsInjection64.so`` from its install directory."""
+    return "ToolsInjection" in Path(library).name or "nsight-systems" in library.lower()
+
+
 def _already_loaded(library: str, maps: Path = Path("/proc/self/maps")) -> bool:
     try:
         return library in maps.read_text()
@@ -51,6 +57,11 @@ def apply_guard(
         return None
     previous = env.get(NVTX_VAR)
     if previous == DISABLED_PATH:
+        return None
+    if previous and _is_nsys_injection(previous):
+        # A worker launched under Nsight (Ray's `nsight` runtime_env, a user's own nsys):
+        # its NVTX ranges are what the user asked for.
+        log.info("profd: keeping %s=%s (Nsight Systems injection)", NVTX_VAR, previous)
         return None
     env[NVTX_VAR] = DISABLED_PATH
     if previous:

@@ -60,13 +60,19 @@ def mini_batch_window(step_num: int, schedule: Mapping[str, int]) -> tuple[int, 
     ``step()`` runs once after each mini-batch, so ``step_num`` is one past the last
     mini-batch that ran; a window cut short by the end of the loop reports fewer mini-batches.
     """
+    first, last = _active_span(step_num, schedule)
+    return min(first, last), last
+
+
+def _active_span(step_num: int, schedule: Mapping[str, int]) -> tuple[int, int]:
+    """The first active mini-batch of the cycle holding the last mini-batch that ran, and
+    that last one; ``first > last`` when the loop ended before the cycle became active."""
     skip, wait, warmup = schedule["skip_first"], schedule["wait"], schedule["warmup"]
     active = max(schedule["active"] or 1, 1)
     last = max(step_num - 1, 0)
     cycle_len = wait + warmup + active
     cycle = max(last - skip, 0) // cycle_len if cycle_len else 0
-    first = skip + cycle * cycle_len + wait + warmup
-    return min(first, last), last
+    return skip + cycle * cycle_len + wait + warmup, last
 
 
 def window_suffix(
@@ -79,13 +85,15 @@ def window_suffix(
     """Suffix of one saved window.
 
     Discrete update stages with a schedule name windows by their mini-batches (``_mb3-4``).
-    A window in which no mini-batch ran since the previous save (the tail torch saves when a
-    loop ends exactly at a window boundary) gets a ``_part<N>`` name instead, so it can never
-    replace the real window of the same mini-batches (reference §13 item 1). Other windows
-    are ``""`` for the first save and ``_part<N>`` after.
+    A window that recorded no mini-batch — no mini-batch ran since the previous save (the
+    tail torch saves when a loop ends exactly at a window boundary), or the loop ended while
+    the cycle was still warming up — gets a ``_part<N>`` name instead, so it can never
+    replace or impersonate the real window of those mini-batches (reference §13 item 1).
+    Other windows are ``""`` for the first save and ``_part<N>`` after.
     """
     ran_mini_batches = step_num > (previous_step_num if previous_step_num is not None else 0)
     if name_mini_batches and schedule is not None and ran_mini_batches:
-        first, last = mini_batch_window(step_num, schedule)
-        return mb_suffix(first, last)
+        first, last = _active_span(step_num, schedule)
+        if first <= last:
+            return mb_suffix(first, last)
     return part_suffix(save_index)

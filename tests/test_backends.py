@@ -387,6 +387,9 @@ def test_nvtx_guard_rules() -> None:
         assert apply_guard(env) is None and env[NVTX_VAR] == "/x.so"
     env = {NVTX_VAR: "/nsys/injection.so"}
     assert apply_guard(env, under_nsys=True) is None and env[NVTX_VAR] == "/nsys/injection.so"
+    nsys_lib = "/opt/nvidia/nsight-systems/2025.1/target-linux-x64/libToolsInjection64.so"
+    env = {NVTX_VAR: nsys_lib}  # launched under someone's nsys: its NVTX ranges stay
+    assert apply_guard(env) is None and env[NVTX_VAR] == nsys_lib
     assert runtime_env({"pip": ["x"]})["env_vars"][NVTX_VAR] == DISABLED_PATH
     assert "env_vars" not in runtime_env({}, tool="nsys")
 
@@ -402,3 +405,74 @@ def test_a_second_torch_window_in_one_process_is_refused(tmp_path) -> None:
         spec(tmp_path, "c_rank0_pid1_20260101000000000")
     )
     assert len(second.close()) == 1
+
+
+@pytest.mark.parametrize(
+    ("contents", "cuda", "activities", "shapes", "memory", "stack"),
+    [
+        ([], True, {"CPU", "CUDA"}, False, False, False),  # empty: CPU and CUDA (reference)
+        ([], False, {"CPU"}, False, False, False),
+        (["cuda"], True, {"CPU", "CUDA"}, False, False, False),  # CPU always on
+        (["cpu"], True, {"CPU"}, False, False, False),
+        (["cpu", "shapes", "memory", "stack"], True, {"CPU"}, True, True, True),
+        (["cuda", "stack"], True, {"CPU", "CUDA"}, False, False, True),
+    ],
+)
+def test_contents_become_torch_profiler_arguments(
+    contents, cuda, activities, shapes, memory, stack
+) -> None:
+    from profd.backends.torch_backend import torch_profiler_kwargs
+    from profd.config import TorchToolConfig
+
+    kw = torch_profiler_kwargs(TorchToolConfig(contents=contents), cuda)
+    assert {a.name for a in kw["activities"]} == activities
+    assert (kw["record_shapes"], kw["profile_memory"], kw["with_stack"]) == (shapes, memory, stack)
+
+
+def test_shapes_and_stack_are_in_the_recorded_trace(tmp_path) -> None:
+    """The flags reach torch: input shapes on operators, Python frames from with_stack."""
+    from profd.backends.torch_backend import read_trace
+
+    def record(contents: list[str]) -> dict:
+        coll = TorchBackend({"contents": contents}).open(spec(tmp_path / "_".join(contents)))
+        with coll.annotate("x"):
+            torch.ones(4, 4) @ torch.ones(4, 4)
+        (out,) = coll.close()
+        (written,) = out.write()
+        return read_trace(written.path)
+
+    def mm_args(trace: dict) -> dict:
+        return next(e for e in trace["traceEvents"] if e.get("name") == "aten::mm")["args"]
+
+    rich, plain = record(["cpu", "shapes", "stack"]), record(["cpu"])
+    assert mm_args(rich)["Input Dims"] == [[4, 4], [4, 4]] and "Input Dims" not in mm_args(plain)
+    cats = {e.get("cat") for e in rich["traceEvents"]}
+    assert "python_function" in cats
+    assert "python_function" not in {e.get("cat") for e in plain["traceEvents"]}
+
+
+def test_cuda_asked_on_a_worker_without_cuda_is_a_warning(monkeypatch, tmp_path) -> None:
+    from profd.backends.torch_backend import NO_CUDA_HERE
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for contents, warned in ((["cuda", "cpu"], True), ([], False), (["cpu"], False)):
+        coll = TorchBackend({"contents": contents}).open(spec(tmp_path / str(len(contents))))
+        with coll.annotate("x"):
+            torch.ones(4).sum()
+        (out,) = coll.close()
+        (written,) = out.write()
+        assert (NO_CUDA_HERE in written.warnings) is warned, contents
+
+
+def test_attaching_an_agent_applies_the_nvtx_guard(monkeypatch, local_coordinator) -> None:
+    """The guard is wired into attach: a worker's CUPTI-grabbing injection is disabled before
+    any session can ask for CUDA activity; the opt-out keeps it."""
+    monkeypatch.setenv(NVTX_VAR, "/usr/lib/libcupti-injection.so")
+    (agent,) = start_agents(local_coordinator)
+    assert os.environ[NVTX_VAR] == DISABLED_PATH
+    agent.close()
+    monkeypatch.setenv(NVTX_VAR, "/usr/lib/libcupti-injection.so")
+    monkeypatch.setenv("PROFD_KEEP_NVTX_INJECTION", "1")
+    (agent,) = start_agents(local_coordinator)
+    assert os.environ[NVTX_VAR] == "/usr/lib/libcupti-injection.so"
+    agent.close()

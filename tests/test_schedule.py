@@ -55,12 +55,20 @@ def test_window_suffix_never_reuses_a_real_window_name() -> None:
     assert window_suffix(4, 4, 2, s, True) == "_part2"
     assert window_suffix(3, None, 0, s, False) == ""  # continuous: first save
     assert window_suffix(5, 3, 1, s, False) == "_part1"
+    # warmup 1 / active 1, 3 mini-batches: mb1 is the window; mb2 only warmed up when the
+    # loop ended, so the tail torch saves on stop() recorded no mini-batch
+    w = sched(warmup=1, active=1)
+    assert window_suffix(2, None, 0, w, True) == "_mb1"
+    assert window_suffix(3, 2, 1, w, True) == "_part1"
 
 
-def run_step(agent: ProfilerAgent, step: int, mini_batches: int) -> None:
+def run_step(agent: ProfilerAgent, step: int, mini_batches: int, log_prob_batches: int = 0) -> None:
     with agent.step(step):
         with agent.stage("compute_log_prob"), torch.no_grad():
             MODEL(torch.randn(4, 8))
+            for i in range(log_prob_batches):  # marked, but outside the update loop
+                with agent.mini_batch(10 + i):
+                    MODEL(torch.randn(4, 8))
         with agent.stage("update", role="actor", update_loop=True):
             for i in range(mini_batches):
                 with agent.mini_batch(i):
@@ -69,13 +77,13 @@ def run_step(agent: ProfilerAgent, step: int, mini_batches: int) -> None:
             MODEL(torch.randn(4, 8))
 
 
-def record(owner, request: dict, steps: range, mini_batches: int):
+def record(owner, request: dict, steps: range, mini_batches: int, log_prob_batches: int = 0):
     (agent,) = start_agents(owner)
     run_step(agent, 0, mini_batches)
     view = owner.call("create_session", request)
     wait_armed(agent, view.session_id)
     for s in steps:
-        run_step(agent, s, mini_batches)
+        run_step(agent, s, mini_batches, log_prob_batches)
     view = wait_terminal(owner, view.session_id)
     agent.close()
     return view
@@ -129,6 +137,23 @@ def test_tail_window_never_overwrites_the_last_real_window(local_coordinator) ->
     assert len({t.path for t in view.traces}) == len(view.traces)  # nothing overwritten
 
 
+def test_tail_that_only_warmed_up_is_not_named_as_a_mini_batch(local_coordinator) -> None:
+    view = record(
+        local_coordinator,
+        {"steps": [1], "roles": torch_block(True, warmup=1, active=1)},
+        range(1, 3),
+        mini_batches=3,
+    )
+    assert view.state.value == "done", view.reason
+    update = {t.file_name.rsplit("_", 1)[-1]: t for t in view.traces if t.scope == "actor_update"}
+    assert "mb1.json.gz" in update and "mb2.json.gz" not in update
+    assert "mini_batch1" in user_ranges(read_trace(update["mb1.json.gz"].path))
+    for suffix, t in update.items():
+        if suffix.startswith("part"):
+            names = user_ranges(read_trace(t.path))
+            assert not any(n.startswith("mini_batch") for n in names)
+
+
 def test_continuous_schedule_keeps_stages_and_first_active_mini_batches(local_coordinator) -> None:
     view = record(
         local_coordinator,
@@ -142,6 +167,24 @@ def test_continuous_schedule_keeps_stages_and_first_active_mini_batches(local_co
     assert "compute_log_prob" in names and "mini_batch0" in names
     assert "mini_batch1" not in names  # repeat 0 -> 1: one window, one active mini-batch
     assert trace.scope == "train" and "_mb" not in trace.file_name
+
+
+def test_only_update_mini_batches_advance_the_schedule(local_coordinator) -> None:
+    """Mini-batches marked in a log-prob stage are ranges, never schedule steps: with active 1
+    the window still holds the update loop's first mini-batch."""
+    view = record(
+        local_coordinator,
+        {"steps": [1], "roles": torch_block(False, active=1)},
+        range(1, 3),
+        mini_batches=3,
+        log_prob_batches=3,
+    )
+    assert view.state.value == "done", view.reason
+    (trace,) = view.traces
+    names = user_ranges(read_trace(trace.path))
+    assert {"mini_batch10", "mini_batch11", "mini_batch12"} <= set(names)
+    assert "actor_update" in names and "mini_batch0" in names
+    assert "mini_batch1" not in names
 
 
 def test_continuous_skip_drops_what_came_before_the_window(local_coordinator) -> None:

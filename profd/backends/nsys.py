@@ -177,7 +177,7 @@ class NsysBackend(Backend):
         if not cls.api.launched_under_nsys():
             return (
                 "the worker was not launched under Nsight (start it with "
-                "runtime_env=profd.nsys_runtime_env() or profd's nsys launcher)"
+                "runtime_env=profd.backends.nsys.nsys_runtime_env() or profd's nsys launcher)"
             )
         try:
             if not cls.api.cuda_available():

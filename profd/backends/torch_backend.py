@@ -65,6 +65,7 @@ def _distributed_info_present() -> bool:
         return False
 
 
+NO_CUDA_HERE = "contents asked for cuda but this worker has no CUDA device: recorded CPU only"
 #: Kineto categories of events recorded on the device (not launches seen from the CPU).
 DEVICE_EVENTS = re.compile(rb'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
 NO_DEVICE_EVENTS = (
@@ -92,10 +93,18 @@ class _TorchOutput(PendingOutput):
     exporter thread.
     """
 
-    def __init__(self, window: Any, spec: CollectionSpec, suffix: str, expect_device: bool) -> None:
+    def __init__(
+        self,
+        window: Any,
+        spec: CollectionSpec,
+        suffix: str,
+        expect_device: bool,
+        notes: tuple[str, ...] = (),
+    ) -> None:
         self._spec = spec
         self._suffix = suffix
         self._expect_device = expect_device
+        self._notes = notes
         self._error: Exception | None = None
         self._raw = temp_path(spec.save_dir, spec.stem, ".json")
         try:
@@ -120,7 +129,9 @@ class _TorchOutput(PendingOutput):
             self._raw.unlink(missing_ok=True)
             packed.unlink(missing_ok=True)
         suffix = final.name[len(spec.stem) : -len(TRACE_EXT)]
-        warnings = (NO_DEVICE_EVENTS,) if self._expect_device and not has_device else ()
+        warnings = self._notes
+        if self._expect_device and not has_device:
+            warnings = (*warnings, NO_DEVICE_EVENTS)
         return [WrittenFile(final, final.stat().st_size, suffix, warnings)]
 
 
@@ -151,7 +162,10 @@ class _OneProfilerPerProcess:
 class _TorchCollection(Collection):
     """A torch.profiler run; with a schedule it may save several windows while open."""
 
-    def __init__(self, spec: CollectionSpec, kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, spec: CollectionSpec, kwargs: dict[str, Any], notes: tuple[str, ...] = ()
+    ) -> None:
+        self._notes = notes  # warnings every window of this collection carries
         _OneProfilerPerProcess.acquire(spec.stem)
         try:
             self._setup(spec, kwargs)
@@ -200,7 +214,9 @@ class _TorchCollection(Collection):
             self._spec.schedule,
             self._spec.name_mini_batches,
         )
-        self._ready.append(_TorchOutput(prof.profiler, self._spec, suffix, self._expect_device))
+        self._ready.append(
+            _TorchOutput(prof.profiler, self._spec, suffix, self._expect_device, self._notes)
+        )
         self._saves += 1
         self._last_saved_step = step_num
 
@@ -252,8 +268,10 @@ class TorchBackend(Backend):
     def open(self, spec: CollectionSpec) -> Collection:
         import torch
 
-        kwargs = torch_profiler_kwargs(self.options, torch.cuda.is_available())
-        return _TorchCollection(spec, kwargs)
+        cuda = torch.cuda.is_available()
+        kwargs = torch_profiler_kwargs(self.options, cuda)
+        notes = (NO_CUDA_HERE,) if "cuda" in self.options.contents and not cuda else ()
+        return _TorchCollection(spec, kwargs, notes)
 
 
 def read_trace(path: Path) -> dict[str, Any]:

@@ -8,8 +8,8 @@ steps. While a window is open an out-of-memory observer dumps a snapshot too, na
 Unlike verl, nothing is switched on when a process merely *could* use the tool (reference
 §13 item 7): history recording starts with a window and stops with it.
 
-torch ≥ 2.1 records full stacks and has no stack-depth knob; ``stack_depth`` is kept for
-verl config compatibility and written into the snapshot's file metadata only.
+torch ≥ 2.1 records full stacks and has no stack-depth knob; ``stack_depth`` is accepted for
+verl config compatibility and has no effect.
 
 The CUDA calls go through :class:`CudaMemoryApi` so tests can drive the backend on machines
 without a GPU; on such machines the tool is refused with the reason, never faked.
