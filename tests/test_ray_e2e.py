@@ -187,6 +187,37 @@ def test_demo_runs_against_an_existing_cluster(ray_session, tmp_path, monkeypatc
         assert Path(t["path"]).is_file() and t["file_name"] in text
         assert Path(t["path"]).parent.parent == tmp_path / "out"
     assert "ui.perfetto.dev" in text
+    check_demo_files(result.session, result.traces)
+
+
+def check_demo_files(session: dict, traces: list[dict]) -> None:
+    """The files the demo names exist, parse and follow the grammar: training traces by the
+    reference's stem grammar with the profd metadata inside; rollout files by the relocation
+    names (``rollout-replica<n>-globalrank<g>_<engine file>``)."""
+    import gzip
+    import re
+
+    from profd.backends.torch_backend import read_trace
+    from profd.naming import parse_trace_name, sanitize
+
+    steps = session["steps"]
+    for t in traces:
+        if t["role"] == "rollout":
+            assert re.fullmatch(r"rollout-replica\d+-globalrank\d+_.+\.json\.gz", t["file_name"])
+            with gzip.open(t["path"], "rb") as f:
+                assert f.read()  # the engine's file, moved whole
+            continue
+        parts = parse_trace_name(t["file_name"])
+        assert parts is not None, t["file_name"]
+        assert parts.head[0] == sanitize(t["role"]) and parts.rank == t["rank"]
+        assert parts.step == str(t["steps"][0]) and t["steps"][0] in steps
+        trace = read_trace(Path(t["path"]))
+        assert trace["distributedInfo"]["rank"] == t["rank"]
+        meta = trace["profd"]
+        assert meta["session_id"] == session["session_id"] and meta["role"] == t["role"]
+        assert meta["step"] == t["steps"][0]
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert not any(str(n).startswith("ProfilerStep#") for n in names)
 
 
 def test_single_controller_driver_announces_steps(ray_coordinator) -> None:
