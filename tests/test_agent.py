@@ -338,3 +338,33 @@ def test_profiler_fault_mid_update_ends_the_window_not_the_loop(
     assert again.state.value == "done", again.reason
     assert "actor_update" in user_ranges(read_trace(again.traces[0].path))
     agent.close()
+
+
+def test_next_steps_start_where_every_target_can_still_reach(local_coordinator) -> None:
+    """Targets at different steps: the window starts after the most advanced one, so the
+    laggard records the same steps later instead of the leader missing them."""
+    owner = local_coordinator
+    behind, ahead = start_agents(owner, 2)
+    for s in range(3):
+        train_step(behind, s)
+    for s in range(8):
+        train_step(ahead, s)
+    view = owner.call("create_session", {"next_steps": 2, "roles": {"actor": {"all_ranks": True}}})
+    first = view.steps[0]
+    assert first >= 8 and view.steps == [first, first + 1]
+    wait_armed(behind, view.session_id)
+    wait_armed(ahead, view.session_id)
+    for s in range(3, first + 3):
+        train_step(behind, s)
+    for s in range(8, first + 3):
+        train_step(ahead, s)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    assert sorted((t.rank, tuple(t.steps)) for t in view.traces) == [
+        (0, (first,)),
+        (0, (first + 1,)),
+        (1, (first,)),
+        (1, (first + 1,)),
+    ]
+    for a in (behind, ahead):
+        a.close()
