@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from profd.protocol import AgentEvent, AgentInfo, EventKind, PollReply
@@ -176,6 +177,17 @@ class AgentRpcMixin:
         d = ev.data or {}
         info = rec.info
         path = str(d["path"])
+        session = self._sessions.get(ev.session_id or "")
+        if not _inside_session_dir(path, session, ev.session_id or ""):
+            # Downloads serve indexed paths only: an agent cannot make the sidecar serve
+            # a file outside its session's directory.
+            msg = (
+                f"{info.role} rank {info.rank}: trace outside the session directory refused: {path}"
+            )
+            log.warning("session %s: %s", ev.session_id, msg)
+            if session is not None:
+                session.warnings.append(msg)
+            return
         view = TraceView(
             trace_id=str(d["trace_id"]),
             session_id=ev.session_id or "",
@@ -202,7 +214,6 @@ class AgentRpcMixin:
         stall[1] += s_val
         stall[2] = max(stall[2], s_val)
         self._store.save_trace(view.trace_id, view.session_id, view.model_dump(mode="json"))
-        session = self._sessions.get(view.session_id)
         if session is not None:
             self._finisher.upload(session, view)
 
@@ -211,3 +222,16 @@ class AgentRpcMixin:
             pending.discard(agent_id)
             if not pending:
                 done.set()
+
+
+def _inside_session_dir(path: str, session: Session | None, session_id: str) -> bool:
+    """Whether ``path`` (on the agent's node, so compared as text, not resolved here) lies
+    inside the session's directory — or, for a session this coordinator does not know, inside
+    a directory named by the session id."""
+    p = PurePosixPath(os.path.normpath(path))
+    if not p.is_absolute():
+        return False
+    if session is not None:
+        root = PurePosixPath(os.path.normpath(session.save_dir))
+        return p != root and p.is_relative_to(root)
+    return bool(session_id) and session_id in p.parts[:-1]

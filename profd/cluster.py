@@ -254,9 +254,12 @@ def _private(path: Path) -> None:
 def read_or_create_token(state_dir: Path) -> tuple[str, Path]:
     """The sidecar token, created readable by the owner only on first use."""
     path = state_dir / TOKEN_FILE
-    if path.exists():
-        return path.read_text().strip(), path
     _private(path)
+    if path.exists():
+        if path.stat().st_mode & 0o077:  # loosened since (a copy, a umask): tighten again
+            log.warning("profd: %s was readable by others; made it owner-only", path)
+            os.chmod(path, 0o600)
+        return path.read_text().strip(), path
     token = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:

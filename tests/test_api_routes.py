@@ -218,3 +218,15 @@ def test_freeze_gc_moves_the_startup_heap_out_of_collections(local_coordinator) 
             assert gc.get_freeze_count() > 10_000  # imports and the app, frozen at start
     finally:
         gc.unfreeze()
+
+
+def test_summary_cache_is_bounded_and_keeps_what_was_used_last() -> None:
+    from profd.api.routes.sessions import _Lru
+
+    cache = _Lru(2)
+    a, b, c = (("a", ()), ("b", ()), ("c", ()))
+    cache.put(a, "A")  # type: ignore[arg-type]
+    cache.put(b, "B")  # type: ignore[arg-type]
+    assert cache.get(a) == "A"  # a is now the most recently used
+    cache.put(c, "C")  # type: ignore[arg-type]
+    assert cache.get(b) is None and cache.get(a) == "A" and cache.get(c) == "C"

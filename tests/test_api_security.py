@@ -214,3 +214,71 @@ def test_oversized_bodies_get_413(serve, local_coordinator) -> None:
         # Under the limit the same route answers normally (no agent: 422 naming roles).
         assert field_error(post_session(url, {"next_steps": 1}), "roles")
     assert local_coordinator.call("list_sessions") == []
+
+
+def test_only_files_inside_the_session_directory_are_indexed_or_served(
+    serve, actor, local_coordinator, tmp_path
+) -> None:
+    """Downloads serve indexed traces only, and an agent cannot get a file outside its
+    session's directory indexed — not by an absolute path, not through ``..``."""
+    from profd.agent.export import trace_id_for
+    from profd.protocol import AgentEvent, EventKind
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a trace")
+    with serve() as url:
+        sid = post_session(url, {"steps": [10**6]}).json()["session_id"]
+        save_dir = local_coordinator.call("get_session", sid).save_dir
+        inside = Path(save_dir) / "actor_train_step1_rank0.json.gz"
+        inside.parent.mkdir(parents=True, exist_ok=True)
+        inside.write_bytes(b"\x1f\x8b")
+        escapes = [str(secret), f"{save_dir}/../../secret.txt", "relative/trace.json.gz"]
+        events = [
+            AgentEvent(
+                EventKind.TRACE,
+                sid,
+                1,
+                data={"trace_id": trace_id_for(None, p), "path": p, "bytes": 1, "steps": [1]},
+            )
+            for p in [*escapes, str(inside)]
+        ]
+        assert local_coordinator.call("report", actor.agent_id, events)
+        listed = httpx.get(f"{url}/api/v1/traces", params={"session_id": sid}).json()["data"]
+        assert [t["path"] for t in listed] == [str(inside)]
+        for p in escapes:
+            r = httpx.get(f"{url}/api/v1/traces/{trace_id_for(None, p)}/download")
+            assert r.status_code == 404, r.text
+        warnings = local_coordinator.call("get_session", sid).warnings
+        assert sum("outside the session directory" in w for w in warnings) == 3
+        httpx.post(f"{url}/api/v1/sessions/{sid}/cancel", headers=AUTH)
+
+
+def test_reused_token_file_is_made_owner_only_again(tmp_path) -> None:
+    import stat
+
+    from profd.cluster import read_or_create_token
+
+    token, path = read_or_create_token(tmp_path / "state")
+    os.chmod(path, 0o644)
+    os.chmod(path.parent, 0o755)
+    again, _ = read_or_create_token(tmp_path / "state")
+    assert again == token
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_the_token_is_compared_in_constant_time(serve, monkeypatch) -> None:
+    import secrets
+
+    seen: list[tuple[bytes, bytes]] = []
+    real = secrets.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        seen.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(secrets, "compare_digest", spy)
+    with serve() as url:
+        wrong = {"Authorization": "Bearer wrong-token"}
+        assert httpx.post(f"{url}/api/v1/sessions/x/cancel", headers=wrong).status_code == 403
+    assert seen == [(b"wrong-token", TOKEN.encode())]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, status
@@ -151,16 +152,48 @@ async def session_summary(
     key = (session_id, tuple(t.trace_id for t in traces))
     cached = _SUMMARIES.get(key)
     if cached is None:
-        cached = await asyncio.to_thread(
-            summarize_files, paths, source=view.save_dir, nodes=nodes, workers=1
-        )
-        if view.state.is_terminal:
-            _SUMMARIES[key] = cached
+        # One summary at a time: a burst of requests (reads are open on loopback) queues
+        # instead of parsing the same gigabytes in parallel; the cache then answers them.
+        async with _summary_lock():
+            cached = _SUMMARIES.get(key)
+            if cached is None:
+                cached = await asyncio.to_thread(
+                    summarize_files, paths, source=view.save_dir, nodes=nodes, workers=1
+                )
+                if view.state.is_terminal:
+                    _SUMMARIES.put(key, cached)
     return cached
 
 
-#: Summaries of finished sessions (their traces no longer change).
-_SUMMARIES: dict[tuple[str, tuple[str, ...]], SessionSummary] = {}
+class _Lru:
+    """Summaries of finished sessions (their traces no longer change), the newest few."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple[str, tuple[str, ...]], SessionSummary] = OrderedDict()
+
+    def get(self, key: tuple[str, tuple[str, ...]]) -> SessionSummary | None:
+        if key in self._items:
+            self._items.move_to_end(key)
+        return self._items.get(key)
+
+    def put(self, key: tuple[str, tuple[str, ...]], value: SessionSummary) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self._size:
+            self._items.popitem(last=False)
+
+
+_SUMMARIES = _Lru(32)
+_LOCKS: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+
+
+def _summary_lock() -> asyncio.Lock:
+    """The lock of the running loop (tests run several apps, each on its own loop)."""
+    loop = asyncio.get_running_loop()
+    for other in [lp for lp in _LOCKS if lp.is_closed()]:
+        del _LOCKS[other]
+    return _LOCKS.setdefault(loop, asyncio.Lock())
 
 
 @router.post(
