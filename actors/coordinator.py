@@ -173,6 +173,13 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             session.deadline = min(session.deadline, session.created_at + req.duration_s + grace)
         else:
             await self._align(session, req.next_steps or 1)
+        replicas = [t for t in targeting.targets if "replica_world_size" in t.agent.topology]
+        if replicas and req.duration_s is None and self._controller_step is None:
+            session.warnings.append(
+                "rollout replicas record the steps a driver announces with "
+                "profd.controller().step(n); none has been announced yet (without a "
+                "single-controller driver, profile replicas with duration_s)"
+            )
         self._advance(session)
         self._publish([*session.targets])
         await asyncio.sleep(0)  # let parked long-polls answer before the (large) reply is built

@@ -125,7 +125,14 @@ class Finisher:
         if not all(p.state.is_terminal for p in session.targets.values()):
             return
         session.hooks_planned = True
-        for rec in hook_agents(session, agents):
+        chosen = hook_agents(session, agents)
+        absent = sorted(set(req.finish_hook_ranks) - {r.info.rank for r in chosen})
+        if absent and not req.finish_hook_all_ranks:
+            session.warnings.append(
+                f"finish hook: finish_hook_ranks {absent} match no live agent of the session's "
+                "roles; the hook did not run there"
+            )
+        for rec in chosen:
             info = rec.info
             node = info.node_id or info.hostname
             mine = [t.path for t in traces if (t.node_id or t.hostname) == node]

@@ -243,7 +243,10 @@ class GlobalProfilerConfig(_Frozen):
         None, description="Save root; relative paths resolve against the coordinator's base dir."
     )
     relocate_results: StrictBool = Field(
-        False, description="Move engine / nsys outputs into the session directory."
+        False,
+        description="Accepted for verl configs; profd always moves engine and nsys outputs "
+        "into the session directory (a session's files live in one place, and only files "
+        "there are indexed and served).",
     )
     finish_hook_cmd: str | None = Field(
         None, description="Shell command run once after the session's last profiled step."

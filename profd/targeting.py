@@ -93,6 +93,15 @@ def _replicas(
     count = max([i.world_size or 0 for i in agents.values()] + [max(agents) + 1])
     sel = select_replicas(block, ReplicaMap(width, count), available=agents.keys(), role=role)
     out, skipped = [], list(sel.ignored)
+    if block.topology:
+        skipped.append(
+            Ignored(
+                role,
+                None,
+                "topology does not apply to rollout replicas (select them by global GPU rank "
+                "with `ranks`); it was not used",
+            )
+        )
     for replica in sel.replicas:
         info = agents[replica]
         refused = _tool_refused(req, info)

@@ -128,6 +128,24 @@ def test_hook_ranks_override_and_hanging_hook_times_out(local_coordinator) -> No
     assert any("timed out after 1 s" in w for w in view.warnings)
 
 
+def test_finish_hook_ranks_choose_the_ranks_and_report_absent_ones(local_coordinator) -> None:
+    agents = start_agents(local_coordinator, 2)
+    view = session(
+        local_coordinator,
+        agents,
+        {
+            "steps": [1],
+            "finish_hook_cmd": "echo ran on $PROFD_RANK",
+            "finish_hook_ranks": [1, 5],
+            "roles": {"actor": {"ranks": [0]}},
+        },
+    )
+    assert view.state.value == "done", view.reason
+    (hook,) = view.hooks  # rank 1 runs it though only rank 0 was profiled
+    assert hook.rank == 1 and hook.state == "done" and "ran on 1" in hook.output
+    assert any("finish_hook_ranks [5]" in w for w in view.warnings), view.warnings
+
+
 def test_open_group_at_job_end_still_runs_the_hook(local_coordinator, tmp_path) -> None:
     """verl §13 item 3: a continuous group still open at the end never ran the command."""
     marker = tmp_path / "ran"

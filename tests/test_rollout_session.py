@@ -86,6 +86,10 @@ def test_replicas_register_with_their_global_rank_range(job_factory) -> None:
     assert r1.topology["replica_world_size"] == 2
     assert (r1.topology["global_rank_start"], r1.topology["global_rank_stop"]) == (2, 4)
     assert r1.capabilities["torch"] is None and r1.capabilities["py_spy"] is not None
+    # no driver has announced a step yet: a step session on replicas says what they need
+    view = job.owner.call("create_session", {"steps": [9], "roles": {"rollout": {"ranks": [0]}}})
+    assert any("profd.controller().step(n)" in w for w in view.warnings)
+    job.owner.call("cancel_session", view.session_id)
     assert r1.labels["engine_kind"] == "vllm" and r1.labels["endpoint"] == job.fakes[1].url
     assert r1.labels["trace_dir"] == job.replicas[1].agent.describe().trace_dir != ""
 

@@ -144,3 +144,22 @@ def test_topology_filter_selects_matching_agents_and_explains_the_rest() -> None
     )
     t = resolve_targets(nobody, agents)
     assert not t.targets and "no agent has pp=3" in t.ignored[0].reason
+
+
+def test_topology_on_a_rollout_block_is_reported_not_silently_dropped() -> None:
+    replica = AgentInfo(
+        "r-0",
+        "rollout",
+        0,
+        1,
+        {"replica_world_size": 2, "global_rank_start": 0, "global_rank_stop": 2, "tp": 2},
+        "h",
+        1,
+        capabilities={"torch": None},
+    )
+    req = SessionRequest.model_validate(
+        {"duration_s": 1, "roles": {"rollout": {"all_ranks": True, "topology": {"tp": 0}}}}
+    )
+    t = resolve_targets(req, [replica])
+    assert [x.agent.rank for x in t.targets] == [0]
+    assert "topology does not apply to rollout replicas" in t.ignored[0].reason
