@@ -208,6 +208,8 @@ class ServiceState:
     sidecar_created: bool = True
     #: Temp dir of the local Ray that `profd up` started (identifies its processes).
     ray_temp_dir: str | None = None
+    #: ``RAY_AUTH_MODE`` `profd up` joined with (a token-auth cluster): `down` joins the same way.
+    ray_auth_mode: str | None = None
 
 
 @dataclass

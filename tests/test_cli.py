@@ -78,6 +78,12 @@ def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_p
 
     again = cli(["up", "--address", address, "--port", "0"], cli_env)
     assert again.returncode == 0 and "already up" in again.stdout
+    # the record is lost while the services run: `up` replaces the sidecar it cannot vouch
+    # for, so the CLI's token works again (the coordinator and its sessions stay)
+    (state_dir / "sidecar.json").unlink()
+    lost = cli(["up", "--address", address, "--port", "0"], cli_env)
+    assert lost.returncode == 0 and "replaced it" in lost.stdout, lost.stdout + lost.stderr
+    assert cli(["status"], cli_env, timeout=60).returncode == 0
 
     remote = ray.remote(DemoWorker).options(num_cpus=0)
     workers = [remote.remote("actor", r, 2, seed=3) for r in range(2)]
@@ -150,3 +156,35 @@ def _cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_down_joins_with_the_auth_mode_up_recorded(tmp_path: Path, monkeypatch) -> None:
+    """A token-auth cluster refuses a driver without RAY_AUTH_MODE=token: `down` reuses the
+    mode `up` ran with (here the cluster is unreachable, so only the join is observed)."""
+    from profd.cli import service
+    from profd.cluster import ServiceState, save_state
+
+    state_dir = tmp_path / "state"
+    monkeypatch.setenv("PROFD_STATE_DIR", str(state_dir))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    save_state(
+        state_dir,
+        ServiceState(
+            url="http://127.0.0.1:1",
+            host="127.0.0.1",
+            port=1,
+            ray_address="10.255.255.1:6379",
+            started_ray=False,
+            save_root=str(tmp_path),
+            ray_auth_mode="token",
+        ),
+    )
+    seen: list[str | None] = []
+
+    def fake_connect(address: str | None) -> None:
+        seen.append(os.environ.get("RAY_AUTH_MODE"))
+        raise ConnectionError("unreachable in this test")
+
+    monkeypatch.setattr("profd.cluster.connect_ray", fake_connect)
+    service.down(address=None)
+    assert seen == ["token"] and not (state_dir / "sidecar.json").exists()

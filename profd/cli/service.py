@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -99,6 +100,7 @@ def up(
         return
     address, started_ray, temp_dir = _join_or_start_ray(address, num_cpus)
     token, token_path = read_or_create_token(settings.state_dir)
+    _replace_unknown_sidecar(token_path)
     coord = (
         settings.coordinator()
         if save_root is None
@@ -128,6 +130,7 @@ def up(
             coordinator_created=services.coordinator_created,
             sidecar_created=services.sidecar_created,
             ray_temp_dir=temp_dir,
+            ray_auth_mode=os.environ.get("RAY_AUTH_MODE"),
         ),
     )
     _report_up(addr["url"], token_path, coord.save_root, sidecar, services)
@@ -141,6 +144,20 @@ def _report_up(url: str, token_path: Path, save_root: str, sidecar: Any, service
         console.print(f"  beyond loopback ({sidecar.host}): every route needs the token")
     if not (services.coordinator_created and services.sidecar_created):
         console.print("  (an existing coordinator / sidecar was reused)")
+
+
+def _replace_unknown_sidecar(token_path: Path) -> None:
+    """A sidecar running without this state directory's record (the file was lost, or it was
+    started from elsewhere) has a token and flags this `up` cannot know: start it afresh so
+    the token file and the flags given now are the ones it uses. The coordinator is kept."""
+    from profd.actors import kill_named
+    from profd.cluster import SIDECAR_NAME
+
+    if kill_named(SIDECAR_NAME):
+        console.print(
+            f"  a sidecar without a record in this state directory was running: replaced it "
+            f"so it uses the token in {token_path} and these flags"
+        )
 
 
 def _join_or_start_ray(address: str | None, num_cpus: int | None) -> tuple[str, bool, str | None]:
@@ -179,6 +196,9 @@ def down(
     if target is None and state is None:
         console.print(f"profd is not up (no state in {settings.state_dir})")
         return
+    if state is not None and state.ray_auth_mode and "RAY_AUTH_MODE" not in os.environ:
+        # before Ray is imported: a token-auth cluster refuses a driver without it
+        os.environ["RAY_AUTH_MODE"] = state.ray_auth_mode
     try:
         connect_ray(target)
         stopped = stop_services()
