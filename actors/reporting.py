@@ -50,7 +50,12 @@ def session_view(
         hooks=[HookView.model_validate(h) for h in s.hooks],
         uploads=[
             UploadView(
-                trace_id=tid, state=u["state"], path=u["path"], dest=u["dest"], error=u["error"]
+                trace_id=tid,
+                state=u["state"],
+                path=u["path"],
+                dest=u["dest"],
+                error=u["error"],
+                node_id=u.get("node_id"),
             )
             for tid, u in s.uploads.items()
         ],

@@ -200,6 +200,7 @@ class UploadView(_View):
     path: str = Field(description="Source path on its node.")
     dest: str = Field(description="Destination URL.")
     error: str = Field(description="Why the upload failed, if it did.")
+    node_id: str | None = Field(None, description="Node that holds the file and uploads it.")
 
 
 SessionView.model_rebuild()

@@ -168,3 +168,20 @@ def test_role_block_defaults_enable_when_listed() -> None:
     assert block.enable and not block.all_ranks and block.ranks == () and not block.discrete
     assert block.tool_config.torch_memory.trace_alloc_max_entries == 100_000
     assert block.tool_config.for_tool(ToolKind.TORCH) is block.tool_config.torch
+
+
+def test_installed_names_do_not_squat_generic_modules(tmp_path) -> None:
+    """`api` and `actors` install as profd.api / profd.actors: outside the repository a user's
+    own `api` or `actors` module is never shadowed by profd."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util as u; "
+        "print([u.find_spec(n) is None for n in ('api', 'actors')], "
+        "u.find_spec('profd.api') is not None, u.find_spec('profd.actors') is not None)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[True, True] True True"

@@ -11,7 +11,7 @@ import torch
 from profd.config import SessionRequest
 from profd.finish import hook_env, run_hook, upload_file
 
-from helpers import start_agents, wait_armed, wait_terminal
+from helpers import coordinator_settings, start_agents, wait_armed, wait_terminal, wait_until
 
 
 def run(agents, steps) -> None:
@@ -217,3 +217,46 @@ def test_failed_upload_makes_the_session_partial(local_coordinator, tmp_path) ->
     assert view.state.value == "partial"
     assert "upload of" in view.reason and view.uploads[0].state == "failed"
     assert Path(view.traces[0].path).is_file()  # the trace itself is intact
+
+
+def test_pending_upload_resumes_once_after_a_coordinator_restart(tmp_path) -> None:
+    """The coordinator dies while an upload is in flight: its successor (same state directory)
+    runs the pending upload, once, and the session ends done."""
+    import asyncio
+
+    from profd.actors.coordinator import ProfileCoordinator
+    from profd.actors.runner import LocalRunner
+    from profd.agent.local import InProcessCoordinator
+
+    class StuckRunner:  # the upload never returns: the coordinator "dies" before it does
+        async def run(self, node_id, fn, *args):
+            await asyncio.Event().wait()
+
+    settings = coordinator_settings(tmp_path)
+    bucket = tmp_path / "bucket"
+    first = InProcessCoordinator(ProfileCoordinator(settings, runner=StuckRunner()))
+    (agent,) = start_agents(first)
+    run([agent], [0])
+    view = first.call("create_session", {"steps": [1], "upload_uri": f"file://{bucket}"})
+    wait_armed(agent, view.session_id)
+    run([agent], [1, 2])
+    wait_until(
+        lambda: first.call("get_session", view.session_id).uploads, 10, what="upload pending"
+    )
+    agent.close()
+    pending = first.call("get_session", view.session_id)
+    assert pending.state.value == "collecting" and pending.uploads[0].state == "pending"
+    first.close()
+
+    second = InProcessCoordinator(ProfileCoordinator(settings, runner=LocalRunner()))
+    try:
+        second.call("status")  # the first call starts its housekeeping, which resumes uploads
+        done = wait_terminal(second, view.session_id, timeout=30)
+        assert done.state.value == "done", done.reason
+        (upload,) = done.uploads
+        assert upload.state == "done"
+        (trace,) = done.traces
+        assert [p.name for p in (bucket / view.session_id).iterdir()] == [trace.file_name]
+        assert (bucket / view.session_id / trace.file_name).stat().st_size == trace.bytes
+    finally:
+        second.close()

@@ -75,23 +75,31 @@ def session_done(url: str, sid: str, timeout: float = 90) -> dict[str, Any]:
         ) from None
 
 
+UPLOADS = Path("/tmp/profd-test-uploads")  # an upload prefix the sidecar allows
+
+
 @pytest.fixture
 def sidecar(ray_coordinator) -> Any:
     import ray
 
     from profd.actors import get_or_create_sidecar
 
-    handle, _ = get_or_create_sidecar(
-        SidecarConfig(port=0, token=TOKEN, allow_hook_commands=True), detached=False
+    config = SidecarConfig(
+        port=0, token=TOKEN, allow_hook_commands=True, upload_prefixes=(f"file://{UPLOADS}",)
     )
+    handle, _ = get_or_create_sidecar(config, detached=False)
     yield ray.get(handle.address.remote())["url"]  # the handle keeps the actor alive
     del handle
 
 
 def test_traces_stay_on_their_node_and_download_through_it(sidecar, ray_session) -> None:
+    import shutil
+    import uuid
+
     import ray
 
     url = sidecar
+    bucket = f"file://{UPLOADS}/{uuid.uuid4().hex}"
     ws = start_workers([("actor", 0, 2, "node_b"), ("actor", 1, 2, "node_b")])
     node_b = node_of(ws[0])
     assert node_b != ray_session.node_id
@@ -113,6 +121,7 @@ def test_traces_stay_on_their_node_and_download_through_it(sidecar, ray_session)
                 "next_steps": 1,
                 "roles": {"actor": {"all_ranks": True}},
                 "finish_hook_cmd": 'echo node=$PROFD_NODE files=$(echo "$PROFD_TRACES" | wc -l)',
+                "upload_uri": bucket,
             },
         )
         assert r.status_code == 201, r.text
@@ -136,6 +145,14 @@ def test_traces_stay_on_their_node_and_download_through_it(sidecar, ray_session)
     summary = httpx.get(f"{url}/api/v1/sessions/{view['session_id']}/summary").json()
     assert sorted(tr["rank"] for tr in summary["tracks"]) == [0, 1]  # read on node B
     assert "update_actor" in summary["stages"]
+    # each trace uploaded once, by a task on the node that holds it
+    uploads = view["uploads"]
+    assert len(uploads) == 2 and {u["state"] for u in uploads} == {"done"}
+    assert {u["node_id"] for u in uploads} == {node_b}
+    for tr in view["traces"]:
+        copy = Path(bucket.removeprefix("file://")) / view["session_id"] / tr["file_name"]
+        assert copy.read_bytes() == Path(tr["path"]).read_bytes()
+    shutil.rmtree(bucket.removeprefix("file://"), ignore_errors=True)
 
 
 def test_removed_node_and_killed_agent_end_as_lost(sidecar, cluster, ray_session) -> None:
