@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from profd import __version__
 from profd.actors.runner import default_runner
 from profd.api import metrics
-from profd.api.client import CoordinatorClient, RayCoordinatorClient
+from profd.api.client import CoordinatorClient, RayCoordinatorClient, SharedReads
 from profd.api.deps import ReadTokenDep
 from profd.api.routes import agents, dashboard, sessions, status, traces
 from profd.api.security import BodyLimit
@@ -60,7 +60,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if client is None:
             _connect_ray(config)
-            app.state.client = RayCoordinatorClient()
+            app.state.client = SharedReads(RayCoordinatorClient(), config.read_cache_s)
         else:
             app.state.client = client
         app.state.runner = default_runner()

@@ -7,6 +7,8 @@ it in with ``app.dependency_overrides``).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -17,6 +19,7 @@ __all__ = [
     "CoordinatorUnavailable",
     "LocalCoordinatorClient",
     "RayCoordinatorClient",
+    "SharedReads",
 ]
 
 
@@ -67,3 +70,48 @@ class RayCoordinatorClient:
         except RayActorError as exc:
             self._handle = None
             raise CoordinatorUnavailable(f"the profd coordinator is unreachable: {exc}") from None
+
+
+class SharedReads:
+    """A client whose reads are shared for ``ttl_s``: concurrent and closely following
+    requests for the same read make one coordinator call (a hundred polling clients, a few
+    calls a second). Any other call — a change — clears what is held, so a client that made
+    a change reads it back at once. Failed reads are never kept."""
+
+    READS = frozenset(
+        {"status", "list_agents", "list_sessions", "list_traces", "get_session", "metrics"}
+    )
+    _MAX_ENTRIES = 256
+
+    def __init__(
+        self,
+        inner: CoordinatorClient,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.inner = inner
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._held: dict[tuple[Any, ...], tuple[float, asyncio.Future[Any]]] = {}
+
+    async def call(self, method: str, *args: Any) -> Any:
+        if method not in self.READS or self.ttl_s <= 0:
+            try:
+                return await self.inner.call(method, *args)
+            finally:
+                if method not in self.READS:
+                    self._held.clear()
+        key = (method, *args)
+        now = self._clock()
+        held = self._held.get(key)
+        if held is None or now - held[0] >= self.ttl_s:
+            if len(self._held) >= self._MAX_ENTRIES:
+                self._held = {k: v for k, v in self._held.items() if now - v[0] < self.ttl_s}
+            held = (now, asyncio.ensure_future(self.inner.call(method, *args)))
+            self._held[key] = held
+        try:
+            return await asyncio.shield(held[1])
+        except Exception:
+            if self._held.get(key) is held:
+                del self._held[key]
+            raise

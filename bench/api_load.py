@@ -21,6 +21,7 @@ server also prints its own view (request start to response end inside uvicorn), 
 the server's share of the latency from the clients' and the machine's.
 
     python bench/api_load.py [--clients 100] [--duration 60] [--interval 0.5] [--churn 4]
+    python bench/api_load.py --ray   # as `profd up` serves: sidecar and coordinator actors
 
 Last line: ``RESULT clients=100 requests=... errors=... p50_ms=... p99_ms=...``.
 """
@@ -152,6 +153,53 @@ def serve(port_file: Path, n_agents: int, workdir: Path) -> None:
     owner.close()
 
 
+class RayOwner:
+    """``owner.call(...)`` on the coordinator actor (as :class:`InProcessCoordinator` offers)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.handle, method).remote(*args), timeout=60)
+
+
+def serve_ray(port_file: Path, n_agents: int, workdir: Path) -> None:
+    """What `profd up` runs: the sidecar actor (uvicorn inside it) calling the coordinator
+    actor through Ray on every request, on a local Ray on 127.0.0.1."""
+    from profd.cluster import init_local_ray, start_services, stop_services
+
+    init_local_ray()  # before the agents: they find the coordinator through Ray
+    import ray
+
+    from profd.agent import ProfilerAgent
+    from profd.settings import CoordinatorSettings, SidecarConfig
+
+    settings = CoordinatorSettings(
+        save_root=str(workdir / "profile"), base_dir=str(workdir), state_dir=str(workdir / "state")
+    )
+    services = start_services(
+        settings, SidecarConfig(token=TOKEN, port=0, freeze_gc=True), detached=False
+    )
+    agents = [ProfilerAgent("actor", r, n_agents).start() for r in range(n_agents)]
+    deadline = time.monotonic() + 60
+    while not all(a.connected for a in agents):
+        if time.monotonic() > deadline:
+            raise RuntimeError("agents did not register")
+        time.sleep(0.05)
+    _record_one_session(RayOwner(services.coordinator), agents)
+    port_file.write_text(str(services.address["port"]))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    logging.getLogger("profd").setLevel(logging.ERROR)
+    for a in agents:
+        a.close(timeout=5)
+    stop_services()
+    ray.shutdown()
+
+
 # -- load ---------------------------------------------------------------------------------
 class Tally:
     """Latencies and errors of requests that started after ``start`` (the warm-up is not
@@ -257,7 +305,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-def report(tally: Tally, clients: int, duration: float) -> None:
+def report(tally: Tally, clients: int, duration: float, mode: str) -> None:
     every = [v for vs in tally.latencies.values() for v in vs]
     for route, vs in sorted(tally.latencies.items()):
         print(
@@ -275,7 +323,7 @@ def report(tally: Tally, clients: int, duration: float) -> None:
     print(f"throughput {len(every) / duration:.0f} req/s over {duration:.0f} s")
     print(
         f"RESULT clients={clients} requests={len(every)} errors={errors} "
-        f"p50_ms={pct(every, 0.5):.2f} p99_ms={pct(every, 0.99):.2f}"
+        f"p50_ms={pct(every, 0.5):.2f} p99_ms={pct(every, 0.99):.2f} mode={mode}"
     )
 
 
@@ -287,11 +335,17 @@ def main() -> None:
     parser.add_argument("--churn", type=int, default=4, help="clients doing create / cancel")
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds not measured")
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve as `profd up` does: sidecar and coordinator as Ray actors (every request "
+        "makes a Ray call); default: both in one server process",
+    )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.agents, args.workdir)
+        (serve_ray if args.ray else serve)(args.serve, args.agents, args.workdir)
         return
     if not 0 <= args.churn <= args.clients:
         parser.error("--churn must be between 0 and --clients")
@@ -299,7 +353,8 @@ def main() -> None:
         port_file = Path(tmp) / "port"
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
         cmd = [sys.executable, __file__, "--serve", str(port_file), "--workdir", tmp]
-        server = subprocess.Popen([*cmd, "--agents", str(args.agents)], env=env)
+        cmd += ["--agents", str(args.agents), *(["--ray"] if args.ray else [])]
+        server = subprocess.Popen(cmd, env=env)
         try:
             deadline = time.monotonic() + 120
             while not port_file.exists():
@@ -321,7 +376,7 @@ def main() -> None:
                 server.wait(30)
             except subprocess.TimeoutExpired:
                 server.kill()
-    report(tally, args.clients, args.duration)
+    report(tally, args.clients, args.duration, "ray-actors" if args.ray else "one-process")
 
 
 if __name__ == "__main__":

@@ -101,6 +101,15 @@ class SidecarConfig(BaseModel):
         description="Most steps one session may cover over HTTP (next_steps, or the number of "
         "steps listed); larger gets 422 (the coordinator materialises the window).",
     )
+    read_cache_s: float = Field(
+        0.1,
+        ge=0,
+        le=5,
+        description="Reads of the coordinator (status, listings, a session) are shared by the "
+        "requests that arrive within this long: a hundred polling dashboards cost the "
+        "coordinator a few calls a second. Any change made through this sidecar clears it; "
+        "0 turns it off.",
+    )
     freeze_gc: bool = Field(
         False,
         description="Once started, move the objects that exist (imports, the app) to the "

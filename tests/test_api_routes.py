@@ -230,3 +230,44 @@ def test_summary_cache_is_bounded_and_keeps_what_was_used_last() -> None:
     assert cache.get(a) == "A"  # a is now the most recently used
     cache.put(c, "C")  # type: ignore[arg-type]
     assert cache.get(b) is None and cache.get(a) == "A" and cache.get(c) == "C"
+
+
+def test_shared_reads_collapse_polling_and_changes_clear_them() -> None:
+    import asyncio
+
+    from profd.api.client import SharedReads
+
+    class Counting:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+            self.fail = False
+
+        async def call(self, method: str, *args: Any) -> Any:
+            self.calls.append((method, *args))
+            await asyncio.sleep(0.01)
+            if self.fail:
+                raise RuntimeError("coordinator hiccup")
+            return {"n": len(self.calls)}
+
+    now = [0.0]
+    inner = Counting()
+    shared = SharedReads(inner, ttl_s=0.1, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        # fifty concurrent polls: one call; their answers are the same object
+        first = await asyncio.gather(*[shared.call("status") for _ in range(50)])
+        assert len(inner.calls) == 1 and all(r is first[0] for r in first)
+        assert await shared.call("list_traces", "s1", None, None) != first[0]  # other key
+        now[0] = 0.05
+        assert await shared.call("status") is first[0]  # still fresh
+        await shared.call("cancel_session", "s1")  # a change clears what is held
+        assert await shared.call("status") is not first[0]
+        now[0] = 1.0
+        inner.fail = True
+        with pytest.raises(RuntimeError):
+            await shared.call("status")
+        inner.fail = False
+        assert await shared.call("status")  # a failed read was not kept
+        assert [c[0] for c in inner.calls].count("status") == 4
+
+    asyncio.run(scenario())
