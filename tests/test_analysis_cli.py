@@ -157,3 +157,32 @@ def test_session_id_resolves_through_the_sidecar(session, tmp_path: Path) -> Non
         assert r.exit_code == 2 and "neither a directory nor a known session id" in r.output
     r = run("summarize", "some-session", "--url", "http://127.0.0.1:9")
     assert r.exit_code == 3 and "cannot reach the profd sidecar" in r.output
+
+
+def test_traces_held_elsewhere_are_fetched_never_left_out(session, tmp_path, monkeypatch) -> None:
+    """A session id whose traces are partly on other nodes (no shared filesystem): those are
+    downloaded through the sidecar, the local ones linked, and every rank is in the result."""
+    from profd.cli import analysis
+
+    view, owner = session
+    elsewhere = {t.path for t in view.traces if t.rank == 1}
+    monkeypatch.setattr(analysis, "_here", lambda t: t["path"] not in elsewhere)
+    monkeypatch.setenv("PROFD_STATE_DIR", str(tmp_path / "state"))
+    with UvicornThread(create_app(SidecarConfig(token="t"), client=LoopClient(owner))) as srv:
+        r = run("summarize", view.session_id, "--url", srv.url, "--json")
+        assert r.exit_code == 0, r.output
+        again = run("merge", view.session_id, "--url", srv.url, "-o", str(tmp_path / "m.json"))
+        assert again.exit_code == 0, again.output
+    fetched = tmp_path / "state" / "downloads" / view.session_id
+    s = json.loads(r.stdout[r.stdout.index("{") :])
+    assert s["source"] == str(fetched)
+    assert sorted((t["role"], t["rank"]) for t in s["tracks"]) == [
+        ("actor", 0),
+        ("actor", 1),
+        ("critic", 0),
+    ]
+    for t in view.traces:
+        copy = fetched / t.file_name
+        assert copy.read_bytes() == Path(t.path).read_bytes()
+        assert copy.is_symlink() is (t.path not in elsewhere)  # downloaded only if elsewhere
+    assert "fetched 1 trace(s)" in r.output

@@ -1,8 +1,10 @@
 """``profd merge`` and ``profd summarize``: look at a session's traces.
 
 TARGET is a session directory (works offline) or a session id, which the sidecar resolves
-to its directory (``GET /api/v1/sessions/{id}`` → ``save_dir``). Bad options exit 2 with the
-option named; an unreachable sidecar exits 3.
+to its directory (``GET /api/v1/sessions/{id}`` → ``save_dir``). When some of its traces are
+not on this machine (other nodes, no shared filesystem), they are downloaded through the
+sidecar into ``<state dir>/downloads/<session>/`` (the local ones linked there), so nothing
+is left out. Bad options exit 2 with the option named; an unreachable sidecar exits 3.
 """
 
 from __future__ import annotations
@@ -61,13 +63,41 @@ def resolve_target(target: str, url: str | None) -> Path:
                 f"{target} is neither a directory nor a known session id", param_hint="TARGET"
             ) from None
         raise
+    traces = api.get("/api/v1/traces", session_id=target)["data"]
     save_dir = Path(view["save_dir"])
-    if not save_dir.is_dir():
-        raise CliError(
-            f"session {target}: its directory {save_dir} is not on this machine; download the "
-            f"traces with `profd traces --session {target} --download DIR` and pass DIR"
+    if all(_here(t) for t in traces) and save_dir.is_dir():
+        return save_dir
+    return _fetch(api, target, traces, ProfdSettings().state_dir / "downloads" / target)
+
+
+def _here(trace: dict[str, Any]) -> bool:
+    """Whether this machine holds the trace, whole (it may live on another node)."""
+    path = Path(trace["path"])
+    return path.is_file() and path.stat().st_size == trace["bytes"]
+
+
+def _fetch(api: ApiClient, session_id: str, traces: list[dict[str, Any]], into: Path) -> Path:
+    """A directory with every trace of the session: files on this machine linked, the others
+    downloaded through the sidecar (from their nodes). Kept for the next look."""
+    into.mkdir(parents=True, exist_ok=True)
+    fetched = 0
+    for t in traces:
+        dest = into / t["file_name"]
+        if dest.is_file() and dest.stat().st_size == t["bytes"]:
+            continue
+        if _here(t):
+            dest.unlink(missing_ok=True)
+            dest.symlink_to(Path(t["path"]).resolve())
+            continue
+        part = dest.with_name(dest.name + ".part")
+        api.download(f"/api/v1/traces/{t['trace_id']}/download", part)
+        part.replace(dest)
+        fetched += 1
+    if fetched:
+        err_console.print(
+            f"session {session_id}: fetched {fetched} trace(s) held on other nodes into {into}"
         )
-    return save_dir
+    return into
 
 
 def _csv(text: str | None, name: str, as_int: bool = False) -> list[Any] | None:
