@@ -368,3 +368,20 @@ def test_next_steps_start_where_every_target_can_still_reach(local_coordinator) 
     ]
     for a in (behind, ahead):
         a.close()
+
+
+def test_group_joined_late_is_named_by_its_first_recorded_step(local_coordinator) -> None:
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    train_step(agent, 1)  # step 1 has begun (and ended) before the plan arrives
+    view = owner.call("create_session", {"steps": [1, 2, 3], "profile_continuous_steps": True})
+    wait_armed(agent, view.session_id)
+    for s in (2, 3, 4):
+        train_step(agent, s)
+    view = wait_terminal(owner, view.session_id)
+    (trace,) = view.traces
+    assert trace.steps == [2, 3]
+    assert parse_trace_name(trace.file_name).step == "2"  # not step1: it holds no step 1
+    assert view.targets[0].missed_steps == [1]
+    agent.close()

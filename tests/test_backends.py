@@ -476,3 +476,23 @@ def test_attaching_an_agent_applies_the_nvtx_guard(monkeypatch, local_coordinato
     (agent,) = start_agents(local_coordinator)
     assert os.environ[NVTX_VAR] == "/usr/lib/libcupti-injection.so"
     agent.close()
+
+
+def test_py_spy_is_refused_where_ptrace_is_restricted(tmp_path) -> None:
+    from profd.backends.py_spy import ptrace_refusal
+
+    scope, status = tmp_path / "ptrace_scope", tmp_path / "status"
+    status.write_text("Name:\tpython\nCapEff:\t0000000000000000\n")
+    assert ptrace_refusal(tmp_path / "absent", status, euid=1000) is None  # no Yama
+    for value, refused in (("0", False), ("1", True), ("2", True), ("3", True)):
+        scope.write_text(value + "\n")
+        reason = ptrace_refusal(scope, status, euid=1000)
+        assert (reason is not None) is refused, value
+        if refused:
+            assert f"ptrace_scope={value}" in reason
+    scope.write_text("1\n")
+    assert ptrace_refusal(scope, status, euid=0) is None  # root
+    status.write_text("CapEff:\t0000000000080000\n")  # CAP_SYS_PTRACE (bit 19)
+    assert ptrace_refusal(scope, status, euid=1000) is None
+    scope.write_text("3\n")
+    assert ptrace_refusal(scope, status, euid=0) is not None  # nobody may

@@ -194,7 +194,9 @@ class Recorder:
             ws.scope = DiscreteScope(self, ws, step)
         else:
             if ws.scope is None:
-                ws.scope = ContinuousScope(self, ws, ws.group_of[step])
+                # joined mid-group (the plan came late): the trace is named by its first step
+                group = ws.group_of[step]
+                ws.scope = ContinuousScope(self, ws, group[group.index(step) :])
             ws.scope.enter_step(step)  # type: ignore[union-attr]
         if not ws.recording_sent:
             ws.recording_sent = True

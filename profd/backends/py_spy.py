@@ -27,7 +27,48 @@ from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutp
 from profd.config import PySpyToolConfig, ToolKind
 from profd.files import publish_unique, temp_path
 
-__all__ = ["PySpyBackend", "find_py_spy", "py_spy_command"]
+__all__ = ["PySpyBackend", "find_py_spy", "ptrace_refusal", "py_spy_command"]
+
+_CAP_SYS_PTRACE = 19
+
+
+def ptrace_refusal(
+    scope_file: Path = Path("/proc/sys/kernel/yama/ptrace_scope"),
+    status_file: Path = Path("/proc/self/status"),
+    euid: int | None = None,
+) -> str | None:
+    """Why py-spy (a child of this process) could not attach to it, or ``None``.
+
+    Yama's ``ptrace_scope`` 1 lets a process trace only its descendants (py-spy records its
+    parent) and 2 only with CAP_SYS_PTRACE; 3 forbids it. Root or CAP_SYS_PTRACE passes
+    1 and 2. No Yama (the file is absent): nothing to refuse.
+    """
+    try:
+        scope = int(scope_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if scope == 0:
+        return None
+    if scope >= 3:
+        return "kernel.yama.ptrace_scope=3 forbids attaching py-spy to any process"
+    privileged = (os.geteuid() if euid is None else euid) == 0
+    try:
+        caps = next(
+            int(line.split()[1], 16)
+            for line in status_file.read_text().splitlines()
+            if line.startswith("CapEff:")
+        )
+        privileged = privileged or bool(caps >> _CAP_SYS_PTRACE & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    if privileged:
+        return None
+    return (
+        f"kernel.yama.ptrace_scope={scope}: py-spy cannot attach to this worker (set it to 0, "
+        "or give the worker CAP_SYS_PTRACE, e.g. securityContext.capabilities.add: "
+        "[SYS_PTRACE] on Kubernetes)"
+    )
+
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +149,7 @@ class PySpyBackend(Backend):
     def unavailable_reason(cls) -> str | None:
         if find_py_spy() is None:
             return "py-spy is not installed (it comes with ray[default])"
-        return None
+        return ptrace_refusal()
 
     def open(self, spec: CollectionSpec) -> Collection:
         exe = find_py_spy()
