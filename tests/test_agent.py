@@ -289,7 +289,9 @@ def test_colocated_roles_share_one_collection_named_by_the_combined_role(
     (trace,) = view.traces
     assert trace.file_name.startswith("actor-ref_train_step1_rank0-of-2_")
     names = user_ranges(read_trace(trace.path))
-    assert "compute_log_prob" in names and "ref_compute_log_prob" in names
+    # every label names the role that marked it, the first role's too
+    assert "actor_compute_log_prob" in names and "ref_compute_log_prob" in names
+    assert "compute_log_prob" not in names
     ref.close()
     assert not actor.connected or actor._closed
 

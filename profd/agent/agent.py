@@ -223,6 +223,8 @@ class ProfilerAgent:
         scope = self._recorder.active
         if scope is None:
             return NULL_RANGE
+        if role is None and len(self._roles) > 1:
+            role = self._roles[0]  # several roles share the trace: every label names its role
         return scope.stage(name if role is None else f"{role}_{name}", update_loop)
 
     def mini_batch(self, index: int) -> AbstractContextManager[Any]:

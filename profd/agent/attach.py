@@ -2,9 +2,10 @@
 
 A process that hosts several roles (verl's colocated actor / rollout / ref worker) gets one
 agent and one collection per window, named by the combined role in attach order
-(``actor`` then ``ref`` → ``actor_ref``). Each later role gets a :class:`RoleAgent` whose
-stage labels are prefixed with its role (``ref`` + ``compute_log_prob`` →
-``ref_compute_log_prob``), so a trace says which role ran what. Attaching a single combined
+(``actor`` then ``ref`` → ``actor_ref``). Once a process hosts several roles every stage
+label is prefixed with the role that marked it — the first role's through the agent itself,
+each later role's through its :class:`RoleAgent` (``ref`` + ``compute_log_prob`` →
+``ref_compute_log_prob``) — so a trace says which role ran what. Attaching a single combined
 role (``role="actor_rollout_ref"``) works the same way without prefixes.
 """
 
