@@ -76,6 +76,9 @@ class AgentRpcMixin:
     def _advance_soon(self, sessions: Iterable[Session]) -> None:
         raise NotImplementedError
 
+    def _persist(self, s: Session, *, only_if_changed: bool = False) -> None:
+        raise NotImplementedError
+
     def _live_sessions(self) -> list[Session]:
         raise NotImplementedError
 
@@ -155,7 +158,9 @@ class AgentRpcMixin:
         touched: dict[str, Session] = {}
         for ev in events:
             if ev.kind is EventKind.TRACE and ev.data:
-                self._index_trace(rec, ev)
+                refused = self._index_trace(rec, ev)
+                if refused is not None:  # not a trace of this session: the part says why
+                    ev = AgentEvent(EventKind.ERROR, ev.session_id, ev.step, refused)
             if ev.kind is EventKind.CLOSED:
                 self._registry.close(agent_id)
                 for s in self._live_sessions():
@@ -167,16 +172,19 @@ class AgentRpcMixin:
             if s is not None:
                 s.apply(agent_id, ev)
                 touched[s.session_id] = s
+        for s in touched.values():
+            self._persist(s)  # saved before the agent is told its events arrived
         self._advance_soon(touched.values())
         if touched:
             async with self._progress:
                 self._progress.notify_all()
         return True
 
-    def _index_trace(self, rec: AgentRecord, ev: AgentEvent) -> None:
+    def _index_trace(self, rec: AgentRecord, ev: AgentEvent) -> str | None:
+        """Index a trace the agent wrote; return why it was refused, else ``None``."""
         d = ev.data or {}
         info = rec.info
-        path = str(d["path"])
+        path = os.path.normpath(str(d["path"]))  # served as checked
         session = self._sessions.get(ev.session_id or "")
         if not _inside_session_dir(path, session, ev.session_id or ""):
             # Downloads serve indexed paths only: an agent cannot make the sidecar serve
@@ -187,7 +195,7 @@ class AgentRpcMixin:
             log.warning("session %s: %s", ev.session_id, msg)
             if session is not None:
                 session.warnings.append(msg)
-            return
+            return msg
         view = TraceView(
             trace_id=str(d["trace_id"]),
             session_id=ev.session_id or "",
@@ -206,7 +214,7 @@ class AgentRpcMixin:
             created_at=ev.time,
         )
         if view.trace_id in self._traces:
-            return  # a re-sent event (agent retried after an outage): indexed once
+            return None  # a re-sent event (agent retried after an outage): indexed once
         self._traces[view.trace_id] = view
         stall = self._stalls.setdefault(view.tool, [0, 0.0, 0.0])
         s_val = float(d.get("stall_s") or 0.0)
@@ -216,6 +224,7 @@ class AgentRpcMixin:
         self._store.save_trace(view.trace_id, view.session_id, view.model_dump(mode="json"))
         if session is not None:
             self._finisher.upload(session, view)
+        return None
 
     def _note_fresh_step(self, agent_id: str) -> None:
         for pending, done in self._align_waiters:

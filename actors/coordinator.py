@@ -86,6 +86,8 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._restored: list[Session] = []
         self._progress_cond: asyncio.Condition | None = None
         self._to_advance: dict[str, Session] = {}
+        #: The header each live session was last saved with (idle ticks write nothing).
+        self._saved: dict[str, dict[str, Any]] = {}
         self._advance_handle: asyncio.TimerHandle | None = None
         self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         #: Counters for /metrics (since this incarnation started).
@@ -240,8 +242,9 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             t = resolve_targets(s.request, [info])
             if not t.targets:
                 continue
+            others = [o for o in self._live_sessions() if o is not s]  # not against itself
             try:
-                check_conflicts(self._live_sessions(), self._registry, t.targets)
+                check_conflicts(others, self._registry, t.targets)
             except ConflictError as exc:
                 s.warnings.append(f"{info.role} rank {info.rank} not adopted: {exc.message}")
                 continue
@@ -355,9 +358,23 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         if was_live and not s.is_live:
             log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
         self._publish([aid for aid, p in s.targets.items() if p.state.is_terminal or not s.is_live])
-        if tick and not moved and not s.dirty_parts:
+        self._persist(s, only_if_changed=tick and not moved)
+
+    def _persist(self, s: Session, *, only_if_changed: bool = False) -> None:
+        """Write the session's header and its changed parts; a failed write keeps them
+        marked, so a later save (the next tick at the latest) writes them again."""
+        header = s.header_dict()
+        if only_if_changed and not s.dirty_parts and self._saved.get(s.session_id) == header:
             return
-        self._store.save_session(s.session_id, s.header_dict(), s.take_dirty_parts())
+        parts = s.take_dirty_parts()
+        if self._store.save_session(s.session_id, header, parts):
+            if s.is_live:
+                self._saved[s.session_id] = header
+            else:  # never ticked again: nothing to compare with
+                self._saved.pop(s.session_id, None)
+        else:
+            s.dirty_parts.update(parts)
+            self._saved.pop(s.session_id, None)
 
     def tick(self) -> None:
         """Housekeeping: lose silent agents, expire sessions past their deadline."""

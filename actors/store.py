@@ -41,7 +41,7 @@ class Store(Protocol):
 
     def save_session(
         self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
-    ) -> None: ...
+    ) -> bool: ...
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None: ...
 
@@ -57,8 +57,8 @@ class MemoryStore:
 
     def save_session(
         self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
-    ) -> None:
-        pass
+    ) -> bool:
+        return True
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
         pass
@@ -93,7 +93,7 @@ class SqliteStore:
             d["targets"] = {**d.get("targets", {}), **by_session.get(d["session_id"], {})}
         return out
 
-    def _put(self, key: str, *rows: tuple[str, tuple[Any, ...], dict[str, Any]]) -> None:
+    def _put(self, key: str, *rows: tuple[str, tuple[Any, ...], dict[str, Any]]) -> bool:
         """Write rows ``(sql, leading values, data)`` in one transaction. A failed write (disk
         full, a value JSON cannot hold) is logged and counted, never raised: the coordinator's
         live state stays authoritative and serving."""
@@ -113,13 +113,16 @@ class SqliteStore:
             self.last_error = f"{key}: {exc}"
             if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
                 log.warning("state write failed (%d so far): %s", self.failed_writes, exc)
+            return False
+        return True
 
     def save_session(
         self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
-    ) -> None:
-        """The session's header and the parts that changed since its last save."""
+    ) -> bool:
+        """The session's header and the parts that changed since its last save (all or
+        nothing); ``False`` when the write failed."""
         part_sql = "INSERT OR REPLACE INTO parts VALUES (?, ?, ?)"
-        self._put(
+        return self._put(
             session_id,
             ("INSERT OR REPLACE INTO sessions VALUES (?, ?)", (session_id,), data),
             *((part_sql, (session_id, aid), d) for aid, d in parts.items()),

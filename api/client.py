@@ -81,6 +81,8 @@ class SharedReads:
     READS = frozenset(
         {"status", "list_agents", "list_sessions", "list_traces", "get_session", "metrics"}
     )
+    #: Calls that change what the reads return (others, like ping or get_trace, do not).
+    CHANGES = frozenset({"create_session", "cancel_session"})
     _MAX_ENTRIES = 256
 
     def __init__(
@@ -99,7 +101,7 @@ class SharedReads:
             try:
                 return await self.inner.call(method, *args)
             finally:
-                if method not in self.READS:
+                if method in self.CHANGES:
                     self._held.clear()
         key = (method, *args)
         now = self._clock()

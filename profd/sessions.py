@@ -118,6 +118,12 @@ class Session:
 
     def __post_init__(self) -> None:
         self.dirty_parts.update(self.targets)
+        self._request_dump: dict[str, Any] | None = None
+
+    def _request_json(self) -> dict[str, Any]:
+        if self._request_dump is None:  # the request is frozen: dump it once
+            self._request_dump = self.request.model_dump(mode="json")
+        return self._request_dump
 
     def add_part(self, part: Part) -> None:
         self.targets[part.agent_id] = part
@@ -140,7 +146,7 @@ class Session:
         """:meth:`to_dict` without the parts (stored one row per part)."""
         return {
             "session_id": self.session_id,
-            "request": self.request.model_dump(mode="json"),
+            "request": self._request_json(),
             "save_dir": self.save_dir,
             "created_at": self.created_at,
             "ignored": [[i.role, i.rank, i.reason] for i in self.ignored],
@@ -153,8 +159,9 @@ class Session:
             "history": [[t, st.value, r] for t, st, r in self.history],
             "warnings": list(self.warnings),
             "open_targeting": self.open_targeting,
-            "uploads": self.uploads,
-            "hooks": self.hooks,
+            # copies: records change in place, and a saved header is compared with a new one
+            "uploads": {k: dict(v) for k, v in self.uploads.items()},
+            "hooks": [dict(h) for h in self.hooks],
             "hooks_planned": self.hooks_planned,
         }
 

@@ -260,6 +260,8 @@ def test_shared_reads_collapse_polling_and_changes_clear_them() -> None:
         assert await shared.call("list_traces", "s1", None, None) != first[0]  # other key
         now[0] = 0.05
         assert await shared.call("status") is first[0]  # still fresh
+        await shared.call("ping")  # not a change: what is held stays
+        assert await shared.call("status") is first[0]
         await shared.call("cancel_session", "s1")  # a change clears what is held
         assert await shared.call("status") is not first[0]
         now[0] = 1.0

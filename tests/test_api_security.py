@@ -250,7 +250,13 @@ def test_only_files_inside_the_session_directory_are_indexed_or_served(
             assert r.status_code == 404, r.text
         warnings = local_coordinator.call("get_session", sid).warnings
         assert sum("outside the session directory" in w for w in warnings) == 3
-        httpx.post(f"{url}/api/v1/sessions/{sid}/cancel", headers=AUTH)
+        # a refused file never counts as recorded: the part ends partial, saying why
+        done = AgentEvent(EventKind.PART_DONE, sid, 1, data={"recorded": [1]})
+        assert local_coordinator.call("report", actor.agent_id, [done])
+        view = local_coordinator.call("get_session", sid)
+        (part,) = view.targets
+        assert part.state.value == "partial" and "outside the session directory" in part.reason
+        assert [t.path for t in view.traces] == [str(inside)]
 
 
 def test_reused_token_file_is_made_owner_only_again(tmp_path) -> None:

@@ -117,7 +117,7 @@ def test_sessions_persist_one_row_per_changed_part(tmp_path: Path) -> None:
 
     def counting_save(session_id, data, parts):
         writes.append((session_id, sorted(parts)))
-        real_save(session_id, data, parts)
+        return real_save(session_id, data, parts)
 
     coord._store.save_session = counting_save
     owner = InProcessCoordinator(coord)
@@ -152,3 +152,36 @@ def test_sessions_persist_one_row_per_changed_part(tmp_path: Path) -> None:
     (saved,) = restored
     assert {p["state"] for p in saved["targets"].values()} == {"done"}
     assert len(saved["targets"]) == 3
+
+
+def test_parts_of_a_failed_write_are_written_again(tmp_path: Path) -> None:
+    """A write that failed (disk full) keeps its parts marked: the next save carries them."""
+    settings = coordinator_settings(tmp_path)
+    coord = ProfileCoordinator(settings)
+    real_save, calls = coord._store.save_session, []
+
+    def flaky_save(session_id, data, parts):
+        calls.append(sorted(parts))
+        if len(calls) == 2:  # the write after the agent's events fails
+            return False
+        return real_save(session_id, data, parts)
+
+    coord._store.save_session = flaky_save
+    owner = InProcessCoordinator(coord)
+    agent = ProfilerAgent("actor", 0, 1, find_link=owner.link).start()
+    try:
+        wait_until(lambda: agent.connected, 10, what="registered")
+        step(agent, 0)
+        view = owner.call("create_session", {"steps": [1]})
+        wait_until(lambda: len(calls) >= 3, 10, what="a failed write and the next one")
+        assert calls[1] == [agent.agent_id] and calls[2] == [agent.agent_id]
+        for n in (1, 2):
+            step(agent, n)
+        assert wait_terminal(owner, view.session_id).state.value == "done"
+    finally:
+        agent.close()
+        owner.close()
+    from profd.actors.store import SqliteStore
+
+    (saved,) = SqliteStore(Path(settings.state_dir) / "coordinator.sqlite3").load()["sessions"]
+    assert [p["state"] for p in saved["targets"].values()] == ["done"]

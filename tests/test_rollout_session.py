@@ -306,3 +306,37 @@ def test_timed_session_waits_as_long_as_its_engines_may_flush(local_coordinator,
             local_coordinator.call("cancel_session", view.session_id)
         finally:
             svc.close(timeout=30)
+
+
+def test_launch_time_session_adopts_a_colocated_replica_and_its_training_rank(
+    local_coordinator, tmp_path
+) -> None:
+    """In one session the driver orders a colocated replica before training, so a launch-time
+    session adopts both, whichever registers first; nothing is refused against itself."""
+    view = local_coordinator.call(
+        "create_session",
+        {
+            "steps": [50],
+            "wait_for_agents": True,
+            "roles": {"actor": {"all_ranks": True}, "rollout": {"all_ranks": True}},
+        },
+    )
+    (actor,) = start_agents(local_coordinator, 1, role="actor")
+    fake, agent = vllm_pair(tmp_path, replica=0, tp=2)
+    with fake:
+        svc = RolloutService(
+            agent, replicas=1, colocated=True, find_link=local_coordinator.link
+        ).start()
+        try:
+            wait_until(
+                lambda: len(local_coordinator.call("get_session", view.session_id).targets) == 2,
+                10,
+                what="both adopted",
+            )
+            view = local_coordinator.call("get_session", view.session_id)
+            assert sorted(t.role for t in view.targets) == ["actor", "rollout"]
+            assert not any("not adopted" in w for w in view.warnings), view.warnings
+            local_coordinator.call("cancel_session", view.session_id)
+        finally:
+            svc.close(timeout=30)
+            actor.close()

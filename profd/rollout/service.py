@@ -115,7 +115,7 @@ class RolloutService:
         """Finish any open window, report, and stop."""
         self._work.put(None)
         self._worker.join(timeout)
-        for stop in self._timed_stop.values():
+        for stop in list(self._timed_stop.values()):
             stop.set()  # a timed window still open ends now and reports what it has
         for t in self._timed:
             t.join(timeout)
@@ -145,7 +145,7 @@ class RolloutService:
         for sid, w in list(self._windows.items()):
             if sid not in wanted:
                 self._end(w, "the session ended before these steps")
-        for sid, stop in self._timed_stop.items():
+        for sid, stop in list(self._timed_stop.items()):
             if sid not in wanted:  # cancelled (or expired): stop the engine now
                 stop.set()
         for sid, window in wanted.items():
@@ -297,6 +297,8 @@ class RolloutService:
                 AgentEvent(EventKind.ERROR, sid, None, f"{type(exc).__name__}: {exc}"),
                 AgentEvent(EventKind.PART_DONE, sid, data={}),
             ]
+        finally:
+            self._timed_stop.pop(sid, None)  # the window is over: nothing left to stop
         for ev in events:
             self._emit(ev)
 
