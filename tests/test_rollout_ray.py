@@ -95,3 +95,52 @@ def test_vllm_and_sglang_replicas_in_ray_actors(ray_coordinator, tmp_path: Path)
             ray.kill(h)
         ray.get(worker.close.remote(), timeout=60)
         ray.kill(worker)
+
+
+def test_colocated_replicas_stop_before_training_in_a_ray_job(ray_coordinator, tmp_path) -> None:
+    """Replicas sharing devices with training (colocated): the driver's rollout() mark ends
+    the engines' window before any training stage of the step runs."""
+    import ray
+
+    from profd.demo.replica_host import FakeReplicaHost
+    from profd.demo.workload import DemoWorker
+    from profd.single_controller import Controller
+
+    coord = ray_coordinator
+    host = ray.remote(FakeReplicaHost).options(num_cpus=0)
+    root = str(tmp_path / "engines")
+    hosts = [host.remote("vllm", r, 1, 2, root, colocated=True) for r in range(2)]
+    worker = ray.remote(DemoWorker).options(num_cpus=0).remote("actor", 0, 1, seed=2)
+    stops_before_training: dict[int, int] = {}
+    try:
+        ray.get(worker.ready.remote(), timeout=120)
+        wait_until(lambda: len(ray.get(coord.list_agents.remote())) == 3, 60, what="agents")
+        ctl = Controller()
+        step = [0]
+
+        def drive() -> None:
+            step[0] += 1
+            with ctl.step(step[0]):
+                with ctl.rollout():
+                    ray.get([h.advance.remote(3) for h in hosts])
+                stops = ray.get([h.engine_calls.remote("/stop_profile") for h in hosts])
+                stops_before_training[step[0]] = sum(stops)
+                ray.get(worker.work.remote())
+
+        drive()
+        request = {"next_steps": 1, "roles": {"actor": {}, "rollout": {"all_ranks": True}}}
+        view = ray.get(coord.create_session.remote(request))
+        (window,) = view.steps
+        view = wait_ended(coord, view.session_id, drive)
+        assert view.state.value == "done", view.reason
+        assert stops_before_training[window] == 2  # both engines stopped before training ran
+        assert sorted(t.role for t in view.traces) == ["actor", "rollout", "rollout"]
+    finally:
+        for h in hosts:
+            try:
+                ray.get(h.close.remote(), timeout=60)
+            except Exception:
+                pass
+            ray.kill(h)
+        ray.get(worker.close.remote(), timeout=60)
+        ray.kill(worker)

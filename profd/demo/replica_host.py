@@ -60,6 +60,10 @@ class FakeReplicaHost:
         self.fake.advance(n)
         return self.fake.forward_ct
 
+    def engine_calls(self, path: str) -> int:
+        """How many times the engine's ``path`` (e.g. ``/stop_profile``) was called."""
+        return sum(1 for _, p, _ in self.fake.requests if p == path)
+
     def kill_engine(self) -> None:
         """The engine's endpoint goes away (the replica's agent stays)."""
         self.fake.kill()
