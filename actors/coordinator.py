@@ -161,27 +161,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         if req.steps is not None:
             check_reachable(req.steps, self._registry, targeting.targets)
         session = self._new_session(req, targeting)
-        session.open_targeting = req.wait_for_agents
-        if req.steps is not None:
-            session.resolve_steps(req.steps)
-        elif req.duration_s is not None:
-            session.resolve_steps(())
-            # bounded: the window, then time to write the files (rollout engines say how long
-            # theirs may take: stop, then flush)
-            grace = max(
-                [TIMED_GRACE_S]
-                + [t.agent.topology.get("collect_budget_s", 0) for t in targeting.targets]
-            )
-            session.deadline = min(session.deadline, session.created_at + req.duration_s + grace)
-        else:
-            await self._align(session, req.next_steps or 1)
-        replicas = [t for t in targeting.targets if "replica_world_size" in t.agent.topology]
-        if replicas and req.duration_s is None and self._controller_step is None:
-            session.warnings.append(
-                "rollout replicas record the steps a driver announces with "
-                "profd.controller().step(n); none has been announced yet (without a "
-                "single-controller driver, profile replicas with duration_s)"
-            )
+        await self._place_window(session, req, targeting.targets)
         self._advance(session)
         self._publish([*session.targets])
         await asyncio.sleep(0)  # let parked long-polls answer before the (large) reply is built
@@ -194,6 +174,29 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             len(session.ignored),
         )
         return self._view(session)
+
+    async def _place_window(self, session: Session, req: SessionRequest, targets: Any) -> None:
+        """Fix the session's steps (given, aligned, or none for a timed window)."""
+        session.open_targeting = req.wait_for_agents
+        if req.steps is not None:
+            session.resolve_steps(req.steps)
+        elif req.duration_s is not None:
+            session.resolve_steps(())
+            # bounded: the window, then time to write the files (rollout engines say how long
+            # theirs may take: stop, then flush)
+            grace = max(
+                [TIMED_GRACE_S] + [t.agent.topology.get("collect_budget_s", 0) for t in targets]
+            )
+            session.deadline = min(session.deadline, session.created_at + req.duration_s + grace)
+        else:
+            await self._align(session, req.next_steps or 1)
+        replicas = [t for t in targets if "replica_world_size" in t.agent.topology]
+        if replicas and req.duration_s is None and self._controller_step is None:
+            session.warnings.append(
+                "rollout replicas record the steps a driver announces with "
+                "profd.controller().step(n); none has been announced yet (without a "
+                "single-controller driver, profile replicas with duration_s)"
+            )
 
     def _new_session(self, req: SessionRequest, targeting: Any) -> Session:
         now = self._clock()

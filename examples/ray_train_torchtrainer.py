@@ -13,7 +13,7 @@ Run it on a cluster where ``profd up --address auto`` ran on the head::
 
 or declare the window when the job starts (no ``profd up`` needed: the job then owns a
 coordinator for its lifetime); without ``--address`` the script starts a private Ray on
-127.0.0.1 (see :func:`init_ray`)::
+127.0.0.1 (see :func:`profd.cluster.join_or_start_ray`)::
 
     python examples/ray_train_torchtrainer.py --profile-steps 3,4
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from typing import Any
+
+from profd.cluster import join_or_start_ray
 
 ROLE = "trainer"
 FEATURES = 32
@@ -85,44 +85,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ray.train.report({"step": config["steps"], "loss": float(loss), "traces_written": written})
 
 
-def wait_for_session(session_id: str, timeout: float = 120.0) -> Any:
-    """The session's view once it has ended (state, reason, traces), from the coordinator."""
-    import ray
-
-    from profd.actors import get_coordinator
-
-    coordinator = get_coordinator()
-    deadline = time.monotonic() + timeout
-    while True:
-        view = ray.get(coordinator.get_session.remote(session_id))
-        if view.state.is_terminal or time.monotonic() > deadline:
-            return view
-        time.sleep(0.5)
-
-
-def init_ray(address: str | None, num_cpus: int) -> None:
-    """Join the cluster at ``address`` (or ``$RAY_ADDRESS``, as under ``ray job submit``);
-    with neither, start a private Ray on 127.0.0.1 for this script.
-
-    profd's helpers do it: a Ray started here (or one at a 127.0.0.1 address) gets the
-    loopback settings (``RAY_AUTH_MODE=disabled``, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` so
-    every port binds 127.0.0.1, ``RAY_USAGE_STATS_ENABLED=0``); a cluster elsewhere (``auto``,
-    a remote address) keeps its own settings, token auth included. Ray reads them when it is
-    first imported, so this script imports ``ray`` only after this call. A Ray the caller
-    already joined (a test, a notebook) is kept.
-    """
-    from profd.cluster import connect_ray, init_local_ray
-
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None:
-        init_local_ray(num_cpus=num_cpus)
-    else:
-        connect_ray(address)
-
-
 def main(
     steps: int = 6,
     num_workers: int = 2,
@@ -132,7 +94,7 @@ def main(
     storage_path: str | None = None,
 ) -> dict[str, Any]:
     """Train with ``num_workers`` CPU workers; return the session and its trace files."""
-    init_ray(address, num_cpus=max(4, num_workers))
+    join_or_start_ray(address, num_cpus=max(4, num_workers))
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -159,7 +121,7 @@ def main(
     result = trainer.fit()  # raises if a worker failed
     out: dict[str, Any] = {"session_id": session_id, "error": result.error}
     if session_id is not None:
-        view = wait_for_session(session_id)
+        view = profd.wait_session(session_id)
         out.update(state=view.state.value, traces=[t.path for t in view.traces])
     return out
 

@@ -11,7 +11,8 @@ verl's shape, in miniature:
   before any worker call of the step runs.
 
 A verl config (``global_profiler`` + ``<role>.profiler``) is given to profd unchanged (here
-on a private Ray on 127.0.0.1, since no ``--address`` is given; see :func:`init_ray`)::
+on a private Ray on 127.0.0.1, since no ``--address`` is given; see
+:func:`profd.cluster.join_or_start_ray`)::
 
     python examples/single_controller.py --config examples/verl_config.yaml
 
@@ -26,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from typing import Any
+
+from profd.cluster import join_or_start_ray
 
 VOCAB = 32
 HIDDEN = 48
@@ -224,44 +225,6 @@ def fit(
     return history
 
 
-def wait_for_session(session_id: str, timeout: float = 120.0) -> Any:
-    """The session's view once it has ended (state, reason, traces), from the coordinator."""
-    import ray
-
-    from profd.actors import get_coordinator
-
-    coordinator = get_coordinator()
-    deadline = time.monotonic() + timeout
-    while True:
-        view = ray.get(coordinator.get_session.remote(session_id))
-        if view.state.is_terminal or time.monotonic() > deadline:
-            return view
-        time.sleep(0.5)
-
-
-def init_ray(address: str | None, num_cpus: int) -> None:
-    """Join the cluster at ``address`` (or ``$RAY_ADDRESS``, as under ``ray job submit``);
-    with neither, start a private Ray on 127.0.0.1 for this script.
-
-    profd's helpers do it: a Ray started here (or one at a 127.0.0.1 address) gets the
-    loopback settings (``RAY_AUTH_MODE=disabled``, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` so
-    every port binds 127.0.0.1, ``RAY_USAGE_STATS_ENABLED=0``); a cluster elsewhere (``auto``,
-    a remote address) keeps its own settings, token auth included. Ray reads them when it is
-    first imported, so this script imports ``ray`` only after this call. A Ray the caller
-    already joined (a test, a notebook) is kept.
-    """
-    from profd.cluster import connect_ray, init_local_ray
-
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None:
-        init_local_ray(num_cpus=num_cpus)
-    else:
-        connect_ray(address)
-
-
 def main(
     steps: int = 4,
     config: str | None = None,
@@ -269,7 +232,7 @@ def main(
     address: str | None = None,
     actor_world_size: int = 2,
 ) -> dict[str, Any]:
-    init_ray(address, num_cpus=4)
+    join_or_start_ray(address, num_cpus=4)
     import ray
 
     import profd
@@ -296,7 +259,7 @@ def main(
         "last": history[-1],
     }
     if session_id is not None:
-        view = wait_for_session(session_id)
+        view = profd.wait_session(session_id)
         out.update(state=view.state.value, traces=[t.path for t in view.traces])
     return out
 

@@ -26,6 +26,7 @@ __all__ = [
     "attach_rollout",
     "controller",
     "start_session",
+    "wait_session",
 ]
 
 if TYPE_CHECKING:
@@ -65,6 +66,13 @@ def start_session(config: Any, **kwargs: Any) -> Any:
     from profd.launch import start_session as _start
 
     return _start(config, **kwargs)
+
+
+def wait_session(session_id: str, timeout: float = 120.0) -> Any:
+    """Wait for a session to end; see :func:`profd.launch.wait_session`."""
+    from profd.launch import wait_session as _wait
+
+    return _wait(session_id, timeout)
 
 
 def __getattr__(name: str) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "gcs_reachable",
     "init_local_ray",
     "is_local_address",
+    "join_or_start_ray",
     "load_state",
     "ray_node",
     "read_or_create_token",
@@ -166,6 +167,25 @@ def gcs_reachable(address: str, timeout: float = 3.0) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+def join_or_start_ray(address: str | None = None, num_cpus: int = 4) -> None:
+    """For a job script: join the cluster at ``address`` (or ``$RAY_ADDRESS``, as under
+    ``ray job submit``); with neither, start a private Ray on 127.0.0.1. A Ray this process
+    already joined (a test, a notebook) is kept.
+
+    A Ray started here, or one at a 127.0.0.1 address, gets the loopback settings before
+    Ray is imported (it reads them at import); a cluster elsewhere keeps its own settings,
+    token auth included. So a script calls this before its first ``import ray``.
+    """
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        init_local_ray(num_cpus=num_cpus)
+    else:
+        connect_ray(address)
 
 
 def connect_ray(address: str | None) -> None:

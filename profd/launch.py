@@ -23,7 +23,7 @@ import yaml
 from profd.config import SessionRequest
 from profd.views import SessionView
 
-__all__ = ["load_request", "resolve_interpolations", "start_session"]
+__all__ = ["load_request", "resolve_interpolations", "start_session", "wait_session"]
 
 _OWNED: list[Any] = []
 
@@ -98,3 +98,23 @@ def start_session(
         handle, _ = get_or_create_coordinator(settings, detached=False)
         _OWNED.append(handle)  # a non-detached actor lives only while referenced
     return ray.get(handle.create_session.remote(request), timeout=timeout)
+
+
+def wait_session(session_id: str, timeout: float = 120.0, poll_s: float = 0.5) -> SessionView:
+    """The session's view once it has ended (state, reason, traces), or as it stands when
+    ``timeout`` runs out — for a driver that declared a session with :func:`start_session`."""
+    import time
+
+    import ray
+
+    from profd.actors import get_coordinator
+
+    handle = get_coordinator()
+    if handle is None:
+        raise RuntimeError("profd.wait_session(): no profd coordinator in this Ray cluster")
+    deadline = time.monotonic() + timeout
+    while True:
+        view = ray.get(handle.get_session.remote(session_id), timeout=60)
+        if view.state.is_terminal or time.monotonic() > deadline:
+            return view
+        time.sleep(poll_s)
