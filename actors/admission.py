@@ -24,7 +24,7 @@ def _is_replica(info: AgentInfo) -> bool:
 
 
 def _domains(info: AgentInfo) -> set[tuple[Any, ...]]:
-    """What an agent's profiler occupies while it records.
+    """What an agent's profiler occupies while it records: the agent itself, and
 
     * a training agent: its process (torch allows one profiler per process; colocated roles
       share it) and its rank's device;
@@ -33,30 +33,21 @@ def _domains(info: AgentInfo) -> set[tuple[Any, ...]]:
       occupies the devices of its global ranks, which the training ranks of those numbers
       use too (a hybrid engine runs inside the training workers).
     """
-    if _is_replica(info):
-        out: set[tuple[Any, ...]] = {("engine", info.agent_id)}
-        if info.topology.get("colocated"):
-            start, stop = info.topology["global_rank_start"], info.topology["global_rank_stop"]
-            out.update(("device", g) for g in range(start, stop))
-        return out
-    return {("process", info.hostname, info.pid), ("device", info.rank)}
+    out: set[tuple[Any, ...]] = {("agent", info.agent_id)}
+    if not _is_replica(info):
+        return out | {("process", info.hostname, info.pid), ("device", info.rank)}
+    out.add(("engine", info.agent_id))
+    if info.topology.get("colocated"):
+        start, stop = info.topology["global_rank_start"], info.topology["global_rank_stop"]
+        out.update(("device", g) for g in range(start, stop))
+    return out
 
 
-def _clash(a: AgentInfo, b: AgentInfo) -> bool:
-    """Whether ``a`` and ``b`` could run two profilers on one process or device at once.
-
-    Training agents of different processes never clash on a rank number alone (actor rank 0
-    and critic rank 0 are different workers); a device clash needs a colocated replica on
-    one side.
-    """
-    if a.agent_id == b.agent_id:
-        return True
-    shared = _domains(a) & _domains(b)
-    if not shared:
-        return False
-    if _is_replica(a) or _is_replica(b):
-        return True
-    return any(d[0] == "process" for d in shared)
+def _conflict(domain: tuple[Any, ...], a: AgentInfo, b: AgentInfo) -> bool:
+    """Whether ``a`` and ``b`` sharing ``domain`` means two profilers at once. An agent, a
+    process or an engine always; a device only with a colocated replica on one side (actor
+    rank 0 and critic rank 0 are different workers, not one device)."""
+    return domain[0] != "device" or _is_replica(a) or _is_replica(b)
 
 
 def check_conflicts(
@@ -76,24 +67,21 @@ def check_conflicts(
         for aid, part in s.targets.items():
             rec = registry.get(aid)
             if not part.state.is_terminal and rec is not None:
-                for d in _domains(rec.info) | {("agent", aid)}:
+                for d in _domains(rec.info):
                     held.setdefault(d, []).append((s.session_id, part, rec.info))
     targets = list(targets)
-    if timed:  # within the request only a replica and a training agent can clash
+    if timed:  # within the request only shared devices can clash
         for t in targets:
             for d in _domains(t.agent):
                 if d[0] == "device":
                     held.setdefault(d, []).append((None, t, t.agent))
     clashes: dict[tuple[str, str], tuple[Target, str, str | None]] = {}
     for t in targets:
-        keys = _domains(t.agent) | {("agent", t.agent.agent_id)}
-        for d in keys:
+        for d in _domains(t.agent):
             for sid, holder, info in held.get(d, ()):
-                if info.agent_id == t.agent.agent_id and sid is None:
+                if sid is None and info.agent_id == t.agent.agent_id:
                     continue  # itself, in this request
-                if sid is None and _is_replica(info) == _is_replica(t.agent):
-                    continue
-                if not _clash(t.agent, info):
+                if not _conflict(d, t.agent, info):
                     continue
                 what = (
                     f"session {sid} ({holder.role} rank {holder.rank}, {holder.state.value})"

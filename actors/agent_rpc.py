@@ -76,7 +76,7 @@ class AgentRpcMixin:
     def _advance_soon(self, sessions: Iterable[Session]) -> None:
         raise NotImplementedError
 
-    def _persist(self, s: Session, *, only_if_changed: bool = False) -> None:
+    def _persist(self, s: Session) -> None:
         raise NotImplementedError
 
     def _live_sessions(self) -> list[Session]:

@@ -341,17 +341,14 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             except Exception:  # one broken session must not stall the others
                 log.exception("advancing session %s failed", s.session_id)
 
-    def _advance(self, s: Session, *, tick: bool = False) -> None:
-        """Take every transition ``s`` can take now and persist what changed (a tick that
-        changed nothing writes nothing)."""
+    def _advance(self, s: Session) -> None:
+        """Take every transition ``s`` can take now and persist what changed."""
         was_live, was_open = s.is_live, s.open_targeting
-        moved = False
         while s.advance(self._clock()) is not None:
-            moved = True
+            pass
         if s.is_live and s.request.finish_hook_cmd is not None and not s.hooks_planned:
             traces = [t for t in self._traces.values() if t.session_id == s.session_id]
             self._finisher.start_hooks(s, self._registry.all(), traces)
-            moved = True
             while s.advance(self._clock()) is not None:
                 pass
         if was_open and not s.open_targeting:
@@ -361,13 +358,14 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         if was_live and not s.is_live:
             log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
         self._publish([aid for aid, p in s.targets.items() if p.state.is_terminal or not s.is_live])
-        self._persist(s, only_if_changed=tick and not moved)
+        self._persist(s)
 
-    def _persist(self, s: Session, *, only_if_changed: bool = False) -> None:
-        """Write the session's header and its changed parts; a failed write keeps them
-        marked, so a later save (the next tick at the latest) writes them again."""
+    def _persist(self, s: Session) -> None:
+        """Write the session's header and its changed parts, if anything changed since the
+        last save (an idle tick writes nothing); a failed write keeps them marked, so a later
+        save (the next tick at the latest) writes them again."""
         header = s.header_dict()
-        if only_if_changed and not s.dirty_parts and self._saved.get(s.session_id) == header:
+        if not s.dirty_parts and self._saved.get(s.session_id) == header:
             return
         parts = s.take_dirty_parts()
         if self._store.save_session(s.session_id, header, parts):
@@ -394,7 +392,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
                         s.mark_lost(aid, "the agent did not come back after a coordinator restart")
             self._restored = []
         for s in self._live_sessions():
-            self._advance(s, tick=True)
+            self._advance(s)
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():

@@ -85,8 +85,6 @@ def up(
 ) -> None:
     """Start the coordinator and the sidecar (and a local Ray when no --address is given)."""
     from profd.cluster import (
-        ServiceState,
-        current_address,
         load_state,
         read_or_create_token,
         save_state,
@@ -117,23 +115,29 @@ def up(
         allow_upload_prefix,
     )
     services = start_services(coord, sidecar, detached=True)
+    save_state(settings.state_dir, _service_state(services, address, started_ray, temp_dir, coord))
+    _report_up(services.address["url"], token_path, coord.save_root, sidecar, services)
+
+
+def _service_state(
+    services: Any, address: str, started_ray: bool, temp_dir: str | None, coord: Any
+) -> Any:
+    """What `down` and the other commands need to find what `up` started."""
+    from profd.cluster import ServiceState, current_address
+
     addr = services.address
-    save_state(
-        settings.state_dir,
-        ServiceState(
-            url=addr["url"],
-            host=addr["host"],
-            port=addr["port"],
-            ray_address=current_address() or address,  # resolved: `down` must find this cluster
-            started_ray=started_ray,
-            save_root=coord.save_root,
-            coordinator_created=services.coordinator_created,
-            sidecar_created=services.sidecar_created,
-            ray_temp_dir=temp_dir,
-            ray_auth_mode=os.environ.get("RAY_AUTH_MODE"),
-        ),
+    return ServiceState(
+        url=addr["url"],
+        host=addr["host"],
+        port=addr["port"],
+        ray_address=current_address() or address,  # resolved: `down` must find this cluster
+        started_ray=started_ray,
+        save_root=coord.save_root,
+        coordinator_created=services.coordinator_created,
+        sidecar_created=services.sidecar_created,
+        ray_temp_dir=temp_dir,
+        ray_auth_mode=os.environ.get("RAY_AUTH_MODE"),
     )
-    _report_up(addr["url"], token_path, coord.save_root, sidecar, services)
 
 
 def _report_up(url: str, token_path: Path, save_root: str, sidecar: Any, services: Any) -> None:
