@@ -97,13 +97,17 @@ def check_conflicts(
 
 
 def check_reachable(
-    steps: tuple[int, ...], registry: AgentRegistry, targets: Iterable[Target]
+    steps: tuple[int, ...],
+    registry: AgentRegistry,
+    targets: Iterable[Target],
+    driver_step: int | None = None,
 ) -> None:
-    """Refuse explicit steps that have all begun on every target (nothing could be recorded)."""
+    """Refuse explicit steps that have all begun on every target (nothing could be recorded).
+    A target's step is its own, else the step its single-controller driver announced."""
     current = []
     for t in targets:
         rec = registry.get(t.agent.agent_id)
-        current.append(rec.current_step if rec else None)
+        current.append(rec.step(driver_step) if rec else None)
     known = [c for c in current if c is not None]
     if known and len(known) == len(current) and min(known) >= steps[-1]:
         raise RequestInvalid.at(

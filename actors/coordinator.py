@@ -21,6 +21,7 @@ from profd.actors.admission import check_conflicts, check_reachable, new_session
 from profd.actors.agent_rpc import AgentRpcMixin, Registration
 from profd.actors.driving import ControllerMixin
 from profd.actors.finisher import Finisher
+from profd.actors.liveness import find_gone
 from profd.actors.planbook import PlanBook
 from profd.actors.reporting import metrics_snapshot, session_view
 from profd.actors.runner import NodeRunner, default_runner
@@ -35,6 +36,7 @@ from profd.settings import CoordinatorSettings
 from profd.targeting import resolve_targets
 from profd.views import (
     AgentView,
+    SessionState,
     SessionView,
     StatusView,
     TraceView,
@@ -48,6 +50,10 @@ log = logging.getLogger(__name__)
 ADVANCE_COALESCE_S = 0.01
 #: A timed session's targets have at least this long after the window to hand in files.
 TIMED_GRACE_S = 300
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 2 else ", ".join(map(str, steps))
 
 
 def _part(t: Any) -> Part:
@@ -82,7 +88,10 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._controller_step: int | None = None
         self._controller_seen = 0.0
         self._store = store if store is not None else open_store(settings.state_dir)
-        self._finisher = Finisher(runner or default_runner(), self._changed, settings.base_dir)
+        self._runner = runner or default_runner()
+        self._finisher = Finisher(self._runner, self._changed, settings.base_dir)
+        self._liveness: asyncio.Task | None = None
+        self._liveness_at = 0.0
         self._restored: list[Session] = []
         self._progress_cond: asyncio.Condition | None = None
         self._to_advance: dict[str, Session] = {}
@@ -158,11 +167,13 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             targeting.targets,
             timed=req.duration_s is not None,
         )
+        driver = self._driver_step()
         if req.steps is not None:
-            check_reachable(req.steps, self._registry, targeting.targets)
+            check_reachable(req.steps, self._registry, targeting.targets, driver)
         session = self._new_session(req, targeting)
         await self._place_window(session, req, targeting.targets)
         self._advance(session)
+        self._say_what_is_past(session, driver)
         self._publish([*session.targets])
         await asyncio.sleep(0)  # let parked long-polls answer before the (large) reply is built
         log.info(
@@ -237,6 +248,32 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         first = (max(known) + 1 if known else 0) + self.settings.align_lead_steps
         session.resolve_steps(tuple(range(first, first + count)))
 
+    def _driver_step(self) -> int | None:
+        """The step a single-controller driver announced, while it still announces."""
+        if self._controller_step is None:
+            return None
+        if self._clock() - self._controller_seen > self.settings.heartbeat_timeout_s:
+            return None
+        return self._controller_step
+
+    def _say_what_is_past(self, s: Session, driver: int | None) -> None:
+        """An armed step session whose first steps have begun on every target waits for the
+        first step still ahead, and says so (its reason never names a step already past)."""
+        if s.state is not SessionState.ARMED or not s.steps or s.request.duration_s is not None:
+            return
+        steps = [self._registry.get(a) for a in s.targets]
+        known = [r.step(driver) for r in steps if r is not None]
+        if not known or None in known or len(known) != len(s.targets):
+            return
+        now_at = min(k for k in known if k is not None)
+        past = [x for x in s.steps if x <= now_at]
+        ahead = [x for x in s.steps if x > now_at]
+        if past and ahead:
+            s.reason = (
+                f"waiting for step {ahead[0]}; step(s) {_span(past)} had already begun on every "
+                f"target (at step {now_at}) and will be missed"
+            )
+
     def _adopt(self, info: AgentInfo) -> None:
         """Add a newly registered agent to launch-time sessions whose window has not begun."""
         for s in self._live_sessions():
@@ -259,9 +296,25 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._ensure_ticker()
         return self._view(self._get(session_id))
 
-    async def list_sessions(self) -> list[SessionView]:
+    async def list_sessions(self, limit: int | None = None, cursor: str | None = None) -> Any:
+        """Without ``limit`` and ``cursor``: every session, oldest first (a list). With
+        either: one :class:`~profd.paging.Page` of ``limit`` sessions (default 50), newest
+        first (created_at, then session id, descending), after ``cursor`` (the previous
+        page's ``next_cursor``); only the page's sessions are turned into views."""
+        from profd.paging import Page, page_of
+
         self._ensure_ticker()
-        return [self._view(s) for s in sorted(self._sessions.values(), key=lambda s: s.created_at)]
+        if limit is None and cursor is None:
+            ordered = sorted(self._sessions.values(), key=lambda s: s.created_at)
+            return [self._view(s) for s in ordered]
+        chosen, next_cursor, total = page_of(
+            self._sessions.values(),
+            lambda s: (s.created_at, s.session_id),
+            "sessions",
+            limit,
+            cursor,
+        )
+        return Page([self._view(s) for s in chosen], next_cursor, total)
 
     async def cancel_session(
         self, session_id: str, reason: str = "cancelled by user"
@@ -380,11 +433,9 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
     def tick(self) -> None:
         """Housekeeping: lose silent agents, expire sessions past their deadline."""
         now = self._clock()
-        for rec in self._registry.expire(now, self.settings.heartbeat_timeout_s):
-            reason = f"no heartbeat for {self.settings.heartbeat_timeout_s:.0f} s"
-            log.warning("agent %s lost: %s", rec.info.agent_id, reason)
-            for s in self._live_sessions():
-                s.mark_lost(rec.info.agent_id, reason)
+        silence = self.settings.heartbeat_timeout_s
+        for rec in self._registry.expire(now, silence):
+            self._lose(rec.info.agent_id, f"no heartbeat for {silence:.0f} s")
         if self._restored and now - self._started > self.settings.heartbeat_timeout_s:
             for s in self._restored:  # agents of restored sessions had their chance to return
                 for aid in list(s.targets):
@@ -393,6 +444,35 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             self._restored = []
         for s in self._live_sessions():
             self._advance(s)
+
+    def _lose(self, agent_id: str, reason: str) -> None:
+        log.warning("agent %s lost: %s", agent_id, reason)
+        for s in self._live_sessions():
+            s.mark_lost(agent_id, reason)
+
+    def _check_liveness(self) -> None:
+        """Every ``liveness_check_s``: ask the nodes which agents' processes are gone."""
+        every = self.settings.liveness_check_s
+        now = self._clock()
+        if every <= 0 or now - self._liveness_at < every:
+            return
+        if self._liveness is not None and not self._liveness.done():
+            return
+        self._liveness_at = now
+        self._liveness = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        try:
+            gone = await find_gone(self._registry.alive(), self._runner)
+        except Exception:
+            log.exception("liveness check failed")
+            return
+        for g in gone:
+            if self._registry.lose(g.agent_id) is not None:
+                self._lose(g.agent_id, g.reason)
+        if gone:
+            for s in self._live_sessions():
+                self._advance(s)
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
@@ -405,6 +485,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             await asyncio.sleep(self.settings.tick_s)
             try:
                 self.tick()
+                self._check_liveness()
             except Exception:
                 log.exception("coordinator tick failed")
 
@@ -413,7 +494,8 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._ensure_ticker()
         now = self._clock()
         recs = sorted(self._registry.all(), key=lambda r: (r.info.role, r.info.rank))
-        return [r.view(now) for r in recs]
+        driver = self._driver_step()
+        return [r.view(now, driver) for r in recs]
 
     async def get_trace(self, trace_id: str) -> TraceView:
         self._ensure_ticker()
@@ -423,8 +505,19 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         return trace
 
     async def list_traces(
-        self, session_id: str | None = None, role: str | None = None, rank: int | None = None
-    ) -> list[TraceView]:
+        self,
+        session_id: str | None = None,
+        role: str | None = None,
+        rank: int | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> Any:
+        """Traces matching the filters. Without ``limit`` and ``cursor``: all of them by
+        session, role, rank and step (a list). With either: one :class:`~profd.paging.Page`
+        of ``limit`` traces (default 50), newest first (created_at, then trace id,
+        descending), after ``cursor``; its ``total`` and ``bytes`` count every match."""
+        from profd.paging import Page, page_of
+
         self._ensure_ticker()
         out = [
             t
@@ -433,7 +526,12 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             and (role is None or t.role == role)
             and (rank is None or t.rank == rank)
         ]
-        return sorted(out, key=lambda t: (t.session_id, t.role, t.rank, t.steps, t.file_name))
+        if limit is None and cursor is None:
+            return sorted(out, key=lambda t: (t.session_id, t.role, t.rank, t.steps, t.file_name))
+        chosen, next_cursor, total = page_of(
+            out, lambda t: (t.created_at, t.trace_id), "traces", limit, cursor
+        )
+        return Page(chosen, next_cursor, total, sum(t.bytes for t in out))
 
     async def status(self) -> StatusView:
         self._ensure_ticker()
@@ -452,6 +550,12 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             uptime_s=round(self._clock() - self._started, 3),
             state_write_failures=self._store.failed_writes,
             state_last_error=self._store.last_error,
+            driver_step=self._driver_step(),
+            driver_seen_s=(
+                round(self._clock() - self._controller_seen, 3)
+                if self._controller_step is not None
+                else None
+            ),
         )
 
     def _view(self, s: Session) -> SessionView:
@@ -474,3 +578,8 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
 
     async def pid(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        """Release the state directory (a coordinator in a process that lives on, once its
+        loop is stopped)."""
+        self._store.close()

@@ -3,29 +3,139 @@
 :class:`RayNodeRunner` runs a plain function as a Ray task pinned to the node that holds the
 files (no shared filesystem assumed). :class:`LocalRunner` runs it on a thread of this
 process (a coordinator used in-process, on one machine).
+
+:func:`locate` decides where a file the trace index knows is read: Ray node ids change with
+every new cluster (``profd down`` then ``profd up``), so a node id the cluster does not know
+falls back to the node's address and host name. :class:`TraceLocator` feeds it the live
+nodes (``ray.nodes()`` through the runner).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["LocalRunner", "NodeRunner", "RayNodeRunner", "default_runner"]
+__all__ = [
+    "LocalRunner",
+    "NodeAddress",
+    "NodeRunner",
+    "Placement",
+    "RayNodeRunner",
+    "TraceLocator",
+    "default_runner",
+    "locate",
+]
 
 
 class NodeRunner(Protocol):
     async def run(self, node_id: str | None, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
+@dataclass(frozen=True)
+class NodeAddress:
+    """A node of the cluster as Ray reports it."""
+
+    node_id: str
+    node_ip: str | None = None
+    hostname: str | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where to read a file: here, on a live node (``node_id``), or nowhere (``reason``)."""
+
+    local: bool
+    node_id: str | None = None
+    reason: str | None = None
+
+    @property
+    def found(self) -> bool:
+        return self.reason is None
+
+
+HERE = Placement(local=True)
+
+
+def locate(
+    node_id: str | None,
+    node_ip: str | None,
+    hostname: str | None,
+    *,
+    here_id: str | None,
+    here_ips: Sequence[str] = (),
+    here_hostname: str | None = None,
+    live: Sequence[NodeAddress] | None = None,
+) -> Placement:
+    """Where to read a file written on node ``node_id`` (address ``node_ip``, host
+    ``hostname``), seen from the node ``here_id`` (addresses ``here_ips``, host
+    ``here_hostname``) of a cluster whose live nodes are ``live`` (None: unknown).
+
+    In order: no node ids (no Ray) or the same node: here. A live node id: that node. The
+    writer's address or host name is this node's: here (a node id of an earlier cluster).
+    A live node has the writer's address: that node. Otherwise the file is on no node of
+    this cluster (``reason`` says which node it was).
+    """
+    if not node_id or not here_id or node_id == here_id:
+        return HERE
+    if live is None or any(n.node_id == node_id for n in live):
+        return Placement(local=False, node_id=node_id)
+    if (node_ip and node_ip in here_ips) or (hostname and hostname == here_hostname):
+        return HERE
+    if node_ip:
+        for n in live:
+            if n.node_ip == node_ip:
+                return Placement(local=False, node_id=n.node_id)
+    return Placement(
+        local=False,
+        reason=f"it was written on node {node_ip or 'with no address'} ({hostname or '?'}), "
+        f"which is not in this Ray cluster (its node id {node_id} is unknown here, and no "
+        "live node has its address)",
+    )
+
+
 class LocalRunner:
     async def run(self, node_id: str | None, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
 
+    async def nodes(self) -> list[NodeAddress] | None:
+        """Unknown: without Ray there are no other nodes to run on."""
+        return None
+
+
+def ray_nodes() -> list[NodeAddress]:
+    """The live nodes of the connected Ray cluster (a blocking GCS call)."""
+    import ray
+
+    return [
+        NodeAddress(n["NodeID"], n.get("NodeManagerAddress"), n.get("NodeManagerHostname"))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
 
 class RayNodeRunner:
+    #: How long a listing of the live nodes is reused (downloads come in bursts).
+    NODES_TTL_S = 5.0
+
     def __init__(self) -> None:
         self._remote: dict[Callable[..., Any], Any] = {}
+        self._nodes: tuple[float, list[NodeAddress]] | None = None
+
+    async def nodes(self) -> list[NodeAddress] | None:
+        """The cluster's live nodes (cached briefly); None when Ray cannot say."""
+        now = time.monotonic()
+        if self._nodes is not None and now - self._nodes[0] < self.NODES_TTL_S:
+            return self._nodes[1]
+        try:
+            found = await asyncio.to_thread(ray_nodes)
+        except Exception:
+            return None
+        self._nodes = (now, found)
+        return found
 
     async def run(self, node_id: str | None, fn: Callable[..., Any], *args: Any) -> Any:
         import ray
@@ -38,6 +148,41 @@ class RayNodeRunner:
         if node_id:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return await remote.options(**opts).remote(*args)
+
+
+class TraceLocator:
+    """Places trace files (anything with ``node_id``, ``node_ip`` and ``hostname``) from the
+    sidecar's node ``here_id``, with the runner's view of the live nodes."""
+
+    def __init__(
+        self, runner: NodeRunner, here_id: str | None, hostname: str | None = None
+    ) -> None:
+        self.runner = runner
+        self.here_id = here_id
+        self.hostname = hostname if hostname is not None else socket.gethostname()
+
+    async def place_all(self, traces: Sequence[Any]) -> list[Placement]:
+        """One placement per trace; the live nodes are asked for at most once."""
+        if all(not t.node_id or not self.here_id or t.node_id == self.here_id for t in traces):
+            return [HERE for _ in traces]
+        nodes = getattr(self.runner, "nodes", None)
+        live = await nodes() if nodes is not None else None
+        ips = [n.node_ip for n in live or () if n.node_id == self.here_id and n.node_ip]
+        return [
+            locate(
+                t.node_id,
+                t.node_ip,
+                t.hostname,
+                here_id=self.here_id,
+                here_ips=ips,
+                here_hostname=self.hostname,
+                live=live,
+            )
+            for t in traces
+        ]
+
+    async def place(self, trace: Any) -> Placement:
+        return (await self.place_all([trace]))[0]
 
 
 def default_runner() -> NodeRunner:

@@ -4,20 +4,30 @@
 (WAL mode, one row per object as JSON), so a restarted coordinator — Ray restarts it after a
 crash — picks up where it stopped. :class:`MemoryStore` keeps nothing (the demo and tests
 that do not exercise restarts).
+
+A coordinator that persists holds :class:`StateLock` on its state directory for as long as it
+lives (an ``flock``, released by the kernel when its process dies, so Ray's restart of a
+crashed coordinator takes it over): two coordinators — of two clusters started from one state
+directory — can never write one SQLite file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
 import os
+import socket
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
 
-__all__ = ["MemoryStore", "SqliteStore", "Store", "open_store"]
+__all__ = ["MemoryStore", "SqliteStore", "StateDirInUse", "StateLock", "Store", "open_store"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,8 @@ class Store(Protocol):
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class MemoryStore:
     """Keeps nothing: a coordinator with this store starts empty after a restart."""
@@ -63,9 +75,78 @@ class MemoryStore:
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
+
+class StateDirInUse(RuntimeError):
+    """Another live coordinator holds the state directory."""
+
+
+class StateLock:
+    """An exclusive ``flock`` on ``<state dir>/coordinator.lock``, naming its holder inside."""
+
+    FILE = "coordinator.lock"
+
+    def __init__(self, state_dir: Path, wait_s: float = 10.0) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = state_dir / self.FILE
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        # A coordinator just killed may take a moment to exit (and release the lock).
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = self._holder()
+                    os.close(self._fd)
+                    self._fd = None
+                    raise StateDirInUse(
+                        f"state directory {state_dir} is in use by another profd coordinator "
+                        f"({holder}); two coordinators must never share one state file: stop "
+                        "that one (`profd down` where it was started) or give this one another "
+                        "PROFD_STATE_DIR"
+                    ) from None
+                time.sleep(0.1)
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, json.dumps(self._me()).encode())
+
+    @staticmethod
+    def _me() -> dict[str, Any]:
+        address = None
+        with contextlib.suppress(Exception):
+            import ray
+
+            if ray.is_initialized():
+                address = ray.get_runtime_context().gcs_address
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "ray": address,
+            "since": time.time(),
+        }
+
+    def _holder(self) -> str:
+        try:
+            d = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return "holder unknown"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.get("since", 0)))
+        return f"pid {d.get('pid')} on {d.get('host')}, Ray at {d.get('ray')}, since {since}"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
 
 class SqliteStore:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, lock: StateLock | None = None) -> None:
+        self.lock = lock
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = path
         self._lock = threading.Lock()
@@ -132,8 +213,20 @@ class SqliteStore:
         sql = "INSERT OR REPLACE INTO traces VALUES (?, ?, ?)"
         self._put(trace_id, (sql, (trace_id, session_id), data))
 
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+        if self.lock is not None:
+            self.lock.release()
+
 
 def open_store(state_dir: str | None) -> Store:
+    """The coordinator's store: SQLite under ``state_dir``, held with :class:`StateLock`."""
     if not state_dir:
         return MemoryStore()
-    return SqliteStore(Path(state_dir) / "coordinator.sqlite3")
+    lock = StateLock(Path(state_dir))
+    try:
+        return SqliteStore(Path(state_dir) / "coordinator.sqlite3", lock=lock)
+    except BaseException:
+        lock.release()
+        raise

@@ -20,7 +20,7 @@ from profd.api import metrics
 from profd.api.client import CoordinatorClient, RayCoordinatorClient, SharedReads
 from profd.api.deps import ReadTokenDep
 from profd.api.routes import agents, dashboard, sessions, status, traces
-from profd.api.security import BodyLimit
+from profd.api.security import BodyLimit, HostCheck, allowed_host_names
 from profd.config import field_errors
 from profd.errors import ProfdError, RequestInvalid
 from profd.settings import SidecarConfig
@@ -88,6 +88,12 @@ def create_app(
     app.include_router(metrics.router)
     app.include_router(dashboard.router)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    # Added last, so outermost: a request for another Host is refused before anything runs.
+    app.add_middleware(
+        HostCheck,
+        allowed=allowed_host_names(config),
+        any_ip=SidecarConfig.host_is_wildcard(config.host),
+    )
     _install_error_handlers(app)
     _declare_security(app, config)
     return app
@@ -98,8 +104,11 @@ _DESCRIPTION = """Live, step-aligned profiling of PyTorch training on Ray.
 * Changes (POST) need `Authorization: Bearer <token>` (the token file `profd up` prints).
   When the sidecar listens beyond loopback, every route needs it, except `/healthz`, the
   dashboard page `/` (which holds no data) and this schema.
+* Every route answers only requests whose `Host` header names the sidecar (loopback names,
+  the bind address, names the operator allowed with `profd up --allow-host NAME`); any other
+  Host, or none, gets 400 `host_not_allowed` (a guard against DNS rebinding).
 * Every error has one body: `{"error", "message", "fields": [{"field", "message", "type"}]}`;
-  422 bad input, 409 conflict, 404 unknown id, 413 body too large, 401/403 token.
+  422 bad input, 409 conflict, 404 unknown id, 413 body too large, 401/403 token, 400 Host.
 """
 
 #: Routes that stay open whatever the bind address (liveness probes).

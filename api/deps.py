@@ -1,4 +1,5 @@
-"""FastAPI dependencies: the coordinator client, the sidecar config and the token check.
+"""FastAPI dependencies: the coordinator client, the sidecar config, where trace files are
+read, the token check, and the query parameters the list routes share.
 
 All are ``async def``: they never block, and FastAPI runs a plain ``def`` dependency on a
 worker thread (two thread hand-offs per dependency, per request).
@@ -9,21 +10,30 @@ from __future__ import annotations
 import secrets
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Query, Request, status
+from pydantic import BeforeValidator
 
-from profd.actors.runner import NodeRunner
+from profd.actors.runner import NodeRunner, TraceLocator
 from profd.api.client import CoordinatorClient
+from profd.config import MAX_INT
+from profd.paging import DEFAULT_LIMIT, MAX_CURSOR_CHARS, MAX_LIMIT
 from profd.settings import SidecarConfig
 
 __all__ = [
     "ClientDep",
     "ConfigDep",
+    "CursorQuery",
+    "LimitQuery",
+    "LocatorDep",
     "NodeIdDep",
+    "RankQuery",
     "ReadTokenDep",
     "RunnerDep",
     "TokenDep",
+    "digits",
     "get_client",
     "get_config",
+    "get_locator",
     "get_node_id",
     "get_runner",
     "require_read_token",
@@ -51,6 +61,47 @@ ClientDep = Annotated[CoordinatorClient, Depends(get_client)]
 ConfigDep = Annotated[SidecarConfig, Depends(get_config)]
 RunnerDep = Annotated[NodeRunner, Depends(get_runner)]
 NodeIdDep = Annotated[str | None, Depends(get_node_id)]
+
+
+async def get_locator(runner: RunnerDep, node_id: NodeIdDep) -> TraceLocator:
+    """Where each trace file is read: here, on the live node that holds it, or nowhere."""
+    return TraceLocator(runner, node_id)
+
+
+LocatorDep = Annotated[TraceLocator, Depends(get_locator)]
+
+
+def digits(value: object) -> object:
+    """Query integers are written in digits only ("0.0" or "1e3" is not a rank)."""
+    text = str(value)
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError("must be a non-negative integer written in digits")
+    return value
+
+
+LimitQuery = Annotated[
+    int,
+    Query(
+        ge=1,
+        le=MAX_LIMIT,
+        description=f"Items per page, 1 to {MAX_LIMIT} (default {DEFAULT_LIMIT}).",
+    ),
+    BeforeValidator(digits),
+]
+CursorQuery = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=MAX_CURSOR_CHARS,
+        description="Opaque cursor: the `next_cursor` of the previous page (omit for the "
+        "newest page).",
+    ),
+]
+RankQuery = Annotated[
+    int | None,
+    Query(ge=0, le=MAX_INT, description=f"Only this rank (an integer, 0 to {MAX_INT})."),
+    BeforeValidator(digits),
+]
 
 
 def _check_bearer(request: Request, token: str) -> None:

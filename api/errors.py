@@ -16,7 +16,7 @@ class ErrorBody(BaseModel):
 
     error: str = Field(
         description="Machine-readable code: invalid_request, conflict, not_found, unauthorized, "
-        "forbidden, payload_too_large, coordinator_unavailable, ..."
+        "forbidden, payload_too_large, host_not_allowed, coordinator_unavailable, ..."
     )
     message: str = Field(description="What is wrong, naming the field or id and the rule.")
     fields: list[FieldError] = Field(
@@ -28,6 +28,7 @@ class ErrorBody(BaseModel):
 
 
 _WHY = {
+    400: "The Host header names no host this sidecar answers to (`profd up --allow-host`)",
     401: "Bearer token missing (needed for changes; for every route beyond loopback)",
     403: "Wrong bearer token",
     404: "Unknown id",

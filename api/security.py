@@ -6,6 +6,9 @@
   the operator configured at ``profd up`` (``--allow-save-root`` / ``--allow-upload-prefix``);
   a request that tries to leave it gets a 422 naming the field and the rule.
 * :class:`BodyLimit` refuses request bodies over ``SidecarConfig.max_body_bytes`` with 413.
+* :class:`HostCheck` answers only requests whose ``Host`` header names the sidecar
+  (:func:`allowed_host_names`; ``SidecarConfig.allowed_hosts`` adds names): a web page that
+  a local user opens cannot read it through DNS rebinding (its requests carry its own name).
 
 Paths are checked on the sidecar's node with symlinks resolved (``os.path.realpath``); a
 path that a symlink created *after* the check leads elsewhere is not caught (the coordinator
@@ -14,8 +17,10 @@ and the agents write where the request says).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 from collections.abc import Iterable
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,6 +32,8 @@ from profd.settings import SidecarConfig
 __all__ = [
     "BodyLimit",
     "BodyTooLarge",
+    "HostCheck",
+    "allowed_host_names",
     "confine_save_path",
     "confine_upload_uri",
     "is_loopback",
@@ -183,6 +190,118 @@ class BodyLimit:
             (b"connection", b"close"),
         ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+#: Names of this machine's loopback interface, answered whatever the bind address.
+LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", "127.0.0.1", "::1"})
+
+
+def machine_names() -> set[str]:
+    """This machine's host name and fully qualified name (lower case), as far as known."""
+    names: set[str] = set()
+    for get in (socket.gethostname, socket.getfqdn):
+        try:
+            name = SidecarConfig.host_name(get())
+        except OSError:
+            continue
+        if name:
+            names.add(name)
+    return names
+
+
+def allowed_host_names(config: SidecarConfig) -> frozenset[str] | None:
+    """The names (as :meth:`SidecarConfig.host_name` writes them) a request's ``Host`` may
+    give, for ``config``; ``None`` when ``allowed_hosts`` holds ``"*"`` (no check).
+
+    Always the loopback names and ``allowed_hosts``; plus the bind address, or, bound to
+    every interface, this machine's names (:class:`HostCheck` then also takes any IP literal).
+    """
+    if "*" in config.allowed_hosts:
+        return None
+    names = set(LOOPBACK_NAMES) | set(config.allowed_hosts)
+    if SidecarConfig.host_is_wildcard(config.host):
+        names |= machine_names()
+    else:
+        bind = SidecarConfig.host_name(config.host)
+        if bind:
+            names.add(bind)
+    return frozenset(names)
+
+
+class HostCheck:
+    """ASGI middleware: a request whose ``Host`` header is missing, repeated or not one of
+    ``allowed`` gets 400 with the one error body, before any route runs (every route: the
+    API, ``/healthz``, ``/metrics``, the dashboard and the schema).
+
+    ``allowed=None`` checks nothing (``allowed_hosts=("*",)``). Beyond the names, any
+    loopback address literal (``127.x.y.z``, ``::1``) is taken, and with ``any_ip`` (a
+    wildcard bind) any IP-address literal: DNS rebinding needs a name, never an address.
+    The cost per request: the header normalised, one frozenset lookup.
+    """
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str] | None, any_ip: bool = False) -> None:
+        self.app = app
+        self.allowed = allowed
+        self.any_ip = any_ip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.allowed is None or scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        hosts = [v for k, v in scope.get("headers", []) if k == b"host"]
+        if len(hosts) == 1:
+            raw = hosts[0].decode("latin-1")
+            if self.permits(raw):
+                await self.app(scope, receive, send)
+                return
+            got = f"Host {raw[:200]!r} is not a name this sidecar answers to"
+        elif hosts:
+            got = f"{len(hosts)} Host headers (exactly one is needed)"
+        else:
+            got = "no Host header (the sidecar answers only requests that name it)"
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await self._refuse(send, got)
+
+    def permits(self, raw: str) -> bool:
+        """Whether a ``Host`` header value names this sidecar."""
+        name = SidecarConfig.host_name(raw)
+        if name is None:
+            return False
+        if name in self.allowed:  # type: ignore[operator]  (None is handled by the caller)
+            return True
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return self.any_ip or address.is_loopback
+
+    def _shown(self) -> str:
+        names = sorted(n if ":" not in n else f"[{n}]" for n in self.allowed or ())
+        extra = "any IP address" if self.any_ip else "any 127.x.y.z"
+        return ", ".join([*names, extra])
+
+    async def _refuse(self, send: Send, got: str) -> None:
+        message = (
+            f"{got}; allowed: {self._shown()} (with or without a :port). This guards against "
+            "DNS rebinding. To reach the sidecar by another name, the operator adds it with "
+            "`profd up --allow-host NAME` (repeatable)"
+        )
+        body = json.dumps(
+            {
+                "error": "host_not_allowed",
+                "message": message,
+                "fields": [{"field": "host", "message": got, "type": "host_not_allowed"}],
+            }
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 400, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
 

@@ -193,7 +193,11 @@ class RayWorkerGroup:
 
 
 def fit(
-    arr_wg: RayWorkerGroup, critic_wg: RayWorkerGroup, steps: int, step_seconds: float
+    arr_wg: RayWorkerGroup,
+    critic_wg: RayWorkerGroup,
+    steps: int,
+    step_seconds: float,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """The driver loop: one RL step = rollout, scoring, advantages, updates."""
     import torch
@@ -219,6 +223,9 @@ def fit(
         history.append(
             {"step": step, "actor_loss": sum(actor_loss), "critic_loss": sum(critic_loss)}
         )
+        if progress:  # one line per step, for whoever watches the job (and its tests)
+            took = time.perf_counter() - started
+            print(json.dumps({"step": step, "seconds": round(took, 4)}), flush=True)
         spare = step_seconds - (time.perf_counter() - started)
         if spare > 0:
             time.sleep(spare)
@@ -231,6 +238,7 @@ def main(
     step_seconds: float = 0.0,
     address: str | None = None,
     actor_world_size: int = 2,
+    progress: bool = False,
 ) -> dict[str, Any]:
     join_or_start_ray(address, num_cpus=4)
     import ray
@@ -246,7 +254,7 @@ def main(
         if session_id is not None:  # the window starts soon: every worker holds its plan first
             for group in (arr_wg, critic_wg):
                 group.wait_profd()
-        history = fit(arr_wg, critic_wg, steps, step_seconds)
+        history = fit(arr_wg, critic_wg, steps, step_seconds, progress)
         closed = arr_wg.close() + critic_wg.close()  # flushes the last profiled step
     finally:
         for w in arr_wg.workers + critic_wg.workers:
@@ -274,10 +282,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--step-seconds", type=float, default=0.0, help="minimum time per step")
     p.add_argument("--config", default=None, help="verl (or profd) profiler config, YAML")
+    p.add_argument("--progress", action="store_true", help="print one JSON line per step")
     return p.parse_args()
 
 
 if __name__ == "__main__":
     args = _parse()
-    out = main(args.steps, args.config, args.step_seconds, args.address)
+    out = main(args.steps, args.config, args.step_seconds, args.address, progress=args.progress)
     print(json.dumps(out, default=str))

@@ -24,7 +24,10 @@ __all__ = [
     "LOOPBACK_ENV",
     "ServiceState",
     "Services",
+    "Tenant",
     "apply_loopback_env",
+    "cluster_pids",
+    "cluster_tenants",
     "connect_ray",
     "current_address",
     "gcs_reachable",
@@ -32,6 +35,7 @@ __all__ = [
     "is_local_address",
     "join_or_start_ray",
     "load_state",
+    "process_start",
     "ray_node",
     "read_or_create_token",
     "read_token",
@@ -109,12 +113,61 @@ def _pids_mentioning(marker: str) -> list[int]:
     return pids
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field
+    22); ``None`` where there is no such process or no ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: count after the last ')'
+    try:
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from /proc."""
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the name (field 2) may hold spaces and parentheses: the ppid follows the last ')'
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def cluster_pids(temp_dir: str) -> list[int]:
+    """Every process of the local cluster that uses ``temp_dir``: those naming it on their
+    command line and all their descendants. Ray renames some of its processes
+    (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``, workers), so the command line alone
+    misses them; they are children of the raylet."""
+    roots = _pids_mentioning(temp_dir)
+    children = _children()
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid == os.getpid():
+            continue
+        seen.add(pid)
+        todo.extend(children.get(pid, ()))
+    return sorted(seen)
+
+
 def stop_local_ray(temp_dir: str | None, timeout: float = 15.0) -> int:
-    """Stop the cluster started by :func:`start_local_ray`; return how many processes ended."""
+    """Stop the cluster started by :func:`start_local_ray` — every process of it, Ray's
+    renamed agents and workers included; return how many processes were signalled."""
     if not temp_dir or not Path("/proc").is_dir():
         subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, env=os.environ.copy())
         return -1
-    pids = _pids_mentioning(temp_dir)
+    pids = cluster_pids(temp_dir)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -214,6 +267,43 @@ def current_address() -> str | None:
         return None
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """Something on a Ray cluster that is not profd: a live driver, or a live actor."""
+
+    kind: str  # "driver" | "actor"
+    job_id: str
+    pid: int | None
+    what: str  # the driver's command line, or the actor's class and name
+
+    def describe(self) -> str:
+        pid = f"pid {self.pid}" if self.pid else "pid unknown"
+        return f"{self.kind} of job {self.job_id} ({pid}): {self.what}"
+
+
+def cluster_tenants() -> list[Tenant]:
+    """Live drivers and actors of the joined cluster other than profd's own (this process's
+    job, the coordinator and the sidecar). Read from Ray's GCS tables, which need no dashboard.
+    """
+    import ray
+    from ray._private import state as ray_state  # the GCS tables; no public API without a dashboard
+
+    me = ray.get_runtime_context().get_job_id()
+    out = []
+    for job in ray_state.jobs():
+        if job.get("IsDead") or job.get("JobID") == me:
+            continue
+        entry = str(job.get("Entrypoint") or "").strip() or "(no command line)"
+        out.append(Tenant("driver", str(job.get("JobID")), job.get("DriverPid"), entry))
+    for actor in ray_state.actors().values():
+        if actor.get("State") == "DEAD" or actor.get("Name") in (COORDINATOR_NAME, SIDECAR_NAME):
+            continue
+        name = actor.get("Name") or ""
+        what = f"{actor.get('ActorClassName')}" + (f" named {name!r}" if name else "")
+        out.append(Tenant("actor", str(actor.get("JobID")), actor.get("Pid") or None, what))
+    return out
+
+
 @dataclass
 class ServiceState:
     """What ``profd up`` started, kept in the state directory for later commands."""
@@ -230,6 +320,10 @@ class ServiceState:
     ray_temp_dir: str | None = None
     #: ``RAY_AUTH_MODE`` `profd up` joined with (a token-auth cluster): `down` joins the same way.
     ray_auth_mode: str | None = None
+    #: The coordinator's settings, so `profd up` recreates a lost coordinator as it was.
+    coordinator: dict[str, Any] | None = None
+    #: The sidecar's settings less its token, so `profd up` restarts a lost sidecar as it was.
+    sidecar: dict[str, Any] | None = None
 
 
 @dataclass
@@ -242,6 +336,8 @@ class Services:
     address: dict[str, Any]
     coordinator_created: bool
     sidecar_created: bool
+    #: Sessions a newly created coordinator restored from its state directory.
+    coordinator_restored: int = 0
 
 
 def start_services(
@@ -253,8 +349,12 @@ def start_services(
     from profd.actors import get_or_create_coordinator, get_or_create_sidecar
 
     coord, coord_new = get_or_create_coordinator(coordinator, detached=detached)
+    restored = 0
+    if coord_new:
+        restored = sum(ray.get(coord.status.remote()).sessions_by_state.values())
     handle, side_new = get_or_create_sidecar(sidecar, detached=detached)
-    return Services(coord, handle, ray.get(handle.address.remote()), coord_new, side_new)
+    address = ray.get(handle.address.remote())
+    return Services(coord, handle, address, coord_new, side_new, restored)
 
 
 def stop_services() -> list[str]:

@@ -11,7 +11,11 @@ Where profd deliberately differs from verl (each is a fix or a safer default):
 * an unknown ``tool`` is an error, never a silent no-op backend (reference §13 item 10);
 * a role listed in a session request is enabled unless it says ``enable: false`` (a request
   exists to profile something); verl's launch-time YAML keeps verl's default ``False``;
-* ``steps`` must not be empty, and is normalised to a sorted tuple without duplicates.
+* ``steps`` must not be empty, and is normalised to a sorted tuple without duplicates;
+* every float (durations, timeouts) must be a finite number: NaN and infinity are refused;
+* ``save_path`` must fit the OS path limits with room for what profd appends below it
+  (:data:`MAX_SAVE_PATH_BYTES`, :data:`NAME_MAX`), and no text field that reaches the OS
+  (``save_path``, ``finish_hook_cmd``, ``upload_uri``) may hold a NUL character.
 
 No Ray or torch import here: this module is safe to import anywhere.
 """
@@ -66,6 +70,14 @@ MAX_WINDOW_STEPS = 10_000
 #: Every integer a request carries fits a JSON number any reader keeps exactly (JavaScript,
 #: SQLite, orjson): larger values are refused at validation, not at persistence.
 MAX_INT = 2**53 - 1
+#: Linux limits (``limits.h``): a whole path, and one path component, in bytes (UTF-8).
+PATH_MAX = 4096
+NAME_MAX = 255
+#: Bytes of ``PATH_MAX`` kept for what profd appends below a save_path:
+#: ``/<session id>/`` (20 characters today), an optional sub-directory (e.g.
+#: ``rollout-engine-replica<N>/``) and a trace file name (~200 characters), plus the NUL.
+SAVE_PATH_RESERVED_BYTES = 512
+MAX_SAVE_PATH_BYTES = PATH_MAX - SAVE_PATH_RESERVED_BYTES
 NonNegInt = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
 PosInt = Annotated[StrictInt, Field(gt=0, le=MAX_INT)]
 RoleName = Annotated[str, StringConstraints(pattern=r"^(\*|[A-Za-z0-9][A-Za-z0-9_.\-]{0,63})$")]
@@ -83,6 +95,11 @@ def _check_token_window(start: int | None, end: int | None) -> None:
         raise ValueError(
             f"profile_token_end: must be > profile_token_start, got start={start}, end={end}"
         )
+
+
+def _no_nul(value: str) -> None:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
 
 
 class TorchScheduleConfig(_Frozen):
@@ -158,10 +175,18 @@ class NsysToolConfig(_Frozen):
     trace: str = Field("cuda,nvtx,cublas,ucx", description="nsys --trace value (at launch).")
     extra_args: tuple[str, ...] = Field((), description="Extra nsys arguments (at launch).")
     flush_timeout_s: float = Field(
-        600.0, gt=0, le=86_400, description="How long to wait for nsys to finish a report."
+        600.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="How long to wait for nsys to finish a report.",
     )
     settle_s: float = Field(
-        2.0, gt=0, le=3_600, description="A report is complete once unchanged this long."
+        2.0,
+        gt=0,
+        le=3_600,
+        allow_inf_nan=False,
+        description="A report is complete once unchanged this long.",
     )
 
 
@@ -240,7 +265,12 @@ class GlobalProfilerConfig(_Frozen):
         False, description="Consecutive profiled steps share one trace named by the first step."
     )
     save_path: str | None = Field(
-        None, description="Save root; relative paths resolve against the coordinator's base dir."
+        None,
+        description="Save root; relative paths resolve against the coordinator's base dir. "
+        f"At most {MAX_SAVE_PATH_BYTES} bytes in UTF-8 (PATH_MAX {PATH_MAX} less "
+        f"{SAVE_PATH_RESERVED_BYTES} kept for the <session id>/ directory and the file names "
+        f"profd writes below it), each '/'-separated component at most {NAME_MAX} bytes "
+        "(NAME_MAX), no NUL character.",
     )
     relocate_results: StrictBool = Field(
         False,
@@ -254,7 +284,11 @@ class GlobalProfilerConfig(_Frozen):
     finish_hook_all_ranks: StrictBool = Field(False, description="Run the hook on every rank.")
     finish_hook_ranks: tuple[NonNegInt, ...] = Field((), description="Ranks that run the hook.")
     finish_hook_timeout_s: float = Field(
-        300.0, gt=0, le=86_400, description="The hook is killed after this long."
+        300.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="The hook is killed after this long.",
     )
     upload_uri: str | None = Field(
         None,
@@ -274,6 +308,31 @@ class GlobalProfilerConfig(_Frozen):
             raise ValueError(f"at most {MAX_WINDOW_STEPS} steps in one session, got {len(steps)}")
         return steps
 
+    @field_validator("save_path")
+    @classmethod
+    def _fits_the_os(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        _no_nul(v)
+        try:
+            encoded = v.encode("utf-8", "surrogateescape")  # as os.fsencode does on Linux
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (no lone surrogates)") from None
+        if len(encoded) > MAX_SAVE_PATH_BYTES:
+            raise ValueError(
+                f"must be at most {MAX_SAVE_PATH_BYTES} bytes in UTF-8 (PATH_MAX {PATH_MAX} less "
+                f"{SAVE_PATH_RESERVED_BYTES} kept for the session directory and file names profd "
+                f"adds), got {len(encoded)}"
+            )
+        longest = max(encoded.split(b"/"), key=len)
+        if len(longest) > NAME_MAX:
+            shown = longest[:24].decode("utf-8", "replace")
+            raise ValueError(
+                f"each path component must be at most {NAME_MAX} bytes (NAME_MAX), got "
+                f"{len(longest)} bytes in {shown!r}..."
+            )
+        return v
+
     @field_validator("upload_uri")
     @classmethod
     def _known_protocol(cls, v: str | None) -> str | None:
@@ -281,6 +340,7 @@ class GlobalProfilerConfig(_Frozen):
             return None
         if not v.strip():
             raise ValueError("must be a non-empty URL or null")
+        _no_nul(v)
         import fsspec
 
         protocol = v.split("://", 1)[0] if "://" in v else "file"
@@ -295,6 +355,8 @@ class GlobalProfilerConfig(_Frozen):
     def _hook_not_blank(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
             raise ValueError("must be a non-empty command or null")
+        if v is not None:
+            _no_nul(v)
         return v
 
 
@@ -314,6 +376,7 @@ class SessionRequest(GlobalProfilerConfig):
         None,
         gt=0,
         le=86_400,
+        allow_inf_nan=False,
         description="Profile for this many seconds, for targets without steps (rollout servers, "
         "inference, a stalled loop). py_spy / nsys / torch_memory start at once on any thread; "
         "torch starts at the agent's next mark.",

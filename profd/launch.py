@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-from profd.config import SessionRequest
+from profd.config import SessionRequest, field_errors
+from profd.errors import RequestInvalid
 from profd.views import SessionView
 
 __all__ = ["load_request", "resolve_interpolations", "start_session", "wait_session"]
@@ -29,7 +31,10 @@ _OWNED: list[Any] = []
 
 
 def load_request(config: Mapping[str, Any] | SessionRequest | str | Path) -> SessionRequest:
-    """A :class:`SessionRequest` from a verl or profd config (mapping, model or YAML path)."""
+    """A :class:`SessionRequest` from a verl or profd config (mapping, model or YAML path).
+
+    Bad input raises :class:`~profd.errors.RequestInvalid` naming the field, before any
+    session or coordinator exists."""
     from profd.verl_compat import looks_like_verl, request_from_verl
 
     if isinstance(config, SessionRequest):
@@ -38,10 +43,15 @@ def load_request(config: Mapping[str, Any] | SessionRequest | str | Path) -> Ses
         config = yaml.safe_load(Path(config).read_text()) or {}
     config = resolve_interpolations(config)
     if not isinstance(config, Mapping):
-        raise ValueError(f"config: expected a mapping or a YAML path, got {type(config).__name__}")
+        raise RequestInvalid.at(
+            "config", f"expected a mapping or a YAML path, got {type(config).__name__}"
+        )
     if looks_like_verl(config):
         return request_from_verl(config)
-    return SessionRequest.model_validate(dict(config))
+    try:
+        return SessionRequest.model_validate(dict(config))
+    except ValidationError as exc:  # the same error type (and field paths) as the verl layout
+        raise RequestInvalid.from_fields(field_errors(exc)) from None
 
 
 def resolve_interpolations(config: Any) -> Any:
@@ -54,9 +64,10 @@ def resolve_interpolations(config: Any) -> Any:
     except ImportError:
         found = _first_interpolation(config, "")
         if found:
-            raise ValueError(
-                f"{found}: holds an unresolved interpolation; resolve the config first "
-                "(OmegaConf.to_container(cfg, resolve=True)) or install omegaconf"
+            raise RequestInvalid.at(
+                found,
+                "holds an unresolved interpolation; resolve the config first "
+                "(OmegaConf.to_container(cfg, resolve=True)) or install omegaconf",
             ) from None
         return config
     return OmegaConf.to_container(OmegaConf.create(config), resolve=True)

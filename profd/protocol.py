@@ -39,6 +39,9 @@ class AgentInfo:
     capabilities: dict[str, str | None] = field(default_factory=dict)
     #: Free-form descriptions (a rollout replica's engine kind, endpoint, trace directory).
     labels: dict[str, str] = field(default_factory=dict)
+    #: When the process started (clock ticks since boot): the coordinator checks that this
+    #: process still runs, so a dead worker stops being a target within seconds.
+    pid_start: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,14 @@ class AgentRecord:
         if self.state == LOST:
             self.state = ALIVE
 
-    def view(self, now: float) -> AgentView:
+    def step(self, driver_step: int | None) -> int | None:
+        """The job's step on this agent: its own, else its driver's."""
+        return self.current_step if self.current_step is not None else driver_step
+
+    def view(self, now: float, driver_step: int | None = None) -> AgentView:
         i = self.info
+        step = self.step(driver_step)
+        source = None if step is None else ("agent" if self.current_step is not None else "driver")
         return AgentView(
             agent_id=i.agent_id,
             role=i.role,
@@ -41,7 +47,8 @@ class AgentRecord:
             node_ip=i.node_ip,
             pid=i.pid,
             state=self.state,
-            current_step=self.current_step,
+            current_step=step,
+            step_source=source,
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             capabilities=dict(i.capabilities),
             labels=dict(i.labels),
@@ -94,6 +101,14 @@ class AgentRegistry:
                 rec.state = LOST
                 lost.append(rec)
         return lost
+
+    def lose(self, agent_id: str) -> AgentRecord | None:
+        """Mark an alive agent lost now (its process is known dead); the record if it was."""
+        rec = self._agents.get(agent_id)
+        if rec is None or rec.state != ALIVE:
+            return None
+        rec.state = LOST
+        return rec
 
     def close(self, agent_id: str) -> None:
         rec = self._agents.get(agent_id)

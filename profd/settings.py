@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from profd.constants import DEFAULT_PORT, DEFAULT_SAVE_SUBDIR
@@ -31,6 +31,13 @@ class CoordinatorSettings(BaseModel):
     )
     session_timeout_s: float = Field(86_400.0, gt=0, description="Upper bound of a session.")
     tick_s: float = Field(0.5, gt=0, description="Period of the coordinator's housekeeping.")
+    liveness_check_s: float = Field(
+        2.0,
+        ge=0,
+        description="How often the coordinator asks Ray's nodes whether each agent's process "
+        "still runs (a dead worker is lost within this long, not after heartbeat_timeout_s); "
+        "0 turns it off.",
+    )
     state_dir: str | None = Field(None, description="Where the coordinator keeps its state.")
 
 
@@ -118,6 +125,47 @@ class SidecarConfig(BaseModel):
         "(`profd up` turns it on).",
     )
 
+    allowed_hosts: tuple[str, ...] = Field(
+        (),
+        description="Extra names the sidecar answers to in a request's Host header (a guard "
+        "against DNS rebinding: a web page a local user opens cannot read the sidecar through "
+        "a name of its own). Always answered: the loopback names (localhost, 127.0.0.1 and any "
+        "127.x.y.z, ::1 / [::1]) and the bind address `host`; bound to every interface "
+        "(0.0.0.0 or ::) that means the loopback names, this machine's host name and fully "
+        "qualified name (socket.gethostname() / getfqdn()) and any IP-address literal (a "
+        "rebinding page sends its own DNS name, never an address), not every Host. Names "
+        "match case-insensitively, with or without a ':port' suffix (IPv6 in brackets); one "
+        "name per entry, no scheme, path or wildcard (add each form, e.g. 'profd' and "
+        "'profd.ns.svc.cluster.local'). '*' turns the check off: only behind a trusted "
+        "reverse proxy that checks Host itself. Anything else gets 400. "
+        "`profd up --allow-host NAME` (repeatable).",
+    )
+
+    @staticmethod
+    def host_name(value: str) -> str | None:
+        """A Host header value (or an ``allowed_hosts`` entry, or a bind address) as the name
+        it names: lower case, no ``:port``, no IPv6 brackets, no trailing dot; ``None`` when it
+        is not one (unclosed bracket, a port that is not a number, nothing left)."""
+        v = value.strip().lower()
+        if v.startswith("["):
+            end = v.find("]")
+            name, rest = v[1:end], v[end + 1 :]
+            if end < 0 or ":" not in name or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+                return None
+        elif v.count(":") == 1:
+            name, port = v.split(":")
+            if not port.isdigit():
+                return None
+        else:  # a name, or an IPv6 address without brackets (an entry or a bind address)
+            name = v
+        name = name.removesuffix(".")
+        return name or None
+
+    @staticmethod
+    def host_is_wildcard(host: str) -> bool:
+        """Whether a bind address means every interface (``0.0.0.0``, ``::`` or empty)."""
+        return host.strip().strip("[]") in ("", "0.0.0.0", "::")
+
     @staticmethod
     def host_is_loopback(host: str) -> bool:
         """Whether a bind address only accepts connections from this machine."""
@@ -135,6 +183,43 @@ class SidecarConfig(BaseModel):
     def loopback(self) -> bool:
         """Bound to loopback: reads are open; beyond it every route needs the token."""
         return self.host_is_loopback(self.host)
+
+    @field_validator("allowed_hosts", mode="after")
+    @classmethod
+    def _host_names(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        out: list[str] = []
+        for entry in entries:
+            problem = cls._host_entry_problem(entry)
+            if problem:
+                raise ValueError(
+                    f"allowed_hosts entry {entry!r}: {problem} (one host name per "
+                    "`profd up --allow-host NAME`, e.g. --allow-host profd.example.com)"
+                )
+            name = "*" if entry == "*" else cls.host_name(entry)
+            if name not in out:
+                out.append(name)  # type: ignore[arg-type]  (checked above)
+        return tuple(out)
+
+    @staticmethod
+    def _host_entry_problem(entry: str) -> str | None:
+        """What is wrong with one ``allowed_hosts`` entry, or ``None``."""
+        if entry == "*":
+            return None
+        if not entry.strip():
+            return "must not be empty"
+        if any(c.isspace() for c in entry):
+            return "must not contain spaces"
+        if "://" in entry:
+            return "is a URL: give the host name only, without a scheme"
+        if any(c in entry for c in "/?#@\\"):
+            return "must be a host name only, without a path, query or user"
+        if "," in entry:
+            return "holds several names: give one per entry"
+        if "*" in entry:
+            return "must not hold wildcards ('*' alone turns the check off)"
+        if SidecarConfig.host_name(entry) is None:
+            return "is not a host name (a ':port' suffix must be a number; IPv6 in brackets)"
+        return None
 
     @model_validator(mode="after")
     def _token_beyond_loopback(self) -> SidecarConfig:

@@ -21,19 +21,95 @@ stages run. ``rollout()`` costs nothing when no replica is profiled.
 
 A worker's step-``n`` window closes at its first mark of a later step, or when its agent
 closes — a worker has no thread of its own that could stop a profiler in between.
+
+**Never in the driver's way.** Every call to the coordinator runs on one background thread
+(``profd-controller``); the driver's thread only waits for its answer, at most
+:attr:`ControllerConfig.step_budget_s` for a step. A call that fails or runs past its budget
+opens the circuit (:class:`Link` ``OPEN``): later steps skip the announcement at the cost of
+an attribute read, while the background thread looks the coordinator up again with back-off
+and closes the circuit once it answers. A Ray whose GCS has gone away is noticed within
+milliseconds (a TCP probe of its address) instead of waiting out the budget, and the driver's
+thread never calls into Ray itself, so it cannot hang there.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import enum
 import logging
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Controller", "controller"]
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Controller", "ControllerConfig", "Link", "LinkChange", "controller"]
 
 log = logging.getLogger(__name__)
+
+
+class ControllerConfig(BaseModel):
+    """How a driver's controller talks to the coordinator (``profd.controller()``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    delivery_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        le=600,
+        description="How long the coordinator waits for profiled agents to hold a new step "
+        "before it answers (agents long-poll: delivery takes milliseconds when they are up).",
+    )
+    step_grace_s: float = Field(
+        0.25,
+        ge=0,
+        le=60,
+        description="Extra time the driver allows the answer to a step announcement on top "
+        "of delivery_timeout_s; past delivery_timeout_s + step_grace_s the circuit opens.",
+    )
+    rollout_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="How long the driver waits for rollout engines to start / stop at a "
+        "rollout phase (a vLLM stop returns only once its traces are written).",
+    )
+    backoff_initial_s: float = Field(
+        0.5, gt=0, description="First wait before looking the coordinator up again."
+    )
+    backoff_max_s: float = Field(
+        10.0, gt=0, description="Longest wait between two attempts to reconnect."
+    )
+    gcs_probe_after_s: float = Field(
+        0.02,
+        gt=0,
+        description="A call unanswered after this long makes the driver check, with a TCP "
+        "connect, that Ray's GCS still answers; when it does not, the circuit opens at once.",
+    )
+
+    @property
+    def step_budget_s(self) -> float:
+        """The most one step announcement may add to a driver's step."""
+        return self.delivery_timeout_s + self.step_grace_s
+
+
+class Link(enum.Enum):
+    """Whether announcements reach the coordinator."""
+
+    CLOSED = "closed"  # calls go through (the circuit is closed)
+    OPEN = "open"  # the last call failed: skip, reconnect in the background
+
+
+@dataclass(frozen=True)
+class LinkChange:
+    """One transition of the controller's link, kept in :attr:`Controller.history`."""
+
+    at: float
+    to: Link
+    why: str
 
 
 class _Caller(Protocol):
@@ -64,6 +140,21 @@ def _ray_lookup() -> _Caller | None:
         return None
 
 
+def _ray_gcs_address() -> str | None:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().gcs_address
+    except Exception:
+        pass
+    return None
+
+
+class _Unanswered(Exception):
+    """The coordinator did not answer within the budget (or Ray's GCS is gone)."""
+
+
 class _ControllerStep:
     __slots__ = ("_ctl",)
 
@@ -79,23 +170,49 @@ class _ControllerStep:
 
 
 class Controller:
+    """The driver's side of step announcements; see the module docstring.
+
+    ``lookup`` finds the coordinator (``None`` when there is none); ``gcs_address`` gives
+    the GCS address to probe when a call is slow (``None``: no probe). Both run on the
+    background thread only.
+    """
+
     def __init__(
         self,
         lookup: Callable[[], _Caller | None] | None = None,
-        timeout_s: float = 10.0,
-        rollout_timeout_s: float = 1800.0,
+        timeout_s: float | None = None,
+        rollout_timeout_s: float | None = None,
+        *,
+        config: ControllerConfig | None = None,
+        gcs_address: Callable[[], str | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        cfg = config or ControllerConfig()
+        overrides: dict[str, float] = {}
+        if timeout_s is not None:
+            overrides["delivery_timeout_s"] = timeout_s
+        if rollout_timeout_s is not None:
+            overrides["rollout_timeout_s"] = rollout_timeout_s
+        self.config = cfg.model_copy(update=overrides) if overrides else cfg
         self._lookup = lookup or _ray_lookup
-        self._timeout = timeout_s
-        #: A vLLM stop returns only once its traces are written: allow for slow flushes.
-        self._rollout_timeout = rollout_timeout_s
+        self._gcs_address = gcs_address or (_ray_gcs_address if lookup is None else lambda: None)
+        self._clock = clock
         self._caller: _Caller | None = None
+        self._gcs: str | None = None
         self._step: int | None = None
         self._rollout = False  # the last announcement involved rollout replicas
         self._mark = _ControllerStep(self)
         self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._pool = _DaemonWorker("profd-controller")
+        self._busy: concurrent.futures.Future[Any] | None = None  # the call in flight, if any
+        self._retry_at = 0.0
+        self._backoff = self.config.backoff_initial_s
+        self.link = Link.CLOSED
+        self.history: list[LinkChange] = []
         self.last_reply: dict[str, Any] | None = None
 
+    # -- the driver's surface ------------------------------------------------------------
     def step(self, step: int) -> _ControllerStep:
         """Mark one step of the job (the unit sessions count)."""
         if isinstance(step, bool) or not isinstance(step, int):
@@ -115,23 +232,11 @@ class Controller:
                 self._phase("rollout_end")
 
     # -- internals (never raise: without a coordinator the driver simply goes on) ----------------
-    def _call(self, method: str, *args: Any, timeout: float) -> Any | None:
-        if self._caller is None:
-            self._caller = self._lookup()
-            if self._caller is None:
-                return None
-        try:
-            return self._caller.call(method, *args, timeout=timeout + 30)
-        except Exception as exc:
-            self._caller = None
-            key = f"{method}:{type(exc).__name__}"
-            if key not in self._warned:
-                self._warned.add(key)
-                log.warning("profd: %s for step %s failed (%r); going on", method, self._step, exc)
-            return None
-
     def _announce(self) -> None:
-        reply = self._call("controller_step", self._step, self._timeout, timeout=self._timeout)
+        cfg = self.config
+        reply = self._call(
+            "controller_step", self._step, cfg.delivery_timeout_s, budget=cfg.step_budget_s
+        )
         self.last_reply = reply
         self._rollout = bool(reply and reply.get("rollout"))
         slow = reply.get("slow") if reply else None
@@ -140,17 +245,144 @@ class Controller:
             log.warning("profd: step %s reached %d agent(s) late: %s", self._step, len(slow), slow)
 
     def _phase(self, phase: str) -> None:
-        self._call(
-            "controller_phase",
-            self._step,
-            phase,
-            self._rollout_timeout,
-            timeout=self._rollout_timeout,
-        )
+        timeout = self.config.rollout_timeout_s
+        self._call("controller_phase", self._step, phase, timeout, budget=timeout + 30)
 
     def _end_step(self) -> None:
         if self._rollout:
             self._phase("step_end")
+
+    def _call(self, method: str, *args: Any, budget: float) -> Any | None:
+        """Ask the coordinator on the background thread; wait at most ``budget``."""
+        if self.link is Link.OPEN:
+            self._kick()
+            return None
+        busy = self._busy
+        if busy is not None and not busy.done():  # an abandoned call still runs
+            return None
+        fut = self._pool.submit(self._remote, method, args, budget)
+        self._busy = fut
+        try:
+            return self._wait(fut, budget)
+        except Exception as exc:
+            self._trip(f"{method} for step {self._step}: {exc!r}", method, exc)
+            return None
+
+    def _remote(self, method: str, args: tuple[Any, ...], budget: float) -> Any:
+        """On the background thread: find the coordinator if needed, then call it."""
+        if self._caller is None:
+            self._gcs = self._gcs_address()  # local: known before the lookup may hang
+            self._caller = self._lookup()
+            if self._caller is None:
+                raise LookupError("no profd coordinator is running")
+        try:
+            return self._caller.call(method, *args, timeout=budget)
+        except Exception:
+            self._caller = None
+            raise
+
+    def _wait(self, fut: concurrent.futures.Future[Any], budget: float) -> Any:
+        """Wait for ``fut`` on the driver's thread; give up early when the GCS is gone."""
+        deadline = self._clock() + budget
+        first = min(self.config.gcs_probe_after_s, budget)
+        try:
+            return fut.result(timeout=first)
+        except concurrent.futures.TimeoutError:
+            pass
+        while True:
+            gcs = self._gcs
+            if gcs is not None and not _gcs_answers(gcs):
+                raise _Unanswered(f"Ray's GCS at {gcs} does not answer")
+            left = deadline - self._clock()
+            if left <= 0:
+                raise _Unanswered(f"no answer within {budget:.2f} s")
+            try:
+                return fut.result(timeout=min(left, 0.5))
+            except concurrent.futures.TimeoutError:
+                continue
+
+    def _trip(self, why: str, method: str, exc: Exception) -> None:
+        with self._lock:
+            if self.link is Link.OPEN:
+                return
+            self._rollout = False
+            self.link = Link.OPEN
+            self._retry_at = self._clock() + self._backoff
+            self.history.append(LinkChange(self._clock(), Link.OPEN, why))
+        key = f"{method}:{type(exc).__name__}"
+        if key not in self._warned:
+            self._warned.add(key)
+            if isinstance(exc, LookupError):
+                log.info("profd: %s; the driver goes on and looks again in the background", exc)
+            else:
+                log.warning("profd: %s failed; the driver goes on without profd for now", why)
+
+    def _kick(self) -> None:
+        """While the circuit is open: start one reconnect attempt when it is due."""
+        busy = self._busy
+        if (busy is not None and not busy.done()) or self._clock() < self._retry_at:
+            return
+        self._busy = self._pool.submit(self._reconnect)
+
+    def _reconnect(self) -> None:
+        """On the background thread: one attempt to reach the coordinator again. The probe
+        is the announcement of the driver's latest step, so the coordinator learns it."""
+        cfg = self.config
+        try:
+            self._remote("controller_step", (self._step, 0.0), cfg.step_budget_s)
+        except Exception as exc:
+            with self._lock:
+                self._backoff = min(self._backoff * 2, cfg.backoff_max_s)
+                self._retry_at = self._clock() + self._backoff
+            log.debug("profd: reconnect failed (%r); next try in %.1f s", exc, self._backoff)
+            return
+        with self._lock:
+            self._backoff = cfg.backoff_initial_s
+            self.link = Link.CLOSED
+            self.history.append(LinkChange(self._clock(), Link.CLOSED, "coordinator answered"))
+        log.info("profd: the coordinator answers again; step announcements resume")
+
+    def close(self) -> None:
+        """Stop the background thread (a call in flight is left to finish on its own)."""
+        self._pool.close()
+
+
+class _DaemonWorker:
+    """One daemon thread running submitted calls in order. Not a ThreadPoolExecutor: the
+    interpreter joins those at exit, so a call stuck in Ray (its GCS gone) would keep the
+    driver from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+def _gcs_answers(address: str, timeout: float = 0.05) -> bool:
+    from profd.cluster import gcs_reachable
+
+    return gcs_reachable(address, timeout=timeout)
 
 
 _CONTROLLER: Controller | None = None

@@ -94,7 +94,15 @@ class AgentView(_View):
     node_ip: str | None = Field(description="Ray node address of the worker.")
     pid: int = Field(description="Worker process id.")
     state: str = Field(description="alive, lost (no heartbeat) or closed.")
-    current_step: int | None = Field(description="Last step the agent reported.")
+    current_step: int | None = Field(
+        description="The job's step on this agent: the last one it marked (SPMD loops), or, "
+        "for a worker of a single-controller job, the step its driver announced last."
+    )
+    step_source: str | None = Field(
+        None,
+        description="Where current_step comes from: 'agent' (marked by the worker) or "
+        "'driver' (announced by profd.controller()); null when no step is known.",
+    )
     last_seen_s: float = Field(description="Seconds since the agent was last heard from.")
     capabilities: dict[str, str | None] = Field(
         description="Tool → null when usable on this agent, else the reason it is not."
@@ -180,6 +188,14 @@ class StatusView(_View):
         0, description="Writes to the state directory that failed (0 when persistence is healthy)."
     )
     state_last_error: str | None = Field(None, description="The last such failure, if any.")
+    driver_step: int | None = Field(
+        None,
+        description="The step a single-controller driver (profd.controller()) announced last, "
+        "while it announces (null when no driver was heard from within the heartbeat timeout).",
+    )
+    driver_seen_s: float | None = Field(
+        None, description="Seconds since that driver's last announcement."
+    )
 
 
 class HookView(_View):

@@ -37,6 +37,14 @@ CASES = [
     ("POST", "/api/v1/sessions/x%20y/cancel", None, AUTH, 422, "invalid_request", "session_id"),
     ("GET", "/api/v1/traces?rank=-1", None, {}, 422, "invalid_request", "rank"),
     ("GET", "/api/v1/traces?rank=abc", None, {}, 422, "invalid_request", "rank"),
+    ("GET", f"/api/v1/traces?rank={2**53}", None, {}, 422, "invalid_request", "rank"),
+    ("GET", "/api/v1/traces?limit=501", None, {}, 422, "invalid_request", "limit"),
+    ("GET", "/api/v1/traces?limit=0", None, {}, 422, "invalid_request", "limit"),
+    ("GET", "/api/v1/traces?cursor=bm9wZQ", None, {}, 422, "invalid_request", "cursor"),
+    ("GET", "/api/v1/sessions?limit=501", None, {}, 422, "invalid_request", "limit"),
+    ("GET", "/api/v1/sessions?limit=1e2", None, {}, 422, "invalid_request", "limit"),
+    ("GET", "/api/v1/sessions?cursor=%25%25", None, {}, 422, "invalid_request", "cursor"),
+    ("GET", "/api/v1/sessions?cursor=" + "A" * 513, None, {}, 422, "invalid_request", "cursor"),
     ("GET", "/api/v1/traces/not-hex/download", None, {}, 422, "invalid_request", "trace_id"),
     ("GET", "/api/v1/traces/0123456789abcdef/download", None, {}, 404, "not_found", "no trace"),
     ("POST", "/api/v1/sessions", [1, 2], AUTH, 422, "invalid_request", ""),
@@ -93,7 +101,13 @@ def test_create_list_get_cancel_and_listing_filters(url: str, local_coordinator)
         r = httpx.post(f"{url}/api/v1/sessions/{sid}/cancel", headers=AUTH)
         assert r.status_code == 200 and r.json()["state"] == "cancelled"
         listing = httpx.get(f"{url}/api/v1/traces", params={"session_id": sid, "role": "actor"})
-        assert listing.json() == {"data": [], "count": 0, "bytes": 0}
+        assert listing.json() == {
+            "data": [],
+            "count": 0,
+            "total": 0,
+            "next_cursor": None,
+            "bytes": 0,
+        }
     finally:
         for a in agents:
             a.close(timeout=10)

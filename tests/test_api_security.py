@@ -1,5 +1,6 @@
 """Sidecar security over real HTTP: the token rule beyond loopback, save_path / upload_uri
-confinement, the request size limit, and hook commands only when the operator allowed them."""
+confinement, the request size limit, hook commands only when the operator allowed them, and
+the Host header rule (DNS rebinding)."""
 
 from __future__ import annotations
 
@@ -288,3 +289,211 @@ def test_the_token_is_compared_in_constant_time(serve, monkeypatch) -> None:
         wrong = {"Authorization": "Bearer wrong-token"}
         assert httpx.post(f"{url}/api/v1/sessions/x/cancel", headers=wrong).status_code == 403
     assert seen == [(b"wrong-token", TOKEN.encode())]
+
+
+# -- the Host header (DNS rebinding) ----------------------------------------------------------
+HOST_ROUTES = ["/api/v1/traces", "/api/v1/status", "/", "/healthz", "/metrics", "/openapi.json"]
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def raw_request(url: str, head: str) -> tuple[int, dict[str, Any]]:
+    """Send ``head`` (request line and headers, CRLF-separated, no blank line) over a plain
+    socket; the status and the JSON body of the answer (the sidecar closes after it)."""
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) as sock:
+        sock.sendall(head.encode("latin-1") + b"\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    body = rest.split(b"\r\n\r\n", 1)[1]
+    return int(status_line.split()[1]), json.loads(body) if body.startswith(b"{") else {}
+
+
+def assert_host_refused(r: httpx.Response, host: str) -> None:
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["error"] == "host_not_allowed" and body["fields"][0]["field"] == "host"
+    msg = body["message"]
+    assert repr(host) in msg and "localhost" in msg and "profd up --allow-host NAME" in msg, msg
+
+
+@pytest.fixture
+def indexed_trace(serve, actor, local_coordinator) -> Iterator[tuple[str, str]]:
+    """A sidecar on loopback holding one indexed trace: ``(url, trace_id)``."""
+    from profd.agent.export import trace_id_for
+    from profd.protocol import AgentEvent, EventKind
+
+    with serve() as url:
+        sid = post_session(url, {"steps": [10**6]}).json()["session_id"]
+        save_dir = local_coordinator.call("get_session", sid).save_dir
+        path = Path(save_dir) / "actor_train_step1_rank0.json.gz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x1f\x8b trace bytes")
+        tid = trace_id_for(None, str(path))
+        data = {"trace_id": tid, "path": str(path), "bytes": 1, "steps": [1]}
+        event = AgentEvent(EventKind.TRACE, sid, 1, data=data)
+        assert local_coordinator.call("report", actor.agent_id, [event])
+        yield url, tid
+
+
+def test_requests_naming_another_host_are_refused_on_every_route(
+    indexed_trace, local_coordinator
+) -> None:
+    """On loopback a page on attacker.example whose name rebinds to 127.0.0.1 reaches the
+    sidecar, but its requests say ``Host: attacker.example``: every route refuses them."""
+    url, tid = indexed_trace
+    download = f"/api/v1/traces/{tid}/download"
+    port = port_of(url)
+    assert httpx.get(url + download).content == b"\x1f\x8b trace bytes"  # reachable as itself
+    assert len(httpx.get(f"{url}/api/v1/traces").json()["data"]) == 1
+    sessions = local_coordinator.call("list_sessions")
+    (sid,) = [s.session_id for s in sessions]
+    state = local_coordinator.call("get_session", sid).state
+    for host in (
+        "attacker.example",
+        f"attacker.example:{port}",
+        f"localhost.attacker.example:{port}",
+        f"127.0.0.1.nip.io:{port}",
+        f"localhost:{port}@attacker.example",
+        "[::1",
+    ):
+        for path in [*HOST_ROUTES, download, "/docs", "/api/v1/sessions"]:
+            r = httpx.get(url + path, headers={"Host": host})
+            assert_host_refused(r, host)
+            assert "trace bytes" not in r.text
+        # changes too, with the right token, before the body is even looked at
+        r = httpx.post(
+            f"{url}/api/v1/sessions", json={"steps": [7]}, headers={**AUTH, "Host": host}
+        )
+        assert_host_refused(r, host)
+        r = httpx.post(f"{url}/api/v1/sessions/{sid}/cancel", headers={**AUTH, "Host": host})
+        assert_host_refused(r, host)
+    assert local_coordinator.call("list_sessions") == sessions  # nothing created or cancelled
+    assert local_coordinator.call("get_session", sid).state == state
+
+
+def test_loopback_names_are_answered(indexed_trace) -> None:
+    url, tid = indexed_trace
+    port = port_of(url)
+    for host in (
+        f"localhost:{port}",
+        f"127.0.0.1:{port}",
+        f"[::1]:{port}",
+        "localhost",
+        "127.0.0.1",
+        "[::1]",
+        f"LocalHost:{port}",
+        f"localhost.:{port}",
+        f"127.0.0.2:{port}",  # any 127.x.y.z
+        f"127.255.0.1:{port}",
+    ):
+        for path in HOST_ROUTES:
+            r = httpx.get(url + path, headers={"Host": host})
+            assert r.status_code == 200, (host, path, r.text)
+        r = httpx.get(f"{url}/api/v1/traces/{tid}/download", headers={"Host": host})
+        assert r.status_code == 200 and r.content == b"\x1f\x8b trace bytes"
+    # a POST passes the check too (the body is then judged: no agent matches rank 9)
+    r = post_session(url, {"steps": [3], "roles": {"actor": {"ranks": [9]}}}, {**AUTH})
+    assert r.status_code in (201, 422), r.text
+
+
+def test_a_missing_or_repeated_host_header_is_refused(serve) -> None:
+    with serve() as url:
+        status, body = raw_request(url, "GET /api/v1/traces HTTP/1.0")
+        assert status == 400 and body["error"] == "host_not_allowed"
+        assert "no Host header" in body["message"] and "--allow-host" in body["message"]
+        status, body = raw_request(url, "GET /healthz HTTP/1.0")
+        assert status == 400
+        # HTTP/1.1 without a Host, or with two: uvicorn's parser may refuse them itself (400,
+        # not JSON); what gets through, the check refuses
+        status, body = raw_request(url, "GET /api/v1/traces HTTP/1.1\r\nConnection: close")
+        assert status == 400 and body.get("error", "host_not_allowed") == "host_not_allowed"
+        two = "GET /api/v1/traces HTTP/1.1\r\nHost: localhost\r\nHost: attacker.example"
+        status, body = raw_request(url, two + "\r\nConnection: close")
+        assert status == 400 and "2 Host headers" in body.get("message", "2 Host headers")
+        # the same raw request naming the sidecar is answered
+        status, body = raw_request(url, "GET /api/v1/traces HTTP/1.0\r\nHost: 127.0.0.1")
+        assert status == 200 and body["data"] == []
+
+
+def test_operator_allowed_host_names_are_answered(serve) -> None:
+    names = ("profd.internal", "Profd.Example.COM", "10.20.30.40", "[fd00::5]")
+    with serve(allowed_hosts=names) as url:
+        port = port_of(url)
+        for host in (
+            "profd.internal",
+            f"PROFD.internal:{port}",
+            "profd.example.com:443",
+            "10.20.30.40",
+            f"[fd00::5]:{port}",
+            f"localhost:{port}",
+        ):
+            r = httpx.get(f"{url}/api/v1/traces", headers={"Host": host})
+            assert r.status_code == 200, (host, r.text)
+        for host in ("other.internal", "internal", "x.profd.internal", "10.20.30.41"):
+            r = httpx.get(f"{url}/api/v1/traces", headers={"Host": host})
+            assert_host_refused(r, host)
+            assert "profd.internal" in r.json()["message"]
+
+
+def test_a_star_turns_the_host_check_off(serve) -> None:
+    with serve(allowed_hosts=("*",)) as url:
+        r = httpx.get(f"{url}/api/v1/traces", headers={"Host": "attacker.example"})
+        assert r.status_code == 200, r.text
+        status, _ = raw_request(url, "GET /api/v1/traces HTTP/1.0")
+        assert status == 200
+
+
+def test_bind_address_and_wildcard_defaults(serve) -> None:
+    import socket
+
+    # Configured as bound to one address (served on 127.0.0.1): that address and loopback.
+    with serve(host="10.1.2.3") as url:
+        for host, ok in [("10.1.2.3:8470", True), ("localhost", True), ("10.1.2.4", False)]:
+            r = httpx.get(f"{url}/healthz", headers={"Host": host})
+            assert (r.status_code == 200) is ok, (host, r.text)
+    # Every interface: loopback, this machine's names and any address literal, no other name.
+    with serve(host="0.0.0.0") as url:
+        port = port_of(url)
+        accepted = [
+            socket.gethostname(),
+            f"{socket.getfqdn().upper()}:{port}",
+            "192.168.7.7",
+            f"[fe80::1]:{port}",
+            "localhost",
+        ]
+        for host in accepted:
+            r = httpx.get(f"{url}/api/v1/traces", headers={"Host": host, **AUTH})
+            assert r.status_code == 200, (host, r.text)
+        r = httpx.get(f"{url}/api/v1/traces", headers={"Host": "attacker.example", **AUTH})
+        assert_host_refused(r, "attacker.example")
+        assert "any IP address" in r.json()["message"]
+
+
+def test_allowed_hosts_entries_are_checked_and_normalised() -> None:
+    from pydantic import ValidationError
+
+    config = SidecarConfig(allowed_hosts=("Profd.Example.", "profd.example:8470", "[FD00::1]"))
+    assert config.allowed_hosts == ("profd.example", "fd00::1")
+    assert SidecarConfig(allowed_hosts=("*",)).allowed_hosts == ("*",)
+    for bad, rule in [
+        ("", "must not be empty"),
+        ("profd example", "spaces"),
+        ("http://profd.example", "URL"),
+        ("profd.example/api", "path"),
+        ("a.example,b.example", "one per entry"),
+        ("*.example", "wildcards"),
+        ("profd.example:http", "port"),
+        ("[::1", "brackets"),
+    ]:
+        with pytest.raises(ValidationError) as info:
+            SidecarConfig(allowed_hosts=("ok.example", bad))
+        (err,) = info.value.errors()
+        assert err["loc"] == ("allowed_hosts",) and "allowed_hosts" in err["msg"], err
+        assert rule in err["msg"] and "--allow-host" in err["msg"], err["msg"]

@@ -185,3 +185,99 @@ def test_installed_names_do_not_squat_generic_modules(tmp_path) -> None:
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[True, True] True True"
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF, "nan", "inf"])
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"duration_s": None}, "duration_s"),
+        ({"next_steps": 1, "finish_hook_timeout_s": None}, "finish_hook_timeout_s"),
+        (
+            {"next_steps": 1, "roles": {"a": {"tool_config": {"nsys": {"flush_timeout_s": None}}}}},
+            "roles.a.tool_config.nsys.flush_timeout_s",
+        ),
+        (
+            {"next_steps": 1, "roles": {"a": {"tool_config": {"nsys": {"settle_s": None}}}}},
+            "roles.a.tool_config.nsys.settle_s",
+        ),
+    ],
+)
+def test_floats_must_be_finite(data: dict, field: str, value: object) -> None:
+    import json
+
+    text = json.dumps(data).replace("null", json.dumps(value))
+    errs = errors_of(json.loads(text))
+    assert field in errs, errs
+    assert "finite number" in errs[field], errs[field]
+    assert "86400" not in errs[field]
+
+
+def test_every_float_field_refuses_nan() -> None:
+    """No float field of the request (or of a model nested in it) is left accepting NaN."""
+    from pydantic import BaseModel
+
+    seen: list[str] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            ann = info.annotation
+            args = getattr(ann, "__args__", ())
+            if ann is float or float in args:
+                seen.append(f"{prefix}{name}")
+                with pytest.raises(ValidationError, match="finite number"):
+                    model.model_validate({name: NAN})
+            for sub in (ann, *args):
+                if isinstance(sub, type) and issubclass(sub, BaseModel):
+                    walk(sub, f"{prefix}{name}.")
+
+    walk(SessionRequest, "")
+    from profd.config import ToolConfigs
+
+    walk(ToolConfigs, "roles.*.tool_config.")
+    assert "duration_s" in seen and "roles.*.tool_config.nsys.settle_s" in seen, seen
+
+
+def test_save_path_length_rules() -> None:
+    from profd.config import MAX_SAVE_PATH_BYTES, NAME_MAX, PATH_MAX
+
+    # Room below the longest accepted save_path for /<session id>/<subdir>/<file name>.
+    assert (
+        MAX_SAVE_PATH_BYTES + len("/20250101-120000-abcd/rollout-engine-replica99/") + NAME_MAX
+        < PATH_MAX
+    )
+    longest = "/" + "/".join(["d" * NAME_MAX] * 13)
+    longest += "/" + "e" * (MAX_SAVE_PATH_BYTES - len(longest) - 1)
+    assert len(longest) == MAX_SAVE_PATH_BYTES
+    assert SessionRequest(next_steps=1, save_path=longest).save_path == longest
+    errs = errors_of({"next_steps": 1, "save_path": longest + "e"})
+    assert f"at most {MAX_SAVE_PATH_BYTES} bytes" in errs["save_path"], errs
+    errs = errors_of({"next_steps": 1, "save_path": "x" * 5000})
+    assert "PATH_MAX" in errs["save_path"] and "got 5000" in errs["save_path"]
+    # A component over NAME_MAX, counted in UTF-8 bytes (128 characters, 256 bytes).
+    errs = errors_of({"next_steps": 1, "save_path": "/tmp/" + "é" * 128 + "/x"})
+    assert "NAME_MAX" in errs["save_path"] and "got 256 bytes" in errs["save_path"], errs
+    assert SessionRequest(next_steps=1, save_path="/tmp/" + "é" * 127).save_path
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"next_steps": 1, "save_path": "/tmp/a\x00b"}, "save_path"),
+        ({"next_steps": 1, "finish_hook_cmd": "echo \x00"}, "finish_hook_cmd"),
+        ({"next_steps": 1, "upload_uri": "file:///tmp/\x00"}, "upload_uri"),
+    ],
+)
+def test_nul_characters_are_refused(data: dict, field: str) -> None:
+    errs = errors_of(data)
+    assert "NUL" in errs.get(field, ""), errs
+
+
+def test_lone_surrogates_in_save_path_are_named() -> None:
+    errs = errors_of({"next_steps": 1, "save_path": "/tmp/\ud800"})
+    assert "lone surrogates" in errs["save_path"], errs
+    # Undecodable bytes as os.fsdecode() gives them are a valid path.
+    assert SessionRequest(next_steps=1, save_path="/tmp/\udcff").save_path

@@ -340,6 +340,40 @@ def check_summary_errors(chrome: Any, url: str, new_sid: str) -> None:
     assert not chrome.find_elements(By.ID, "injected")  # shown as text, never parsed
 
 
+def check_paging(chrome: Any, url: str, owner: Any, sid: str, new_sid: str) -> None:
+    """One row per page (``?page=1``): the newest session and trace, a "more" control that
+    fetches the next page, and refreshes that keep what was fetched."""
+    from selenium.webdriver.common.by import By
+
+    chrome.get(f"{url}/?interval=500&page=1")
+    traces = sorted(owner.call("get_session", sid).traces, key=lambda t: (t.created_at, t.trace_id))
+    newest_trace = traces[-1]
+    wait_until(lambda: [r[0] for r in rows(chrome, "sessions")] == [new_sid], 20, what="page 1")
+    wait_until(lambda: len(rows(chrome, "traces")) == 1, 20, what="one trace")
+    assert [href.split("/")[-2] for href, _ in links(chrome)] == [newest_trace.trace_id]
+    for table, total in (("sessions", 2), ("traces", 2)):
+        assert chrome.find_element(By.ID, f"{table}-shown").text == f"newest 1 of {total} {table}"
+        more = chrome.find_element(By.ID, f"{table}-more")
+        assert more.is_displayed() and more.text == "more (1 older)"
+        more.click()
+        wait_until(lambda t=table: len(rows(chrome, t)) == 2, 10, what=f"{table}: page 2")
+        wait_until(lambda m=more: not m.is_displayed(), 10, what=f"{table}: last page")
+        assert chrome.find_element(By.ID, f"{table}-shown").text == ""  # everything shown
+    assert [r[0] for r in rows(chrome, "sessions")] == [new_sid, sid]  # newest first
+    assert [href.split("/")[-2] for href, _ in links(chrome)] == [
+        t.trace_id for t in reversed(traces)
+    ]
+    seen = int(chrome.find_element(By.TAG_NAME, "body").get_attribute("data-refreshes"))
+    wait_until(
+        lambda: (
+            int(chrome.find_element(By.TAG_NAME, "body").get_attribute("data-refreshes")) > seen + 1
+        ),
+        10,
+        what="two more refreshes",
+    )
+    assert len(rows(chrome, "sessions")) == 2 and len(rows(chrome, "traces")) == 2
+
+
 def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     url, owner, sid = recorded
     chrome.get(f"{url}/?interval=500")
@@ -356,5 +390,6 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
 
     check_summary(chrome, url, sid, new_sid, tmp_path)
     check_summary_errors(chrome, url, new_sid)
+    check_paging(chrome, url, owner, sid, new_sid)
     uncaught = [e["message"] for e in chrome.get_log("browser") if "Uncaught" in e["message"]]
     assert not uncaught

@@ -150,6 +150,8 @@ def test_the_docs_show_how_an_operator_allows_uploads_and_save_paths() -> None:
     assert "--allow-save-root" in shown["docs/multinode.md"]
     assert "--allow-save-root" in shown["docs/verl.md"]
     assert "--allow-upload-prefix" in shown["deploy/README.md"]
+    # a sidecar reached by another name than loopback or the bind address needs --allow-host
+    assert "--allow-host" in shown["deploy/README.md"]
 
 
 def test_every_manifest_parses() -> None:
@@ -178,9 +180,33 @@ def up_line(script: str) -> list[str]:
     return shlex.split(line.split("&&")[0])[2:]
 
 
-def up_flags(script: str) -> dict[str, str]:
-    tokens = [t for t in up_line(script) if not t.startswith("$")]  # $PROFD_UP_ARGS: extra flags
-    return dict(zip(tokens[::2], tokens[1::2], strict=True))
+def up_flags(script: str) -> dict[str, list[str]]:
+    """Each option of the head's ``profd up`` line with its values (repeatable ones: several)."""
+    tokens = [t for t in up_line(script) if t != "$PROFD_UP_ARGS"]  # the operator's extra flags
+    flags: dict[str, list[str]] = {}
+    for name, value in zip(tokens[::2], tokens[1::2], strict=True):
+        flags.setdefault(name, []).append(value)
+    return flags
+
+
+def env_values(container: dict[str, Any]) -> dict[str, Any]:
+    """A container's environment: plain values, or the ``valueFrom`` source."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def assert_service_names_allowed(cluster_spec: dict[str, Any], service: dict[str, Any]) -> None:
+    """The head's `profd up` allows the Service's DNS names in the Host header (the sidecar
+    refuses any other name): the Service named in the pod's environment, its namespace from
+    the downward API."""
+    env = env_values(head_container(cluster_spec))
+    assert env["PROFD_SERVICE"] == service["metadata"]["name"]
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert up_flags(head_script(cluster_spec))["--allow-host"] == [
+        "$svc",
+        "$svc.$ns",
+        "$svc.$ns.svc",
+        "$svc.$ns.svc.cluster.local",
+    ]
 
 
 def test_kuberay_raycluster_head_runs_the_sidecar_behind_a_service() -> None:
@@ -193,15 +219,17 @@ def test_kuberay_raycluster_head_runs_the_sidecar_behind_a_service() -> None:
     script = head_script(spec)
     assert head["command"] == ["/bin/bash", "-lc", "--"]
     assert script.strip().splitlines()[-1].strip() == "$KUBERAY_GEN_RAY_START_CMD"
-    flags = up_flags(script)
+    flags = {k: v[-1] for k, v in up_flags(script).items()}
     assert flags["--address"] == "auto" and flags["--host"] == "0.0.0.0"
+    assert_service_names_allowed(spec, service)
     # the operator's extra flags (--allow-upload-prefix, ...): an empty variable, appended
     assert up_line(script)[-1] == "$PROFD_UP_ARGS"
-    assert {e["name"]: e["value"] for e in head["env"]}["PROFD_UP_ARGS"] == ""
+    assert env_values(head)["PROFD_UP_ARGS"] == ""
     up_options = cli_spec()["up"]
     for manifest in ("raycluster.yaml", "rayjob.yaml"):
         named = set(re.findall(r"--allow-[a-z-]+", (KUBERAY / manifest).read_text()))
-        assert {"--allow-upload-prefix", "--allow-save-root"} <= named <= up_options
+        assert {"--allow-upload-prefix", "--allow-save-root", "--allow-host"} <= named
+        assert named <= up_options
     # KubeRay passes rayStartParams as strings; a YAML number or bool there is rejected
     for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
         assert all(isinstance(v, str) for v in group["rayStartParams"].values())
@@ -238,7 +266,7 @@ def test_kuberay_token_comes_from_the_secret() -> None:
         # profd reads <PROFD_STATE_DIR>/token: the script copies the Secret's file there
         assert f'install -m 600 {token_file} "$PROFD_STATE_DIR/token"' in script
         assert f"grep -q {TEMPLATE_TOKEN} {token_file}" in script
-        env = {e["name"]: e["value"] for e in head["env"]}
+        env = env_values(head)
         assert env["PROFD_STATE_DIR"].startswith("/")
         assert volume["secret"]["defaultMode"] & 0o040 and pod["securityContext"]["fsGroup"] == 100
 
@@ -249,6 +277,7 @@ def test_kuberay_rayjob_runs_the_ray_train_example_on_the_same_head() -> None:
     cluster = by_kind(KUBERAY / "raycluster.yaml")["RayCluster"]
     spec = job["spec"]["rayClusterSpec"]
     assert head_script(spec) == head_script(cluster["spec"])
+    assert_service_names_allowed(spec, service)
     assert job["metadata"]["annotations"] == cluster["metadata"]["annotations"]
     assert spec["rayVersion"] == cluster["spec"]["rayVersion"]
     labels = spec["headGroupSpec"]["template"]["metadata"]["labels"]
@@ -361,6 +390,8 @@ def run_head_script(script: str, tmp_path: Path, address: str, up_args: str = ""
         HOME=str(tmp_path),
         PROFD_STATE_DIR=str(tmp_path / "state"),
         PROFD_UP_ARGS=up_args,  # the manifest's variable, as an operator sets it
+        PROFD_SERVICE="profd",  # the manifest's Service
+        POD_NAMESPACE="team-a",  # what the downward API gives
         RAY_ADDRESS=address,  # what `--address auto` finds on a real head
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
@@ -419,6 +450,12 @@ def test_kuberay_head_script_starts_profd_for_a_running_job(ray_session: Any, tm
             info = ray._private.state.actors(handle._actor_id.hex())
             assert info["IsDetached"] is True, info
             assert info["Address"]["NodeID"] == ray_session.node_id
+        # requests naming the Service are answered, other names refused (DNS rebinding)
+        for host in ("profd", "profd.team-a.svc.cluster.local:8470", "localhost"):
+            r = httpx.get(f"{url}/api/v1/agents", headers={**auth, "Host": host}, timeout=10)
+            assert r.status_code == 200, (host, r.text)
+        r = httpx.get(f"{url}/api/v1/agents", headers={**auth, "Host": "attacker.example"})
+        assert r.status_code == 400 and r.json()["error"] == "host_not_allowed", r.text
         # the sidecar takes the Secret's token, and only it
         bad = httpx.post(f"{url}/api/v1/sessions", json={}, headers={"Authorization": "Bearer x"})
         assert bad.status_code == 403

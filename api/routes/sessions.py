@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Path, status
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from profd.analysis.models import SessionSummary
+from profd.analysis.models import SessionSummary, SkippedFile
 from profd.analysis.summary import summarize_files
 from profd.api.client import CoordinatorClient
-from profd.api.deps import ClientDep, ConfigDep, NodeIdDep, TokenDep
+from profd.api.deps import ClientDep, ConfigDep, CursorQuery, LimitQuery, LocatorDep, TokenDep
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
 from profd.api.security import confine_save_path, confine_upload_uri
 from profd.config import SessionRequest
-from profd.errors import ConflictError, RequestInvalid
+from profd.errors import ConflictError, NotFoundError, RequestInvalid
+from profd.paging import DEFAULT_LIMIT
 from profd.settings import SidecarConfig
 from profd.views import SessionView
 
@@ -35,8 +36,14 @@ SessionId = Path(
 
 
 class SessionList(BaseModel):
-    data: list[SessionView] = Field(description="Sessions, oldest first.")
-    count: int = Field(description="Number of sessions listed.")
+    data: list[SessionView] = Field(
+        description="This page of sessions, newest first (created_at, then session_id, descending)."
+    )
+    count: int = Field(description="Number of sessions in this page.")
+    total: int = Field(description="Number of sessions in all pages.")
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` to get the next page; null on the last page."
+    )
 
 
 EXAMPLES = {
@@ -114,11 +121,16 @@ async def _confine(body: SessionRequest, client: CoordinatorClient, config: Side
         confine_upload_uri(body.upload_uri, config.upload_prefixes)
 
 
-@router.get("", response_model=SessionList)
-async def list_sessions(client: ClientDep) -> Response:
-    """All sessions, oldest first."""
-    sessions = await client.call("list_sessions")
-    return model_response(SessionList(data=sessions, count=len(sessions)))
+@router.get("", response_model=SessionList, responses=error_responses(422))
+async def list_sessions(
+    client: ClientDep, limit: LimitQuery = DEFAULT_LIMIT, cursor: CursorQuery = None
+) -> Response:
+    """Sessions, a page at a time: the newest first; follow `next_cursor` for older ones."""
+    page = await client.call("list_sessions", limit, cursor)
+    listing = SessionList(
+        data=page.items, count=len(page.items), total=page.total, next_cursor=page.next_cursor
+    )
+    return model_response(listing)
 
 
 @router.get("/{session_id}", response_model=SessionView, responses=error_responses(404, 422))
@@ -133,11 +145,13 @@ async def get_session(client: ClientDep, session_id: str = SessionId) -> Respons
     responses=error_responses(404, 409, 422),
 )
 async def session_summary(
-    client: ClientDep, node_id: NodeIdDep, session_id: str = SessionId
+    client: ClientDep, locator: LocatorDep, session_id: str = SessionId
 ) -> SessionSummary:
     """Per step x stage x rank wall time, mini-batches, idle gaps, top operators, stragglers.
 
-    Each trace is read on the node that holds it (Ray tasks) when it is not on this node.
+    Each trace is read on the node that holds it (Ray tasks) when it is not on this node; a
+    trace of an earlier Ray cluster is found by its node's address or host name, and one on
+    no node of this cluster is listed in `skipped` with the reason.
     """
     view = await client.call("get_session", session_id)
     traces = [t for t in view.traces if t.file_name.endswith((".json.gz", ".json"))]
@@ -146,10 +160,23 @@ async def session_summary(
             f"session {session_id} has no Chrome trace to summarize yet ({view.state.value})",
             state=view.state.value,
         )
-    remote = [t.node_id if t.node_id and node_id and t.node_id != node_id else None for t in traces]
-    nodes = remote if any(remote) else None
-    paths = [t.path for t in traces]
-    key = (session_id, tuple(t.trace_id for t in traces))
+    places = await locator.place_all(traces)
+    found = [(t, p) for t, p in zip(traces, places, strict=True) if p.found]
+    lost = [
+        SkippedFile(name=t.file_name, reason=p.reason or "")
+        for t, p in zip(traces, places, strict=True)
+        if not p.found
+    ]
+    if not found:
+        raise NotFoundError(
+            f"no trace of session {session_id} is on a node of this cluster: {lost[0].reason}",
+            session_id=session_id,
+        )
+    nodes = None
+    if any(not p.local for _, p in found):  # Ray tasks; local files stay on this node
+        nodes = [p.node_id if not p.local else locator.here_id for _, p in found]
+    paths = [t.path for t, _ in found]
+    key = (session_id, tuple(t.trace_id for t in traces), tuple(p.node_id for p in places))
     cached = _SUMMARIES.get(key)
     if cached is None:
         # One summary at a time: a burst of requests (reads are open on loopback) queues
@@ -160,7 +187,9 @@ async def session_summary(
                 cached = await asyncio.to_thread(
                     summarize_files, paths, source=view.save_dir, nodes=nodes, workers=1
                 )
-                if view.state.is_terminal:
+                if lost:
+                    cached = cached.model_copy(update={"skipped": [*cached.skipped, *lost]})
+                if view.state.is_terminal and not lost:
                     _SUMMARIES.put(key, cached)
     return cached
 
@@ -170,14 +199,14 @@ class _Lru:
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._items: OrderedDict[tuple[str, tuple[str, ...]], SessionSummary] = OrderedDict()
+        self._items: OrderedDict[tuple[Any, ...], SessionSummary] = OrderedDict()
 
-    def get(self, key: tuple[str, tuple[str, ...]]) -> SessionSummary | None:
+    def get(self, key: tuple[Any, ...]) -> SessionSummary | None:
         if key in self._items:
             self._items.move_to_end(key)
         return self._items.get(key)
 
-    def put(self, key: tuple[str, tuple[str, ...]], value: SessionSummary) -> None:
+    def put(self, key: tuple[Any, ...], value: SessionSummary) -> None:
         self._items[key] = value
         self._items.move_to_end(key)
         while len(self._items) > self._size:

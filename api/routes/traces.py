@@ -5,18 +5,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path as FsPath
-from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import FileResponse, Response, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BaseModel, Field
 
 from profd.actors.runner import NodeRunner
-from profd.api.deps import ClientDep, NodeIdDep, RunnerDep
+from profd.api.deps import (
+    ClientDep,
+    CursorQuery,
+    LimitQuery,
+    LocatorDep,
+    NodeIdDep,
+    RankQuery,
+    RunnerDep,
+)
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
 from profd.errors import NotFoundError
 from profd.files import file_size, read_chunk
+from profd.paging import DEFAULT_LIMIT
 from profd.views import TraceView
 
 __all__ = ["TraceList", "router"]
@@ -27,17 +35,17 @@ router = APIRouter(
 
 
 class TraceList(BaseModel):
-    data: list[TraceView] = Field(description="Traces, by session, role, rank and step.")
-    count: int = Field(description="Number of traces listed.")
-    bytes: int = Field(description="Total size of the traces listed.")
-
-
-def _digits(value: object) -> object:
-    """Query integers are written in digits only ("0.0" or "1e3" is not a rank)."""
-    text = str(value)
-    if not (text.isascii() and text.isdigit()):
-        raise ValueError("must be a non-negative integer written in digits")
-    return value
+    data: list[TraceView] = Field(
+        description="This page of traces, newest first (created_at, then trace_id, descending)."
+    )
+    count: int = Field(description="Number of traces in this page.")
+    total: int = Field(description="Number of traces matching the filters, in all pages.")
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` to get the next page; null on the last page."
+    )
+    bytes: int = Field(
+        description="Total size of every trace matching the filters (all pages, not only this one)."
+    )
 
 
 @router.get("", response_model=TraceList, responses=error_responses(422))
@@ -45,15 +53,19 @@ async def list_traces(
     client: ClientDep,
     session_id: str | None = Query(None, description="Only this session."),
     role: str | None = Query(None, description="Only this role."),
-    rank: Annotated[
-        int | None,
-        Query(ge=0, description="Only this rank (a non-negative integer)."),
-        BeforeValidator(_digits),
-    ] = None,
+    rank: RankQuery = None,
+    limit: LimitQuery = DEFAULT_LIMIT,
+    cursor: CursorQuery = None,
 ) -> Response:
-    """Traces, optionally filtered."""
-    traces = await client.call("list_traces", session_id, role, rank)
-    listing = TraceList(data=traces, count=len(traces), bytes=sum(t.bytes for t in traces))
+    """Traces, optionally filtered, a page at a time (newest first; follow `next_cursor`)."""
+    page = await client.call("list_traces", session_id, role, rank, limit, cursor)
+    listing = TraceList(
+        data=page.items,
+        count=len(page.items),
+        total=page.total,
+        next_cursor=page.next_cursor,
+        bytes=page.bytes,
+    )
     return model_response(listing)
 
 
@@ -61,10 +73,12 @@ async def list_traces(
 CHUNK = 8 << 20
 
 
-async def _remote_chunks(runner: NodeRunner, trace: TraceView, size: int) -> AsyncIterator[bytes]:
+async def _remote_chunks(
+    runner: NodeRunner, node_id: str, trace: TraceView, size: int
+) -> AsyncIterator[bytes]:
     offset = 0
     while offset < size:
-        chunk = await runner.run(trace.node_id, read_chunk, trace.path, offset, CHUNK)
+        chunk = await runner.run(node_id, read_chunk, trace.path, offset, CHUNK)
         if not chunk:
             break
         offset += len(chunk)
@@ -85,31 +99,42 @@ async def _remote_chunks(runner: NodeRunner, trace: TraceView, size: int) -> Asy
 async def download_trace(
     client: ClientDep,
     runner: RunnerDep,
+    locator: LocatorDep,
     node_id: NodeIdDep,
     trace_id: str = Path(
         pattern=r"^[0-9a-f]{16}$", description="Trace id (16 hex digits) from GET /api/v1/traces."
     ),
 ) -> Response:
-    """The file of a known trace (never an arbitrary path), read on the node that holds it."""
+    """The file of a known trace (never an arbitrary path), read on the node that holds it.
+
+    The node is found by its Ray node id, or, for a trace of an earlier Ray cluster (node ids
+    change with each one), by its address or host name; 404 when no node of this cluster is
+    it.
+    """
     trace = await client.call("get_trace", trace_id)
     headers = {"Content-Disposition": f'attachment; filename="{trace.file_name}"'}
-    remote = trace.node_id is not None and node_id is not None and trace.node_id != node_id
-    if remote:
+    place = await locator.place(trace)
+    if not place.found:
+        raise NotFoundError(f"trace {trace_id}: {place.reason}", trace_id=trace_id)
+    if not place.local and place.node_id:
+        there = place.node_id
         try:
-            size = await asyncio.wait_for(runner.run(trace.node_id, file_size, trace.path), 30)
+            size = await asyncio.wait_for(runner.run(there, file_size, trace.path), 30)
         except Exception as exc:  # the node died or cannot be reached
             raise NotFoundError(
-                f"trace {trace_id} lives on node {trace.node_id} ({trace.hostname}), which does "
-                f"not answer: {type(exc).__name__}",
+                f"trace {trace_id} lives on node {there} ({trace.node_ip or trace.hostname}), "
+                f"which does not answer: {type(exc).__name__}",
                 trace_id=trace_id,
             ) from None
         if size is None:
             raise NotFoundError(
                 f"trace {trace_id} is gone from its node ({trace.hostname})", trace_id=trace_id
             )
-        headers.update({"Content-Length": str(size), "X-Profd-Node": trace.node_id or ""})
+        headers.update({"Content-Length": str(size), "X-Profd-Node": there})
         return StreamingResponse(
-            _remote_chunks(runner, trace, size), media_type="application/gzip", headers=headers
+            _remote_chunks(runner, there, trace, size),
+            media_type="application/gzip",
+            headers=headers,
         )
     path = FsPath(trace.path)
     if not path.is_file():

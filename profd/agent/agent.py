@@ -25,7 +25,7 @@ from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
 from profd.agent.recorder import IDLE, ArmedPlan, Recorder
 from profd.agent.timed import TimedWindows
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
-from profd.cluster import ray_node
+from profd.cluster import process_start, ray_node
 from profd.naming import sanitize
 from profd.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
@@ -94,6 +94,7 @@ class ProfilerAgent:
             node_id=node_id,
             node_ip=node_ip,
             capabilities=capabilities(),
+            pid_start=process_start(os.getpid()),
         )
         self._next_step: int | None = None
         self._current_step: int | None = None
@@ -128,7 +129,9 @@ class ProfilerAgent:
         self._channel = Channel(
             self.info,
             find,
-            lambda: self._current_step,
+            # only a step of its own: a driven worker's step is its driver's (the coordinator
+            # has it), not the last one a session pushed to it
+            lambda: self._current_step if self._spmd else None,
             self._install_plan,
             poll_timeout_s=self._poll_timeout_s,
         )

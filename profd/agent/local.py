@@ -55,6 +55,9 @@ class InProcessCoordinator:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        closer = getattr(self.coordinator, "close", None)
+        if closer is not None:
+            closer()
         if not self._thread.is_alive():
             self.loop.close()
 

@@ -63,7 +63,7 @@ def resolve_target(target: str, url: str | None) -> Path:
                 f"{target} is neither a directory nor a known session id", param_hint="TARGET"
             ) from None
         raise
-    traces = api.get("/api/v1/traces", session_id=target)["data"]
+    traces = api.get_all("/api/v1/traces", session_id=target)  # every page
     save_dir = Path(view["save_dir"])
     if all(_here(t) for t in traces) and save_dir.is_dir():
         return save_dir

@@ -9,6 +9,7 @@ import httpx
 
 from profd.cluster import load_state, read_token
 from profd.constants import DEFAULT_PORT, TOKEN_FILE
+from profd.paging import MAX_LIMIT
 
 __all__ = ["ApiClient", "CliError", "resolve_url"]
 
@@ -100,17 +101,35 @@ class ApiClient:
     def post(self, path: str, body: Any = None) -> Any:
         return self.request("POST", path, json=body)
 
+    def get_all(self, path: str, page_size: int = MAX_LIMIT, **params: Any) -> list[Any]:
+        """Every item of a paged listing (``data`` of each page, following ``next_cursor``)."""
+        items: list[Any] = []
+        cursor = None
+        while True:
+            body = self.get(path, **params, limit=page_size, cursor=cursor)
+            items.extend(body["data"])
+            cursor = body.get("next_cursor")
+            if not cursor:
+                return items
+
     def download(self, path: str, dest: Path) -> int:
+        """Stream ``path`` into ``dest``; its size. A transfer that breaks off after it began
+        is a failure of this download (exit 1), not an unreachable sidecar."""
+        size = 0
         try:
             with self._http.stream("GET", path) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     raise self._error(resp)
-                size = 0
                 with open(dest, "wb") as f:
-                    for chunk in resp.iter_bytes():
-                        f.write(chunk)
-                        size += len(chunk)
+                    try:
+                        for chunk in resp.iter_bytes():
+                            f.write(chunk)
+                            size += len(chunk)
+                    except httpx.TransportError as exc:
+                        raise CliError(
+                            f"the transfer broke off after {size} bytes ({type(exc).__name__})"
+                        ) from None
         except httpx.TransportError as exc:
             raise self._unreachable(exc) from None
         return size

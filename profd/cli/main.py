@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from profd.cli import analysis, service
-from profd.cli.client import ApiClient, CliError
+from profd.cli.client import EXIT_UNREACHABLE, ApiClient, CliError
+from profd.paging import DEFAULT_LIMIT, MAX_LIMIT
 from profd.settings import ProfdSettings
 
 __all__ = ["app", "main"]
@@ -94,15 +95,80 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
     console.print(table)
 
 
+LimitOpt = Annotated[
+    int, typer.Option("--limit", min=1, max=MAX_LIMIT, help="How many of the newest to show.")
+]
+CursorOpt = Annotated[
+    str | None,
+    typer.Option("--cursor", help="Show the page after this one (the cursor a page prints)."),
+]
+AllOpt = Annotated[bool, typer.Option("--all", help="Show every one (follow every page).")]
+
+
+def _listing(
+    api: ApiClient, path: str, limit: int, cursor: str | None, show_all: bool, **params: Any
+) -> tuple[list[dict[str, Any]], int, str | None]:
+    """One page (or, with ``show_all``, every page): its items, how many match in all and
+    the cursor of the next page (None when nothing follows)."""
+    if show_all:
+        items = api.get_all(path, **params)
+        return items, len(items), None
+    body = api.get(path, **params, limit=limit, cursor=cursor)
+    return body["data"], body.get("total", len(body["data"])), body.get("next_cursor")
+
+
+def _say_more(
+    command: list[str],
+    noun: str,
+    shown: int,
+    total: int,
+    next_cursor: str | None,
+    after_cursor: bool,
+    to_stderr: bool,
+) -> None:
+    """Under a page: how many more there are and the commands that show them."""
+    if next_cursor is None:
+        return
+    cmd = "profd " + " ".join(command)
+    if after_cursor:
+        head = f"{shown} {noun} after the cursor, {total} in all; more follow"
+    else:
+        head = f"the newest {shown} of {total} {noun}; {total - shown} more"
+    text = f"{head}: `{cmd} --cursor {next_cursor}` for the next page, `{cmd} --all` for all"
+    (err_console if to_stderr else console).print(text, markup=False, highlight=False)
+
+
+def _command(name: str, url: str | None, limit: int, **options: str | None) -> list[str]:
+    """The command line that lists the same thing (for the hints under a page)."""
+    words = [name]
+    if url:
+        words += ["--url", url]
+    for option, value in options.items():
+        if value is not None:
+            words += [f"--{option}", value]
+    if limit != DEFAULT_LIMIT:
+        words += ["--limit", str(limit)]
+    return words
+
+
 @app.command()
-def sessions(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
-    """List sessions."""
+def sessions(
+    url: UrlOpt = None,
+    limit: LimitOpt = DEFAULT_LIMIT,
+    cursor: CursorOpt = None,
+    show_all: AllOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """List sessions, the newest first (a page of --limit; --all for every one)."""
     try:
-        data = _client(url).get("/api/v1/sessions")["data"]
+        api = _client(url)
+        data, total, next_cursor = _listing(api, "/api/v1/sessions", limit, cursor, show_all)
     except CliError as exc:
         _fail(exc)
+    hint = (_command("sessions", url, limit), "sessions", len(data), total, next_cursor)
     if as_json:
         _print_json(data)
+        _say_more(*hint, cursor is not None, to_stderr=True)
         return
     table = Table(title="Sessions")
     for col in ("session", "state", "tool", "steps", "targets", "traces", "reason"):
@@ -118,33 +184,95 @@ def sessions(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
             s["reason"],
         )
     console.print(table)
+    _say_more(*hint, cursor is not None, to_stderr=False)
 
 
 @app.command()
 def traces(
     url: UrlOpt = None,
     session: Annotated[str | None, typer.Option("--session", help="Only this session.")] = None,
-    download: Annotated[Path | None, typer.Option(help="Download the files into DIR.")] = None,
+    download: Annotated[
+        Path | None,
+        typer.Option(help="Download every trace (all pages) into DIR; exit 1 if any fails."),
+    ] = None,
+    limit: LimitOpt = DEFAULT_LIMIT,
+    cursor: CursorOpt = None,
+    show_all: AllOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """List traces (and optionally download them)."""
+    """List traces, the newest first (a page of --limit; --all for every one), and
+    optionally download them."""
     from profd.demo.run import trace_table
 
+    failed: list[tuple[dict[str, Any], str]] = []
     try:
         api = _client(url)
-        data = api.get("/api/v1/traces", session_id=session)["data"]
+        everything = show_all or download is not None
+        data, total, next_cursor = _listing(
+            api, "/api/v1/traces", limit, cursor, everything, session_id=session
+        )
         if download is not None:
-            download.mkdir(parents=True, exist_ok=True)
-            for t in data:
-                api.download(f"/api/v1/traces/{t['trace_id']}/download", download / t["file_name"])
+            failed = _download_traces(api, data, download)
     except CliError as exc:
         _fail(exc)
+    hint = (
+        _command("traces", url, limit, session=session),
+        "traces",
+        len(data),
+        total,
+        next_cursor,
+    )
     if as_json:
         _print_json(data)
+        _say_more(*hint, cursor is not None, to_stderr=True)
+    else:
+        console.print(trace_table(data))
+        _say_more(*hint, cursor is not None, to_stderr=False)
+    if download is None:
         return
-    console.print(trace_table(data))
-    if download is not None:
-        console.print(f"downloaded {len(data)} file(s) into {download}")
+    done = len(data) - len(failed)
+    (err_console if as_json else console).print(
+        f"downloaded {done} file(s) into {download}", markup=False, highlight=False
+    )
+    if failed:
+        err_console.print(
+            f"[red]error:[/red] {len(failed)} of {len(data)} trace(s) could not be downloaded:"
+        )
+        for t, reason in failed:
+            err_console.print(
+                f"  trace {t['trace_id']} ({t['file_name']}): {reason}",
+                markup=False,
+                highlight=False,
+            )
+        raise typer.Exit(1)
+
+
+def _download_traces(
+    api: ApiClient, traces: list[dict[str, Any]], into: Path
+) -> list[tuple[dict[str, Any], str]]:
+    """Download each trace into ``into`` (through a ``.part`` file, so a failed one leaves
+    nothing behind); the ones that failed, with the reason. Stops only when the sidecar
+    cannot be reached at all (raises)."""
+    try:
+        into.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot create {into}: {exc.strerror or exc}") from None
+    failed: list[tuple[dict[str, Any], str]] = []
+    for t in traces:
+        dest = into / t["file_name"]
+        part = dest.with_name(dest.name + ".part")
+        try:
+            api.download(f"/api/v1/traces/{t['trace_id']}/download", part)
+            part.replace(dest)
+        except CliError as exc:
+            part.unlink(missing_ok=True)
+            if exc.exit_code == EXIT_UNREACHABLE:
+                raise
+            failed.append((t, str(exc)))
+        except OSError as exc:
+            part.unlink(missing_ok=True)
+            failed.append((t, f"cannot write {dest}: {exc.strerror or exc}"))
+    return failed
 
 
 # -- profile --------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ def _sidecar_config(
     allow_hook_commands: bool,
     allow_save_root: list[Path],
     allow_upload_prefix: list[str],
+    allow_host: list[str],
 ) -> Any:
     """How `profd up` serves the sidecar: the token, and where sessions may write."""
     from profd.settings import SidecarConfig
@@ -62,15 +63,27 @@ def _sidecar_config(
             p if "://" in p else str(Path(p).expanduser().resolve()) for p in allow_upload_prefix
         ),
         base_dir=coord.base_dir,
+        allowed_hosts=tuple(allow_host),
         freeze_gc=True,  # the sidecar actor's process serves nothing else
     )
+
+
+AllowHostOpt = Annotated[
+    list[str],
+    typer.Option(
+        "--allow-host",
+        help="Host name the sidecar also answers to (repeatable; loopback names and the bind "
+        "address always; '*' turns the Host check off, for a trusted proxy only).",
+    ),
+]
 
 
 def up(
     address: Annotated[
         str | None,
         typer.Option(
-            help="Ray address to join ('auto' = local cluster); default: start a local Ray."
+            help="Ray address to join ('auto' = the cluster this node knows); default: the "
+            "cluster recorded by an earlier `profd up` while it runs, else a new local Ray."
         ),
     ] = None,
     host: Annotated[str | None, typer.Option(help="Sidecar bind address.")] = None,
@@ -81,46 +94,136 @@ def up(
     ] = False,
     allow_save_root: AllowSaveRootOpt = [],  # noqa: B006
     allow_upload_prefix: AllowUploadOpt = [],  # noqa: B006
+    allow_host: AllowHostOpt = [],  # noqa: B006
     num_cpus: Annotated[int | None, typer.Option(help="CPUs of a local Ray started here.")] = None,
 ) -> None:
-    """Start the coordinator and the sidecar (and a local Ray when no --address is given)."""
-    from profd.cluster import (
-        load_state,
-        read_or_create_token,
-        save_state,
-        start_services,
-    )
+    """Start the coordinator and the sidecar (and a local Ray when no cluster is known).
+
+    Run again after a crash, it brings back what is missing on the cluster it recorded: a
+    sidecar that died, a coordinator killed for good (restored from its state), never a
+    second cluster while the recorded one runs."""
+    from profd.cluster import load_state, read_or_create_token, save_state, start_services
 
     settings = _settings()
     previous = load_state(settings.state_dir)
-    if previous is not None and _reachable(previous.url):
+    health = _health(previous.url) if previous is not None else None
+    if previous is not None and health is not None and health.get("coordinator"):
         console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
+        _report_join(previous.ray_address)
         return
-    address, started_ray, temp_dir = _join_or_start_ray(address, num_cpus)
+    flags_given = bool(
+        host
+        or port is not None
+        or allow_hook_commands
+        or allow_save_root
+        or allow_upload_prefix
+        or allow_host
+    )
+    target, started_ray, temp_dir = _choose_cluster(previous, address, num_cpus)
     token, token_path = read_or_create_token(settings.state_dir)
-    _replace_unknown_sidecar(token_path)
-    coord = (
-        settings.coordinator()
-        if save_root is None
-        else ProfdSettings(save_root=save_root).coordinator()
-    )
-    sidecar = _sidecar_config(
-        settings,
-        coord,
-        token,
-        host,
-        port,
-        allow_hook_commands,
-        allow_save_root,
-        allow_upload_prefix,
-    )
-    services = start_services(coord, sidecar, detached=True)
-    save_state(settings.state_dir, _service_state(services, address, started_ray, temp_dir, coord))
+    if health is None:  # the recorded sidecar does not answer (or there is no record)
+        _replace_unknown_sidecar(token_path)
+    coord = _coordinator_settings(settings, previous, save_root, rejoined=target.rejoined)
+    if target.rejoined and previous is not None and previous.sidecar and not flags_given:
+        from profd.settings import SidecarConfig
+
+        sidecar = SidecarConfig(**{**previous.sidecar, "token": token})
+        console.print("  sidecar flags as recorded by the earlier `profd up`")
+    else:
+        sidecar = _sidecar_config(
+            settings,
+            coord,
+            token,
+            host,
+            port,
+            allow_hook_commands,
+            allow_save_root,
+            allow_upload_prefix,
+            allow_host,
+        )
+    try:
+        services = start_services(coord, sidecar, detached=True)
+    except Exception as exc:
+        err_console.print(f"[red]profd up failed:[/red] {_root_cause(exc)}")
+        if started_ray and not target.rejoined:  # leave no cluster of ours behind
+            import ray
+
+            from profd.cluster import stop_local_ray
+
+            ray.shutdown()
+            stop_local_ray(temp_dir)
+            err_console.print("  stopped the local Ray this `profd up` had started")
+        raise typer.Exit(1) from None
+    state = _service_state(services, target.address, started_ray, temp_dir, coord, sidecar)
+    save_state(settings.state_dir, state)
     _report_up(services.address["url"], token_path, coord.save_root, sidecar, services)
+    _report_join(state.ray_address)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The message of the profd error inside a Ray actor-creation failure."""
+    from profd.actors.store import StateDirInUse
+
+    text = str(exc)
+    cause = getattr(exc, "cause", None) or exc.__cause__
+    if isinstance(cause, StateDirInUse):
+        return str(cause)
+    marker = "StateDirInUse: "
+    if marker in text:
+        return text[text.index(marker) + len(marker) :].strip().splitlines()[0]
+    return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
+
+
+class _Target:
+    def __init__(self, address: str, rejoined: bool) -> None:
+        self.address = address
+        self.rejoined = rejoined
+
+
+def _choose_cluster(
+    previous: Any, address: str | None, num_cpus: int | None
+) -> tuple[_Target, bool, str | None]:
+    """Which Ray to use: the one asked for; else the recorded one while it runs; else a new
+    local head (after clearing what is left of a recorded local one that stopped)."""
+    from profd.cluster import connect_ray, gcs_reachable, stop_local_ray
+
+    recorded = previous.ray_address if previous is not None else None
+    if recorded and address in (None, recorded):
+        if gcs_reachable(recorded, timeout=2.0):
+            console.print(f"Rejoining the Ray cluster recorded in the state file: {recorded}")
+            connect_ray(recorded)
+            return _Target(recorded, True), previous.started_ray, previous.ray_temp_dir
+        if address == recorded:
+            err_console.print(f"[red]no Ray cluster answers at {recorded}[/red]")
+            raise typer.Exit(1)
+        console.print(f"The Ray cluster recorded in the state file ({recorded}) is gone.")
+        if previous.started_ray and previous.ray_temp_dir:
+            left = stop_local_ray(previous.ray_temp_dir, timeout=5)
+            if left > 0:
+                console.print(f"  stopped {left} process(es) left over from it")
+    target, started, temp_dir = _join_or_start_ray(address, num_cpus)
+    return _Target(target, False), started, temp_dir
+
+
+def _coordinator_settings(
+    settings: ProfdSettings, previous: Any, save_root: Path | None, *, rejoined: bool
+) -> Any:
+    from profd.settings import CoordinatorSettings
+
+    if save_root is not None:
+        return ProfdSettings(save_root=save_root).coordinator()
+    if rejoined and previous is not None and previous.coordinator:
+        return CoordinatorSettings(**previous.coordinator)
+    return settings.coordinator()
 
 
 def _service_state(
-    services: Any, address: str, started_ray: bool, temp_dir: str | None, coord: Any
+    services: Any,
+    address: str,
+    started_ray: bool,
+    temp_dir: str | None,
+    coord: Any,
+    sidecar: Any,
 ) -> Any:
     """What `down` and the other commands need to find what `up` started."""
     from profd.cluster import ServiceState, current_address
@@ -137,6 +240,9 @@ def _service_state(
         sidecar_created=services.sidecar_created,
         ray_temp_dir=temp_dir,
         ray_auth_mode=os.environ.get("RAY_AUTH_MODE"),
+        coordinator=coord.model_dump(mode="json"),
+        # the port it got (a restarted sidecar keeps its URL); never the token in this file
+        sidecar=sidecar.model_dump(mode="json", exclude={"token"}) | {"port": addr["port"]},
     )
 
 
@@ -146,8 +252,28 @@ def _report_up(url: str, token_path: Path, save_root: str, sidecar: Any, service
     console.print(f"  traces under: {save_root}")
     if not sidecar.loopback:
         console.print(f"  beyond loopback ({sidecar.host}): every route needs the token")
-    if not (services.coordinator_created and services.sidecar_created):
-        console.print("  (an existing coordinator / sidecar was reused)")
+    if not services.coordinator_created:
+        console.print("  (the running coordinator was kept)")
+    elif services.coordinator_restored:
+        console.print(
+            f"  coordinator restored from its state: {services.coordinator_restored} "
+            "session(s); live ones resume as their agents come back"
+        )
+    if not services.sidecar_created:
+        console.print("  (the running sidecar was kept)")
+
+
+def _report_join(ray_address: str | None) -> None:
+    if not ray_address:
+        return
+    console.print(
+        f'  jobs join this Ray cluster with [cyan]ray.init(address="{ray_address}")[/cyan] '
+        f"or RAY_ADDRESS={ray_address}"
+    )
+    console.print(
+        "  (address 'auto' takes the cluster this machine started last: on a shared machine "
+        "that may be another one — give the address)"
+    )
 
 
 def _replace_unknown_sidecar(token_path: Path) -> None:
@@ -177,46 +303,132 @@ def _join_or_start_ray(address: str | None, num_cpus: int | None) -> tuple[str, 
     return address, started, temp_dir
 
 
-def _reachable(url: str) -> bool:
+def _health(url: str) -> dict[str, Any] | None:
+    """The sidecar's /healthz answer, or None when it does not answer."""
     import httpx
 
     try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        r = httpx.get(f"{url}/healthz", timeout=2)
     except httpx.HTTPError:
-        return False
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        return dict(r.json())
+    except ValueError:
+        return None
 
 
 def down(
     address: Annotated[
         str | None, typer.Option(help="Ray address (default: from `profd up`).")
     ] = None,
+    stop_ray: Annotated[
+        bool,
+        typer.Option(
+            "--stop-ray",
+            help="Also stop the local Ray `profd up` started even though other drivers or "
+            "actors run on it (they die with it).",
+        ),
+    ] = False,
+    keep_ray: Annotated[
+        bool,
+        typer.Option("--keep-ray", help="Stop profd's services only; leave the local Ray running."),
+    ] = False,
 ) -> None:
-    """Stop the sidecar and the coordinator (and the local Ray `profd up` started)."""
-    from profd.cluster import STATE_FILE, connect_ray, load_state, stop_local_ray, stop_services
+    """Stop the sidecar and the coordinator, and the local Ray `profd up` started when it runs
+    nothing else (a Ray that also runs a job is left alone unless --stop-ray says so)."""
+    from profd.cluster import STATE_FILE, connect_ray, load_state
 
+    if stop_ray and keep_ray:
+        err_console.print("--stop-ray and --keep-ray contradict each other")
+        raise typer.Exit(2)
     settings = _settings()
     state = load_state(settings.state_dir)
     target = address or (state.ray_address if state else None)
     if target is None and state is None:
         console.print(f"profd is not up (no state in {settings.state_dir})")
         return
+    owns_ray = state is not None and state.started_ray and (address in (None, state.ray_address))
+    if stop_ray and not owns_ray:
+        err_console.print(
+            f"profd did not start the Ray at {target}: it never stops it (use `ray stop` on "
+            "its nodes)"
+        )
+        raise typer.Exit(2)
     if state is not None and state.ray_auth_mode and "RAY_AUTH_MODE" not in os.environ:
         # before Ray is imported: a token-auth cluster refuses a driver without it
         os.environ["RAY_AUTH_MODE"] = state.ray_auth_mode
     try:
         connect_ray(target)
-        stopped = stop_services()
+        reachable = True
     except Exception as exc:  # the cluster may already be gone
-        stopped = []
+        reachable = False
         err_console.print(f"could not reach Ray at {target} ({exc}); cleaning up local state")
-    if state is not None and state.started_ray:
-        import ray
-
-        ray.shutdown()  # disconnect first, so the driver does not echo the cluster's shutdown
-        stop_local_ray(state.ray_temp_dir)
-        stopped.append("local ray")
-    (settings.state_dir / STATE_FILE).unlink(missing_ok=True)
+    if reachable and owns_ray and not keep_ray and not stop_ray:
+        _refuse_if_tenants(target)
+    stopped = _stop_services() if reachable else []
+    if owns_ray and not keep_ray:
+        stopped += _stop_ray(state)
+    keep_record = owns_ray and keep_ray and reachable
+    if not keep_record:
+        (settings.state_dir / STATE_FILE).unlink(missing_ok=True)
     console.print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    if keep_record:
+        console.print(
+            f"  the local Ray at {target} keeps running (recorded: `profd up` rejoins it, "
+            "`profd down` stops it once it runs nothing else)"
+        )
+
+
+def _refuse_if_tenants(target: str | None) -> None:
+    """Refuse (exit 1, nothing stopped) while the Ray profd started runs something else."""
+    from profd.cluster import cluster_tenants
+
+    try:
+        tenants = cluster_tenants()
+    except Exception as exc:  # cannot tell: assume the worst
+        err_console.print(
+            f"[red]refused:[/red] could not list what else runs on the Ray at {target} ({exc})"
+        )
+        raise typer.Exit(1) from None
+    if not tenants:
+        return
+    err_console.print(
+        f"[red]refused:[/red] the Ray at {target} that `profd up` started also runs "
+        f"{len(tenants)} thing(s) that are not profd:"
+    )
+    for t in tenants[:20]:
+        err_console.print(f"  - {t.describe()}")
+    if len(tenants) > 20:
+        err_console.print(f"  ... and {len(tenants) - 20} more")
+    err_console.print(
+        "Stop them first (end the job's driver; `ray.kill` detached actors), then run "
+        "`profd down` again. Or: `profd down --keep-ray` stops profd only and leaves Ray "
+        "running; `profd down --stop-ray` stops Ray too, and everything on it. Nothing was "
+        "stopped."
+    )
+    raise typer.Exit(1)
+
+
+def _stop_services() -> list[str]:
+    from profd.cluster import stop_services
+
+    try:
+        return stop_services()
+    except Exception as exc:
+        err_console.print(f"could not stop profd's actors ({exc})")
+        return []
+
+
+def _stop_ray(state: Any) -> list[str]:
+    import ray
+
+    from profd.cluster import stop_local_ray
+
+    ray.shutdown()  # disconnect first, so the driver does not echo the cluster's shutdown
+    stop_local_ray(state.ray_temp_dir)
+    return ["local ray"]
 
 
 def register(app: typer.Typer) -> None:

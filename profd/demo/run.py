@@ -245,7 +245,10 @@ def run_demo(
                 until.set()
                 driver.join(300)
             results = ray.get([w.close.remote() for w in workers], timeout=120)
-        traces = api.get("/api/v1/traces", session_id=session["session_id"])["data"]
+        traces = sorted(
+            api.get_all("/api/v1/traces", session_id=session["session_id"]),
+            key=lambda t: (t["role"], t["rank"], t["steps"], t["file_name"]),
+        )
         _print_outcome(console, session, traces)
         return DemoResult(
             session=session, traces=traces, workers=[{"closed_cleanly": r} for r in results]

@@ -1,0 +1,89 @@
+"""Noticing dead workers before their heartbeat runs out.
+
+An agent whose process died without ``close()`` (killed, crashed, OOM-killed) falls silent;
+the heartbeat timeout (30 s) would keep it a target that long. The coordinator asks instead,
+every few seconds, what the machines know: Ray's list of live nodes (an agent on a node that
+left the cluster is gone), and on each node that hosts agents, whether each agent's process
+still exists — the same pid *and* the same start time, so a reused pid is not mistaken for
+the worker. Only agents that reported their process's start time are checked (real agents
+do; simulated ones in benchmarks and tests do not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from profd.cluster import process_start
+
+__all__ = ["Gone", "ProcessProbe", "exited", "find_gone"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessProbe:
+    """One agent's process as its node should still have it."""
+
+    agent_id: str
+    pid: int
+    start: int
+
+
+def exited(probes: Iterable[ProcessProbe]) -> list[str]:
+    """On the node: the agents whose process is gone (or is another process now)."""
+    if not Path("/proc/self/stat").exists():
+        return []  # cannot tell here
+    return [p.agent_id for p in probes if process_start(p.pid) != p.start]
+
+
+@dataclass(frozen=True)
+class Gone:
+    agent_id: str
+    reason: str
+
+
+async def find_gone(agents: Iterable[Any], runner: Any, timeout_s: float = 10.0) -> list[Gone]:
+    """Which of ``agents`` (registry records) are known dead: their node left the cluster, or
+    their process exited. A node that does not answer in ``timeout_s`` says nothing (the
+    heartbeat timeout still applies)."""
+    by_node: dict[str | None, list[Any]] = {}
+    for rec in agents:
+        if rec.info.pid_start is not None:
+            by_node.setdefault(rec.info.node_id, []).append(rec)
+    if not by_node:
+        return []
+    gone: list[Gone] = []
+    live = await _live_node_ids(runner)
+    for node_id, recs in by_node.items():
+        if node_id is not None and live is not None and node_id not in live:
+            gone += [
+                Gone(r.info.agent_id, f"its node {node_id[:12]} left the Ray cluster") for r in recs
+            ]
+            continue
+        probes = [ProcessProbe(r.info.agent_id, r.info.pid, r.info.pid_start) for r in recs]
+        try:
+            dead = await asyncio.wait_for(runner.run(node_id, exited, probes), timeout_s)
+        except Exception as exc:  # the node is busy or going away: ask again next time
+            log.debug("liveness check on node %s failed: %r", node_id, exc)
+            continue
+        by_id = {r.info.agent_id: r for r in recs}
+        for aid in dead:
+            r = by_id[aid]
+            gone.append(Gone(aid, f"its process (pid {r.info.pid} on {r.info.hostname}) exited"))
+    return gone
+
+
+async def _live_node_ids(runner: Any) -> set[str] | None:
+    nodes = getattr(runner, "nodes", None)
+    if nodes is None:
+        return None
+    try:
+        found = await nodes()
+    except Exception:
+        return None
+    return None if found is None else {n.node_id for n in found}
