@@ -28,6 +28,7 @@ from profd.actors.runner import NodeRunner, default_runner
 from profd.actors.store import Store, open_store
 from profd.config import RoleProfilerConfig, SessionRequest, ToolKind, field_errors
 from profd.errors import ConflictError, NotFoundError, RequestInvalid
+from profd.paging import Page, page_of
 from profd.protocol import AgentInfo, WindowPlan
 from profd.registry import AgentRegistry
 from profd.selection import WILDCARD
@@ -296,13 +297,13 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._ensure_ticker()
         return self._view(self._get(session_id))
 
-    async def list_sessions(self, limit: int | None = None, cursor: str | None = None) -> Any:
+    async def list_sessions(
+        self, limit: int | None = None, cursor: str | None = None
+    ) -> list[SessionView] | Page:
         """Without ``limit`` and ``cursor``: every session, oldest first (a list). With
         either: one :class:`~profd.paging.Page` of ``limit`` sessions (default 50), newest
         first (created_at, then session id, descending), after ``cursor`` (the previous
         page's ``next_cursor``); only the page's sessions are turned into views."""
-        from profd.paging import Page, page_of
-
         self._ensure_ticker()
         if limit is None and cursor is None:
             ordered = sorted(self._sessions.values(), key=lambda s: s.created_at)
@@ -511,13 +512,11 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         rank: int | None = None,
         limit: int | None = None,
         cursor: str | None = None,
-    ) -> Any:
+    ) -> list[TraceView] | Page:
         """Traces matching the filters. Without ``limit`` and ``cursor``: all of them by
         session, role, rank and step (a list). With either: one :class:`~profd.paging.Page`
         of ``limit`` traces (default 50), newest first (created_at, then trace id,
         descending), after ``cursor``; its ``total`` and ``bytes`` count every match."""
-        from profd.paging import Page, page_of
-
         self._ensure_ticker()
         out = [
             t

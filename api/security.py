@@ -132,6 +132,20 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"request body too large: more than {limit} bytes (the limit)")
 
 
+async def send_error(
+    send: Send, status: int, error: str, message: str, fields: list[dict[str, str]]
+) -> None:
+    """Answer from raw ASGI middleware with the app's error shape, closing the connection."""
+    body = json.dumps({"error": error, "message": message, "fields": fields}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class BodyLimit:
     """ASGI middleware: request bodies above ``limit`` bytes get 413 with the one error body.
 
@@ -177,20 +191,8 @@ class BodyLimit:
 
     async def _refuse(self, send: Send, declared: int | None) -> None:
         size = f"{declared} bytes" if declared is not None else "more than that"
-        body = json.dumps(
-            {
-                "error": "payload_too_large",
-                "message": f"request body too large: {size}; the limit is {self.limit} bytes",
-                "fields": [],
-            }
-        ).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        message = f"request body too large: {size}; the limit is {self.limit} bytes"
+        await send_error(send, 413, "payload_too_large", message, [])
 
 
 #: Names of this machine's loopback interface, answered whatever the bind address.
@@ -289,20 +291,8 @@ class HostCheck:
             "DNS rebinding. To reach the sidecar by another name, the operator adds it with "
             "`profd up --allow-host NAME` (repeatable)"
         )
-        body = json.dumps(
-            {
-                "error": "host_not_allowed",
-                "message": message,
-                "fields": [{"field": "host", "message": got, "type": "host_not_allowed"}],
-            }
-        ).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        await send({"type": "http.response.start", "status": 400, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        fields = [{"field": "host", "message": got, "type": "host_not_allowed"}]
+        await send_error(send, 400, "host_not_allowed", message, fields)
 
 
 def _content_length(scope: Scope) -> int | None:

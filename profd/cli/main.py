@@ -76,6 +76,11 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
         f"{st['traces']} traces ({st['trace_bytes'] / 1e6:.1f} MB), "
         f"save root {st['save_root']}"
     )
+    if st.get("driver_step") is not None:
+        console.print(
+            f"driver (profd.controller()) at step {st['driver_step']}, "
+            f"{st['driver_seen_s']:.1f}s ago"
+        )
     if st["live_sessions"]:
         console.print("live sessions: " + ", ".join(st["live_sessions"]))
     table = Table(title="Agents")
@@ -89,10 +94,17 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
             a["node_ip"] or a["hostname"],
             str(a["pid"]),
             a["state"],
-            str(a["current_step"]),
+            _step_cell(a),
             f"{a['last_seen_s']:.1f}s",
         )
     console.print(table)
+
+
+def _step_cell(agent: dict[str, Any]) -> str:
+    step = agent.get("current_step")
+    if step is None:
+        return "-"
+    return f"{step} (driver)" if agent.get("step_source") == "driver" else str(step)
 
 
 LimitOpt = Annotated[
@@ -304,13 +316,18 @@ def _build_request(
 
         try:
             loaded = resolve_interpolations(yaml.safe_load(config.read_text()) or {})
-        except ValueError as exc:
+            if not isinstance(loaded, dict):
+                raise ValueError(
+                    f"config: must be a mapping (verl's global_profiler + <role>.profiler, or "
+                    f"a session request), got {type(loaded).__name__}"
+                )
+            body = (
+                request_from_verl(loaded).model_dump(mode="json", exclude_none=True)
+                if looks_like_verl(loaded)
+                else dict(loaded)
+            )
+        except (ValueError, yaml.YAMLError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--config") from None
-        body = (
-            request_from_verl(loaded).model_dump(mode="json", exclude_none=True)
-            if looks_like_verl(loaded)
-            else dict(loaded)
-        )
     if tool:
         body["tool"] = tool
     if steps is not None:
