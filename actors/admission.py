@@ -117,6 +117,23 @@ def check_reachable(
         )
 
 
+def waiting_note(steps: tuple[int, ...], current: list[int | None]) -> str | None:
+    """The reason an armed session gives when its first steps have already begun on every
+    target (at ``current``): it waits for the first step still ahead, never a past one."""
+    if not current or None in current:
+        return None
+    now_at = min(c for c in current if c is not None)
+    past = [x for x in steps if x <= now_at]
+    ahead = [x for x in steps if x > now_at]
+    if not (past and ahead):
+        return None
+    span = f"{past[0]}-{past[-1]}" if len(past) > 2 else ", ".join(map(str, past))
+    return (
+        f"waiting for step {ahead[0]}; step(s) {span} had already begun on every target "
+        f"(at step {now_at}) and will be missed"
+    )
+
+
 def new_session_id(now: float, taken: Iterable[str]) -> str:
     taken = set(taken)
     while True:

@@ -17,11 +17,17 @@ from typing import Any
 from pydantic import ValidationError
 
 from profd import __version__
-from profd.actors.admission import check_conflicts, check_reachable, new_session_id, session_dir
+from profd.actors.admission import (
+    check_conflicts,
+    check_reachable,
+    new_session_id,
+    session_dir,
+    waiting_note,
+)
 from profd.actors.agent_rpc import AgentRpcMixin, Registration
 from profd.actors.driving import ControllerMixin
 from profd.actors.finisher import Finisher
-from profd.actors.liveness import find_gone
+from profd.actors.liveness import Periodic, find_gone
 from profd.actors.planbook import PlanBook
 from profd.actors.reporting import metrics_snapshot, session_view
 from profd.actors.runner import NodeRunner, default_runner
@@ -51,10 +57,6 @@ log = logging.getLogger(__name__)
 ADVANCE_COALESCE_S = 0.01
 #: A timed session's targets have at least this long after the window to hand in files.
 TIMED_GRACE_S = 300
-
-
-def _span(steps: list[int]) -> str:
-    return f"{steps[0]}-{steps[-1]}" if len(steps) > 2 else ", ".join(map(str, steps))
 
 
 def _part(t: Any) -> Part:
@@ -91,8 +93,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._store = store if store is not None else open_store(settings.state_dir)
         self._runner = runner or default_runner()
         self._finisher = Finisher(self._runner, self._changed, settings.base_dir)
-        self._liveness: asyncio.Task | None = None
-        self._liveness_at = 0.0
+        self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
         self._restored: list[Session] = []
         self._progress_cond: asyncio.Condition | None = None
         self._to_advance: dict[str, Session] = {}
@@ -258,22 +259,13 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         return self._controller_step
 
     def _say_what_is_past(self, s: Session, driver: int | None) -> None:
-        """An armed step session whose first steps have begun on every target waits for the
-        first step still ahead, and says so (its reason never names a step already past)."""
+        """An armed step session waits for its first step still ahead, and says so."""
         if s.state is not SessionState.ARMED or not s.steps or s.request.duration_s is not None:
             return
-        steps = [self._registry.get(a) for a in s.targets]
-        known = [r.step(driver) for r in steps if r is not None]
-        if not known or None in known or len(known) != len(s.targets):
-            return
-        now_at = min(k for k in known if k is not None)
-        past = [x for x in s.steps if x <= now_at]
-        ahead = [x for x in s.steps if x > now_at]
-        if past and ahead:
-            s.reason = (
-                f"waiting for step {ahead[0]}; step(s) {_span(past)} had already begun on every "
-                f"target (at step {now_at}) and will be missed"
-            )
+        recs = [self._registry.get(a) for a in s.targets]
+        note = waiting_note(s.steps, [r.step(driver) if r else None for r in recs])
+        if note is not None:
+            s.reason = note
 
     def _adopt(self, info: AgentInfo) -> None:
         """Add a newly registered agent to launch-time sessions whose window has not begun."""
@@ -451,23 +443,9 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         for s in self._live_sessions():
             s.mark_lost(agent_id, reason)
 
-    def _check_liveness(self) -> None:
-        """Every ``liveness_check_s``: ask the nodes which agents' processes are gone."""
-        every = self.settings.liveness_check_s
-        now = self._clock()
-        if every <= 0 or now - self._liveness_at < every:
-            return
-        if self._liveness is not None and not self._liveness.done():
-            return
-        self._liveness_at = now
-        self._liveness = asyncio.get_running_loop().create_task(self._reap())
-
     async def _reap(self) -> None:
-        try:
-            gone = await find_gone(self._registry.alive(), self._runner)
-        except Exception:
-            log.exception("liveness check failed")
-            return
+        """Lose the agents whose process or node Ray says is gone (see actors/liveness)."""
+        gone = await find_gone(self._registry.alive(), self._runner)
         for g in gone:
             if self._registry.lose(g.agent_id) is not None:
                 self._lose(g.agent_id, g.reason)
@@ -486,7 +464,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             await asyncio.sleep(self.settings.tick_s)
             try:
                 self.tick()
-                self._check_liveness()
+                self._liveness.kick(self._clock())
             except Exception:
                 log.exception("coordinator tick failed")
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from profd.cluster import process_start
 
-__all__ = ["Gone", "ProcessProbe", "exited", "find_gone"]
+__all__ = ["Gone", "Periodic", "ProcessProbe", "exited", "find_gone"]
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +87,30 @@ async def _live_node_ids(runner: Any) -> set[str] | None:
     except Exception:
         return None
     return None if found is None else {n.node_id for n in found}
+
+
+class Periodic:
+    """Runs ``job`` (a coroutine function) at most every ``every_s`` and never twice at once;
+    the coordinator's tick kicks it. ``every_s`` 0 turns it off. A failed run is logged."""
+
+    def __init__(
+        self, every_s: float, job: Callable[[], Awaitable[None]], clock: Callable[[], float]
+    ) -> None:
+        self.every_s = every_s
+        self._job = job
+        self._last = clock()
+        self._task: asyncio.Task | None = None
+
+    def kick(self, now: float) -> None:
+        if self.every_s <= 0 or now - self._last < self.every_s:
+            return
+        if self._task is not None and not self._task.done():
+            return
+        self._last = now
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            await self._job()
+        except Exception:
+            log.exception("periodic %s failed", getattr(self._job, "__name__", "job"))

@@ -127,6 +127,16 @@ def process_start(pid: int) -> int | None:
         return None
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child nobody reaped yet: in a
+    container whose init does not reap, the cluster's exited processes stay zombies)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def _children() -> dict[int, list[int]]:
     """Parent pid -> child pids, from /proc."""
     out: dict[int, list[int]] = {}
@@ -161,9 +171,11 @@ def cluster_pids(temp_dir: str) -> list[int]:
     return sorted(seen)
 
 
-def stop_local_ray(temp_dir: str | None, timeout: float = 15.0) -> int:
+def stop_local_ray(temp_dir: str | None, timeout: float = 3.0) -> int:
     """Stop the cluster started by :func:`start_local_ray` — every process of it, Ray's
-    renamed agents and workers included; return how many processes were signalled."""
+    renamed agents and workers included; return how many processes were signalled. What
+    has not exited ``timeout`` after SIGTERM gets SIGKILL (Ray's GCS ignores SIGTERM for
+    a long while, and a cluster being torn down has nothing left to save)."""
     if not temp_dir or not Path("/proc").is_dir():
         subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, env=os.environ.copy())
         return -1
@@ -172,7 +184,7 @@ def stop_local_ray(temp_dir: str | None, timeout: float = 15.0) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
         time.sleep(0.1)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

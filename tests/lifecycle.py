@@ -151,7 +151,12 @@ class Job:
     """The user's single-controller job in its own process, printing one line per step."""
 
     def __init__(
-        self, home: Home, address: str, steps: int = 100_000, step_seconds: float = 0.1
+        self,
+        home: Home,
+        address: str,
+        steps: int = 100_000,
+        step_seconds: float = 0.1,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.log = home.root / f"job-{time.monotonic_ns()}.log"
         self._err = self.log.open("w")
@@ -167,7 +172,7 @@ class Job:
                 str(step_seconds),
                 "--progress",
             ],
-            env=home.env,
+            env={**home.env, **(env or {})},
             cwd=home.root,
             stdout=subprocess.PIPE,
             stderr=self._err,

@@ -45,7 +45,8 @@ def test_down_refuses_while_a_job_runs_and_stop_ray_stops_all_of_it(home: Home) 
     address, temp_dir = home.state()["ray_address"], home.state()["ray_temp_dir"]
     assert f'ray.init(address="{address}")' in up.stdout.replace("\n", "")
     assert "may be another one" in up.stdout.replace("\n", " ")
-    job = Job(home, address)
+    # Ray ends a driver whose GCS stays away this long (60 s by default)
+    job = Job(home, address, env={"RAY_gcs_rpc_server_reconnect_timeout_s": "5"})
     job.wait_step(3)
 
     down = home.cli("down")
@@ -70,7 +71,7 @@ def test_down_refuses_while_a_job_runs_and_stop_ray_stops_all_of_it(home: Home) 
     wait_until(lambda: not [p for p in pids if alive(p)], 30, what="every Ray process gone")
     assert not home.state_file.exists()
     # the job lost its cluster; it ends (profd never keeps it hanging)
-    job.proc.wait(120)
+    job.proc.wait(60)
     job.stop()
 
 

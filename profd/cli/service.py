@@ -268,7 +268,8 @@ def _report_join(ray_address: str | None) -> None:
         return
     console.print(
         f'  jobs join this Ray cluster with [cyan]ray.init(address="{ray_address}")[/cyan] '
-        f"or RAY_ADDRESS={ray_address}"
+        f"or RAY_ADDRESS={ray_address}",
+        soft_wrap=True,  # one line, to copy as it is
     )
     console.print(
         "  (address 'auto' takes the cluster this machine started last: on a shared machine "
