@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,6 +146,7 @@ class Home:
 
         for temp in self.temp_dirs:
             stop_local_ray(temp, timeout=5)
+            shutil.rmtree(temp, ignore_errors=True)  # Ray's logs and sockets of that cluster
 
 
 class Job:
