@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 from typing import Any
 
-from profd.actors.runner import NodeRunner
+from profd.actors.runner import NodeRunner, TraceLocator
 from profd.finish import HookResult, UploadResult, hook_env, run_hook, upload_file
 from profd.registry import AgentRecord
 from profd.sessions import Session
@@ -79,6 +80,8 @@ class Finisher:
             "dest": "",
             "error": "",
             "node_id": trace.node_id,
+            "node_ip": trace.node_ip,
+            "hostname": trace.hostname,
             "bytes": trace.bytes,
         }
         self._spawn(self._upload(session, trace.trace_id))
@@ -96,9 +99,10 @@ class Finisher:
     async def _upload(self, session: Session, trace_id: str) -> None:
         rec = session.uploads[trace_id]
         try:
+            node = await self._node_of(rec)
             result: UploadResult = await asyncio.wait_for(
                 self._runner.run(
-                    rec["node_id"],
+                    node,
                     upload_file,
                     rec["path"],
                     session.request.upload_uri,
@@ -107,6 +111,8 @@ class Finisher:
                 ),
                 UPLOAD_TIMEOUT_S,
             )
+        except FileNotFoundError as exc:
+            result = UploadResult("", 0, False, str(exc))
         except Exception as exc:
             result = UploadResult("", 0, False, f"{type(exc).__name__}: {exc}")
         rec.update(state="done" if result.ok else "failed", dest=result.dest, error=result.error)
@@ -115,6 +121,21 @@ class Finisher:
                 "session %s: upload of %s failed: %s", session.session_id, rec["path"], result.error
             )
         self._on_change(session)
+
+    async def _node_of(self, rec: dict[str, Any]) -> str | None:
+        """Where the file of an upload record is read: by node id while that node lives, else
+        by its address or host name (a coordinator restored on a new cluster: see
+        :func:`profd.actors.runner.locate`)."""
+        from profd.cluster import ray_node
+
+        here = ray_node()[0]
+        where = SimpleNamespace(
+            node_id=rec["node_id"], node_ip=rec.get("node_ip"), hostname=rec.get("hostname")
+        )
+        place = await TraceLocator(self._runner, here).place(where)
+        if not place.found:
+            raise FileNotFoundError(f"cannot upload {rec['path']}: {place.reason}")
+        return here if place.local else place.node_id
 
     # -- hooks ------------------------------------------------------------------------------
     def start_hooks(self, session: Session, agents: Iterable[AgentRecord], traces: list[TraceView]):

@@ -260,3 +260,30 @@ def test_pending_upload_resumes_once_after_a_coordinator_restart(tmp_path) -> No
         assert (bucket / view.session_id / trace.file_name).stat().st_size == trace.bytes
     finally:
         second.close()
+
+
+def test_an_upload_resumed_on_a_new_cluster_is_read_by_node_address(tmp_path, monkeypatch) -> None:
+    """Node ids change with a new cluster: a pending upload restored from the state goes to
+    the live node with the recorded address, and one whose node is gone fails, saying so."""
+    import asyncio
+
+    from profd.actors.finisher import Finisher
+    from profd.actors.runner import NodeAddress
+
+    monkeypatch.setattr("profd.cluster.ray_node", lambda: ("head", "10.0.0.1"))
+
+    class Runner:
+        async def nodes(self) -> list[NodeAddress]:
+            return [NodeAddress("head", "10.0.0.1", "h"), NodeAddress("b-new", "10.0.0.2", "b")]
+
+        async def run(self, node_id, fn, *args):
+            raise AssertionError("not called here")
+
+    fin = Finisher(Runner(), lambda s: None, str(tmp_path))
+    moved = {"path": "/x.json.gz", "node_id": "b-old", "node_ip": "10.0.0.2", "hostname": "b"}
+    assert asyncio.run(fin._node_of(moved)) == "b-new"
+    gone = {**moved, "node_ip": "10.9.9.9", "hostname": "gone"}
+    with pytest.raises(FileNotFoundError, match="not in this Ray cluster"):
+        asyncio.run(fin._node_of(gone))
+    here = {**moved, "node_id": "old-head", "node_ip": "10.0.0.1"}
+    assert asyncio.run(fin._node_of(here)) == "head"
