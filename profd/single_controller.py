@@ -89,6 +89,13 @@ class ControllerConfig(BaseModel):
         description="A call unanswered after this long makes the driver check, with a TCP "
         "connect, that Ray's GCS still answers; when it does not, the circuit opens at once.",
     )
+    gcs_watch_s: float = Field(
+        0.1,
+        ge=0,
+        description="How often a background thread checks (TCP connect) that Ray's GCS "
+        "answers; while it does not, announcements are skipped even though the coordinator "
+        "itself may still answer (a cluster losing its GCS is going down). 0 turns it off.",
+    )
 
     @property
     def step_budget_s(self) -> float:
@@ -199,6 +206,9 @@ class Controller:
         self._clock = clock
         self._caller: _Caller | None = None
         self._gcs: str | None = None
+        self._gcs_down = False  # set by the watcher thread
+        self._watcher: threading.Thread | None = None
+        self._closed = threading.Event()
         self._step: int | None = None
         self._rollout = False  # the last announcement involved rollout replicas
         self._mark = _ControllerStep(self)
@@ -254,6 +264,9 @@ class Controller:
 
     def _call(self, method: str, *args: Any, budget: float) -> Any | None:
         """Ask the coordinator on the background thread; wait at most ``budget``."""
+        if self._gcs_down and self.link is Link.CLOSED:
+            gone = _Unanswered(f"Ray's GCS at {self._gcs} does not answer")
+            self._trip(f"{method} for step {self._step}: {gone!r}", method, gone)
         if self.link is Link.OPEN:
             self._kick()
             return None
@@ -272,6 +285,7 @@ class Controller:
         """On the background thread: find the coordinator if needed, then call it."""
         if self._caller is None:
             self._gcs = self._gcs_address()  # local: known before the lookup may hang
+            self._watch_gcs()
             self._caller = self._lookup()
             if self._caller is None:
                 raise LookupError("no profd coordinator is running")
@@ -329,6 +343,8 @@ class Controller:
         is the announcement of the driver's latest step, so the coordinator learns it."""
         cfg = self.config
         try:
+            if self._gcs_down:
+                raise _Unanswered(f"Ray's GCS at {self._gcs} does not answer")
             self._remote("controller_step", (self._step, 0.0), cfg.step_budget_s)
         except Exception as exc:
             with self._lock:
@@ -342,8 +358,23 @@ class Controller:
             self.history.append(LinkChange(self._clock(), Link.CLOSED, "coordinator answered"))
         log.info("profd: the coordinator answers again; step announcements resume")
 
+    def _watch_gcs(self) -> None:
+        """Start the GCS watcher once the GCS address is known (on the background thread)."""
+        every = self.config.gcs_watch_s
+        if self._gcs is None or every <= 0 or self._watcher is not None:
+            return
+        gcs = self._gcs
+
+        def watch() -> None:
+            while not self._closed.wait(every):
+                self._gcs_down = not _gcs_answers(gcs, timeout=max(every, 0.05))
+
+        self._watcher = threading.Thread(target=watch, name="profd-gcs-watch", daemon=True)
+        self._watcher.start()
+
     def close(self) -> None:
-        """Stop the background thread (a call in flight is left to finish on its own)."""
+        """Stop the background threads (a call in flight is left to finish on its own)."""
+        self._closed.set()
         self._pool.close()
 
 

@@ -141,3 +141,24 @@ def test_a_call_stuck_in_ray_never_keeps_the_driver_from_exiting() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "done" in r.stdout, r.stderr
     assert time.monotonic() - t0 < 20
+
+
+def test_the_gcs_watcher_opens_the_circuit_though_the_coordinator_still_answers() -> None:
+    """With its GCS gone a cluster is going down, even while the coordinator actor answers:
+    the driver stops announcing within a watch period, without waiting on any call."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    caller = Caller()
+    config = FAST.model_copy(update={"gcs_watch_s": 0.05})
+    ctl = Controller(lambda: caller, config=config, gcs_address=lambda: address)
+    timed_step(ctl, 1)
+    assert ctl.link is Link.CLOSED
+    server.close()  # the GCS process is gone
+    wait_until(lambda: timed_step(ctl, 2) is not None and ctl.link is Link.OPEN, 5)
+    assert "does not answer" in ctl.history[-1].why
+    calls = len(caller.calls)
+    assert max(timed_step(ctl, n) for n in range(3, 50)) < 0.01
+    assert len(caller.calls) == calls  # nothing sent while the GCS is away
+    ctl.close()
