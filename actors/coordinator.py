@@ -245,8 +245,9 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             self._align_waiters.remove(waiter)
         steps = [self._registry.get(a).current_step for a in session.targets]  # type: ignore[union-attr]
         known = [s for s in steps if s is not None]
-        if self._controller_step is not None:  # a driver announces steps: it is authoritative
-            known.append(self._controller_step)
+        driver = self._driver_step()
+        if driver is not None:  # a driver announces steps: it is authoritative
+            known.append(driver)
         first = (max(known) + 1 if known else 0) + self.settings.align_lead_steps
         session.resolve_steps(tuple(range(first, first + count)))
 

@@ -55,8 +55,11 @@ class ControllerMixin:
             )
             for aid in targets
         }
+        # one deadline for both waits: the driver gives this call timeout + a small grace
+        deadline = asyncio.get_running_loop().time() + timeout
         slow = await self._plans.wait_delivered(versions, timeout)
-        slow += await self._wait_phase(rollout - set(slow), step, "step_begin", timeout)
+        left = max(0.0, deadline - asyncio.get_running_loop().time())
+        slow += await self._wait_phase(rollout - set(slow), step, "step_begin", left)
         if slow:
             log.warning(
                 "controller step %s: %d agent(s) did not confirm in %.0f s: %s",
@@ -110,11 +113,12 @@ class ControllerMixin:
                     out.append(aid)
             return out
 
-        deadline = asyncio.get_running_loop().time() + timeout
-        while pending() and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while pending() and (left := deadline - loop.time()) > 0:
             async with self._progress:
                 try:
-                    await asyncio.wait_for(self._progress.wait(), 0.5)
+                    await asyncio.wait_for(self._progress.wait(), min(0.5, left))
                 except TimeoutError:
                     pass
         return pending()

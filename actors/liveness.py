@@ -49,28 +49,29 @@ class Gone:
 
 async def find_gone(agents: Iterable[Any], runner: Any, timeout_s: float = 10.0) -> list[Gone]:
     """Which of ``agents`` (registry records) are known dead: their node left the cluster, or
-    their process exited. A node that does not answer in ``timeout_s`` says nothing (the
-    heartbeat timeout still applies)."""
+    their process exited. Nodes are asked at once; a node that does not answer in
+    ``timeout_s`` says nothing (the heartbeat timeout still applies)."""
     by_node: dict[str | None, list[Any]] = {}
     for rec in agents:
         if rec.info.pid_start is not None:
             by_node.setdefault(rec.info.node_id, []).append(rec)
     if not by_node:
         return []
-    gone: list[Gone] = []
     live = await _live_node_ids(runner)
+    if live is not None and any(n is not None and n not in live for n in by_node):
+        live = await _live_node_ids(runner, max_age_s=0)  # a node that just joined is no loss
+    gone: list[Gone] = []
+    asked = []
     for node_id, recs in by_node.items():
         if node_id is not None and live is not None and node_id not in live:
-            gone += [
-                Gone(r.info.agent_id, f"its node {node_id[:12]} left the Ray cluster") for r in recs
-            ]
-            continue
-        probes = [ProcessProbe(r.info.agent_id, r.info.pid, r.info.pid_start) for r in recs]
-        try:
-            dead = await asyncio.wait_for(runner.run(node_id, exited, probes), timeout_s)
-        except Exception as exc:  # the node is busy or going away: ask again next time
-            log.debug("liveness check on node %s failed: %r", node_id, exc)
-            continue
+            why = f"its node {node_id[:12]} left the Ray cluster"
+            gone += [Gone(r.info.agent_id, why) for r in recs]
+        else:
+            asked.append((node_id, recs))
+    answers = await asyncio.gather(
+        *(_ask(runner, node_id, recs, timeout_s) for node_id, recs in asked)
+    )
+    for (_, recs), dead in zip(asked, answers, strict=True):
         by_id = {r.info.agent_id: r for r in recs}
         for aid in dead:
             r = by_id[aid]
@@ -78,12 +79,21 @@ async def find_gone(agents: Iterable[Any], runner: Any, timeout_s: float = 10.0)
     return gone
 
 
-async def _live_node_ids(runner: Any) -> set[str] | None:
+async def _ask(runner: Any, node_id: str | None, recs: list[Any], timeout_s: float) -> list[str]:
+    probes = [ProcessProbe(r.info.agent_id, r.info.pid, r.info.pid_start) for r in recs]
+    try:
+        return await asyncio.wait_for(runner.run(node_id, exited, probes), timeout_s)
+    except Exception as exc:  # the node is busy or going away: ask again next time
+        log.debug("liveness check on node %s failed: %r", node_id, exc)
+        return []
+
+
+async def _live_node_ids(runner: Any, max_age_s: float | None = None) -> set[str] | None:
     nodes = getattr(runner, "nodes", None)
     if nodes is None:
         return None
     try:
-        found = await nodes()
+        found = await (nodes() if max_age_s is None else nodes(max_age_s=max_age_s))
     except Exception:
         return None
     return None if found is None else {n.node_id for n in found}

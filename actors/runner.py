@@ -75,20 +75,30 @@ def locate(
     ``here_hostname``) of a cluster whose live nodes are ``live`` (None: unknown).
 
     In order: no node ids (no Ray) or the same node: here. A live node id: that node. The
-    writer's address or host name is this node's: here (a node id of an earlier cluster).
-    A live node has the writer's address: that node. Otherwise the file is on no node of
-    this cluster (``reason`` says which node it was).
+    writer's address is this node's: here (a node id of an earlier cluster); a live node's:
+    that node. Only without a recorded address (or with this node's address unknown) does the
+    host name decide — containers on different nodes may share one. Otherwise the file is
+    on no node of this cluster (``reason`` says which node it was).
     """
     if not node_id or not here_id or node_id == here_id:
         return HERE
     if live is None or any(n.node_id == node_id for n in live):
         return Placement(local=False, node_id=node_id)
-    if (node_ip and node_ip in here_ips) or (hostname and hostname == here_hostname):
-        return HERE
+    # the address first: containers on different nodes may share a host name
     if node_ip:
+        if node_ip in here_ips:
+            return HERE
         for n in live:
             if n.node_ip == node_ip:
                 return Placement(local=False, node_id=n.node_id)
+        if here_ips:  # this node's address is known and is another one
+            return _nowhere(node_id, node_ip, hostname)
+    if hostname and hostname == here_hostname:
+        return HERE
+    return _nowhere(node_id, node_ip, hostname)
+
+
+def _nowhere(node_id: str | None, node_ip: str | None, hostname: str | None) -> Placement:
     return Placement(
         local=False,
         reason=f"it was written on node {node_ip or 'with no address'} ({hostname or '?'}), "
@@ -101,7 +111,7 @@ class LocalRunner:
     async def run(self, node_id: str | None, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
 
-    async def nodes(self) -> list[NodeAddress] | None:
+    async def nodes(self, max_age_s: float | None = None) -> list[NodeAddress] | None:
         """Unknown: without Ray there are no other nodes to run on."""
         return None
 
@@ -125,10 +135,12 @@ class RayNodeRunner:
         self._remote: dict[Callable[..., Any], Any] = {}
         self._nodes: tuple[float, list[NodeAddress]] | None = None
 
-    async def nodes(self) -> list[NodeAddress] | None:
-        """The cluster's live nodes (cached briefly); None when Ray cannot say."""
+    async def nodes(self, max_age_s: float | None = None) -> list[NodeAddress] | None:
+        """The cluster's live nodes (a listing at most ``max_age_s`` old, by default
+        ``NODES_TTL_S``); None when Ray cannot say."""
         now = time.monotonic()
-        if self._nodes is not None and now - self._nodes[0] < self.NODES_TTL_S:
+        ttl = self.NODES_TTL_S if max_age_s is None else max_age_s
+        if self._nodes is not None and now - self._nodes[0] < ttl:
             return self._nodes[1]
         try:
             found = await asyncio.to_thread(ray_nodes)

@@ -30,6 +30,8 @@ __all__ = [
     "cluster_tenants",
     "connect_ray",
     "current_address",
+    "gcs_probe",
+    "gcs_process",
     "gcs_reachable",
     "init_local_ray",
     "is_local_address",
@@ -100,17 +102,37 @@ def start_local_ray(num_cpus: int | None = None) -> tuple[str, str]:
 
 
 def _pids_mentioning(marker: str) -> list[int]:
+    """Processes with ``marker`` as a whole argument, an ``--option=marker`` value, or a path
+    below it (Ray's processes name their temp dir so); not a substring of any argument, so a
+    user's ``tail <marker>-logs`` is not taken for the cluster."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if marker in cmdline:
+        if any(_arg_is(arg, marker) for arg in args):
             pids.append(int(entry.name))
     return pids
+
+
+def _arg_is(arg: str, marker: str) -> bool:
+    value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
+    return value == marker or value.startswith(marker + "/")
+
+
+def gcs_process(temp_dir: str) -> int | None:
+    """The running ``gcs_server`` of the local cluster using ``temp_dir``, if any."""
+    for pid in _pids_mentioning(temp_dir):
+        try:
+            exe = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if exe.endswith(b"gcs_server") and _running(pid):
+            return pid
+    return None
 
 
 def process_start(pid: int) -> int | None:
@@ -232,6 +254,20 @@ def gcs_reachable(address: str, timeout: float = 3.0) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+def gcs_probe(address: str, timeout: float) -> bool | None:
+    """``True``: the GCS accepts a connection; ``False``: it is refused (nothing listens: the
+    GCS is gone); ``None``: no answer within ``timeout`` (a lost packet, a far or busy node —
+    not proof of anything)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (ConnectionRefusedError, ValueError):
+        return False
+    except OSError:
+        return None
 
 
 def join_or_start_ray(address: str | None = None, num_cpus: int = 4) -> None:

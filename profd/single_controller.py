@@ -81,7 +81,10 @@ class ControllerConfig(BaseModel):
         0.5, gt=0, description="First wait before looking the coordinator up again."
     )
     backoff_max_s: float = Field(
-        10.0, gt=0, description="Longest wait between two attempts to reconnect."
+        2.0,
+        gt=0,
+        description="Longest wait between two attempts to reconnect (the attempt's probe "
+        "tells a coordinator that came back the job's step, which its sessions align on).",
     )
     gcs_probe_after_s: float = Field(
         0.02,
@@ -305,7 +308,7 @@ class Controller:
             pass
         while True:
             gcs = self._gcs
-            if gcs is not None and not _gcs_answers(gcs):
+            if gcs is not None and _gcs_probe(gcs, 0.25) is False:  # refused: nothing listens
                 raise _Unanswered(f"Ray's GCS at {gcs} does not answer")
             left = deadline - self._clock()
             if left <= 0:
@@ -366,8 +369,13 @@ class Controller:
         gcs = self._gcs
 
         def watch() -> None:
+            # down once the connection is refused, or after 3 probes in a row get no answer:
+            # one lost packet or a slow far head must not stop the announcements
+            silent = 0
             while not self._closed.wait(every):
-                self._gcs_down = not _gcs_answers(gcs, timeout=max(every, 0.05))
+                seen = _gcs_probe(gcs, max(every, 0.25))
+                silent = 0 if seen is not None else silent + 1
+                self._gcs_down = seen is False or silent >= 3
 
         self._watcher = threading.Thread(target=watch, name="profd-gcs-watch", daemon=True)
         self._watcher.start()
@@ -410,10 +418,10 @@ class _DaemonWorker:
         self._queue.put(None)
 
 
-def _gcs_answers(address: str, timeout: float = 0.05) -> bool:
-    from profd.cluster import gcs_reachable
+def _gcs_probe(address: str, timeout: float) -> bool | None:
+    from profd.cluster import gcs_probe
 
-    return gcs_reachable(address, timeout=timeout)
+    return gcs_probe(address, timeout)
 
 
 _CONTROLLER: Controller | None = None

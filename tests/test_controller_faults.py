@@ -64,7 +64,7 @@ def test_no_coordinator_costs_nothing_and_it_is_found_later() -> None:
     timed_step(ctl, 1)
     assert ctl.link is Link.OPEN
     worst = max(timed_step(ctl, n) for n in range(2, 200))
-    assert worst < 0.01
+    assert worst < 0.05
     found["caller"] = caller = Caller()  # profd up, after the job started
     wait_until(lambda: timed_step(ctl, 300) is not None and ctl.link is Link.CLOSED, 5)
     timed_step(ctl, 301)
@@ -81,7 +81,7 @@ def test_a_slow_coordinator_costs_one_budget_then_nothing() -> None:
     first = timed_step(ctl, 1)
     assert FAST.step_budget_s * 0.9 <= first < FAST.step_budget_s + 0.2
     assert ctl.link is Link.OPEN and "no answer within" in ctl.history[-1].why
-    assert max(timed_step(ctl, n) for n in range(2, 100)) < 0.01
+    assert max(timed_step(ctl, n) for n in range(2, 100)) < 0.05
     caller.delay = 0.0  # it recovers: the background probe closes the circuit
     wait_until(lambda: timed_step(ctl, 200) is not None and ctl.link is Link.CLOSED, 15)
     assert [c.to for c in ctl.history][-1] is Link.CLOSED
@@ -159,6 +159,6 @@ def test_the_gcs_watcher_opens_the_circuit_though_the_coordinator_still_answers(
     wait_until(lambda: timed_step(ctl, 2) is not None and ctl.link is Link.OPEN, 5)
     assert "does not answer" in ctl.history[-1].why
     calls = len(caller.calls)
-    assert max(timed_step(ctl, n) for n in range(3, 50)) < 0.01
+    assert max(timed_step(ctl, n) for n in range(3, 50)) < 0.05
     assert len(caller.calls) == calls  # nothing sent while the GCS is away
     ctl.close()

@@ -110,7 +110,7 @@ def test_up_after_a_sidecar_crash_rejoins_the_recorded_cluster(home: Home) -> No
     assert now["ray_temp_dir"] == first["ray_temp_dir"] and now["started_ray"] is True
     assert home.health()["coordinator"] is True
     assert "(the running coordinator was kept)" in r.stdout
-    assert {p for p in profd_ray_pids() - ray_before if "gcs_server" in _names([p]).pop()} == set()
+    assert not [p for p in profd_ray_pids() - ray_before if "gcs_server" in "".join(_names([p]))]
     agents = [a for a in home.agents() if a["state"] == "alive"]
     assert sorted((a["role"], a["rank"]) for a in agents) == [
         ("actor_rollout_ref", 0),
@@ -150,7 +150,7 @@ def test_up_recreates_a_coordinator_killed_for_good(home: Home) -> None:
     wait_until(lambda: len(home.agents()) == 3, 60, what="the job's agents")
     # far enough to be ahead once the restart is over: a driven worker learns each step from
     # its driver's announcements, which reach no one while no coordinator runs
-    target = job.step + 250
+    target = job.step + 300
     r = home.http(
         "POST", "/api/v1/sessions", json={"steps": [target], "roles": {"*": {"all_ranks": True}}}
     )

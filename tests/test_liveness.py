@@ -43,7 +43,7 @@ class Runner(LocalRunner):
         self.live = live
         self.ran: list[str | None] = []
 
-    async def nodes(self) -> list[NodeAddress] | None:
+    async def nodes(self, max_age_s: float | None = None) -> list[NodeAddress] | None:
         return None if self.live is None else [NodeAddress(n) for n in self.live]
 
     async def run(self, node_id: str | None, fn: Any, *args: Any) -> Any:

@@ -107,10 +107,6 @@ def up(
     settings = _settings()
     previous = load_state(settings.state_dir)
     health = _health(previous.url) if previous is not None else None
-    if previous is not None and health is not None and health.get("coordinator"):
-        console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
-        _report_join(previous.ray_address)
-        return
     flags_given = bool(
         host
         or port is not None
@@ -119,6 +115,15 @@ def up(
         or allow_upload_prefix
         or allow_host
     )
+    if previous is not None and health is not None and health.get("coordinator"):
+        console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
+        if flags_given or save_root is not None:
+            err_console.print(
+                "  the flags given were not applied to the running profd: `profd down "
+                "--keep-ray`, then `profd up` with them"
+            )
+        _report_join(previous.ray_address)
+        return
     target, started_ray, temp_dir = _choose_cluster(previous, address, num_cpus)
     token, token_path = read_or_create_token(settings.state_dir)
     if health is None:  # the recorded sidecar does not answer (or there is no record)
@@ -185,7 +190,7 @@ def _choose_cluster(
 ) -> tuple[_Target, bool, str | None]:
     """Which Ray to use: the one asked for; else the recorded one while it runs; else a new
     local head (after clearing what is left of a recorded local one that stopped)."""
-    from profd.cluster import connect_ray, gcs_reachable, stop_local_ray
+    from profd.cluster import connect_ray, current_address, gcs_reachable, stop_local_ray
 
     recorded = previous.ray_address if previous is not None else None
     if recorded and address in (None, recorded):
@@ -196,12 +201,26 @@ def _choose_cluster(
         if address == recorded:
             err_console.print(f"[red]no Ray cluster answers at {recorded}[/red]")
             raise typer.Exit(1)
+        if previous.started_ray and previous.ray_temp_dir:
+            from profd.cluster import gcs_process
+
+            gcs = gcs_process(previous.ray_temp_dir)
+            if gcs is not None:  # not gone: only not answering (overloaded, paused)
+                err_console.print(
+                    f"[red]refused:[/red] the Ray recorded in the state file ({recorded}) does "
+                    f"not answer, but its GCS process (pid {gcs}) runs: profd starts no second "
+                    "cluster beside it. Wait and run `profd up` again, or `profd down "
+                    "--stop-ray` to stop it."
+                )
+                raise typer.Exit(1)
         console.print(f"The Ray cluster recorded in the state file ({recorded}) is gone.")
         if previous.started_ray and previous.ray_temp_dir:
             left = stop_local_ray(previous.ray_temp_dir, timeout=5)
             if left > 0:
                 console.print(f"  stopped {left} process(es) left over from it")
     target, started, temp_dir = _join_or_start_ray(address, num_cpus)
+    if recorded and current_address() == recorded:  # `auto` or another name for the recorded Ray
+        return _Target(recorded, True), previous.started_ray, previous.ray_temp_dir
     return _Target(target, False), started, temp_dir
 
 
@@ -365,6 +384,15 @@ def down(
         reachable = True
     except Exception as exc:  # the cluster may already be gone
         reachable = False
+        if owns_ray and not stop_ray and _still_running(state):
+            # cannot ask what runs there: never stop a cluster that may hold the user's job
+            err_console.print(
+                f"[red]refused:[/red] could not join the Ray at {target} ({exc}), but it still "
+                "runs, so profd cannot tell what else does: nothing was stopped. Fix the join "
+                "(RAY_AUTH_MODE, Ray version) and run `profd down` again, or `profd down "
+                "--stop-ray` to stop it and everything on it."
+            )
+            raise typer.Exit(1) from None
         err_console.print(f"could not reach Ray at {target} ({exc}); cleaning up local state")
     if reachable and owns_ray and not keep_ray and not stop_ray:
         _refuse_if_tenants(target)
@@ -380,6 +408,14 @@ def down(
             f"  the local Ray at {target} keeps running (recorded: `profd up` rejoins it, "
             "`profd down` stops it once it runs nothing else)"
         )
+
+
+def _still_running(state: Any) -> bool:
+    from profd.cluster import gcs_process, gcs_reachable
+
+    if state.ray_temp_dir and gcs_process(state.ray_temp_dir) is not None:
+        return True
+    return bool(state.ray_address) and gcs_reachable(state.ray_address, timeout=2.0)
 
 
 def _refuse_if_tenants(target: str | None) -> None:

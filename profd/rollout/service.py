@@ -26,11 +26,11 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
-from profd.cluster import ray_node
+from profd.cluster import process_start, ray_node
 from profd.protocol import AgentEvent, AgentPlan, EventKind, WindowPlan
 from profd.rollout.engine_args import EngineProfileOptions
 from profd.rollout.rollout_agent import RolloutAgent
@@ -86,7 +86,8 @@ class RolloutService:
         # then the flush wait): a timed session's deadline leaves at least this much.
         stop_s = getattr(getattr(agent.engine, "timeouts", None), "stop_s", 0.0)
         info.topology["collect_budget_s"] = int(stop_s + agent.flush.timeout_s) + 1
-        self.info = info
+        # the process hosting this replica's agent: a dead host is lost within seconds
+        self.info = replace(info, pid_start=process_start(os.getpid()))
         self._windows: dict[str, _Window] = {}
         self._finished: set[str] = set()
         self._phase: tuple[int | None, str | None] = (None, None)
@@ -96,7 +97,7 @@ class RolloutService:
         self._channel = Channel(
             info,
             find_link or find_ray_link,
-            lambda: self._phase[0],
+            lambda: None,  # no step of its own: the job's step is its driver's
             self._work.put,
             poll_timeout_s=poll_timeout_s,
         )
