@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from profd.config import SessionRequest
 from profd.errors import ConflictError, RequestInvalid
 from profd.protocol import AgentInfo
-from profd.registry import AgentRegistry
+from profd.registry import AgentRecord, AgentRegistry
 from profd.sessions import Part, Session
 from profd.settings import CoordinatorSettings
 from profd.targeting import Target
@@ -100,14 +100,14 @@ def check_reachable(
     steps: tuple[int, ...],
     registry: AgentRegistry,
     targets: Iterable[Target],
-    driver_step: int | None = None,
+    job_step: Callable[[AgentRecord], int | None] = lambda rec: rec.current_step,
 ) -> None:
     """Refuse explicit steps that have all begun on every target (nothing could be recorded).
-    A target's step is its own, else the step its single-controller driver announced."""
+    ``job_step`` gives a target's step: its own, else the step its driver announced."""
     current = []
     for t in targets:
         rec = registry.get(t.agent.agent_id)
-        current.append(rec.step(driver_step) if rec else None)
+        current.append(job_step(rec) if rec else None)
     known = [c for c in current if c is not None]
     if known and len(known) == len(current) and min(known) >= steps[-1]:
         raise RequestInvalid.at(

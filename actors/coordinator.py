@@ -90,6 +90,8 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         #: Last step announced by a single-controller driver, and when.
         self._controller_step: int | None = None
         self._controller_seen = 0.0
+        #: Ray job id (None: a driver that does not say) -> (its last step, when).
+        self._drivers: dict[str | None, tuple[int, float]] = {}
         self._store = store if store is not None else open_store(settings.state_dir)
         self._runner = runner or default_runner()
         self._finisher = Finisher(self._runner, self._changed, settings.base_dir)
@@ -169,13 +171,12 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             targeting.targets,
             timed=req.duration_s is not None,
         )
-        driver = self._driver_step()
         if req.steps is not None:
-            check_reachable(req.steps, self._registry, targeting.targets, driver)
+            check_reachable(req.steps, self._registry, targeting.targets, self._job_step)
         session = self._new_session(req, targeting)
         await self._place_window(session, req, targeting.targets)
         self._advance(session)
-        self._say_what_is_past(session, driver)
+        self._say_what_is_past(session)
         self._publish([*session.targets])
         await asyncio.sleep(0)  # let parked long-polls answer before the (large) reply is built
         log.info(
@@ -243,28 +244,39 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             pass
         finally:
             self._align_waiters.remove(waiter)
-        steps = [self._registry.get(a).current_step for a in session.targets]  # type: ignore[union-attr]
-        known = [s for s in steps if s is not None]
-        driver = self._driver_step()
-        if driver is not None:  # a driver announces steps: it is authoritative
-            known.append(driver)
+        recs = [r for a in session.targets if (r := self._registry.get(a)) is not None]
+        known = [r.current_step for r in recs if r.current_step is not None]
+        # the drivers of the targets' jobs announce their steps: they are authoritative
+        drivers = {self._driver_step(r.info.job_id) for r in recs}
+        known += [d for d in drivers if d is not None]
         first = (max(known) + 1 if known else 0) + self.settings.align_lead_steps
         session.resolve_steps(tuple(range(first, first + count)))
 
-    def _driver_step(self) -> int | None:
-        """The step a single-controller driver announced, while it still announces."""
-        if self._controller_step is None:
-            return None
-        if self._clock() - self._controller_seen > self.settings.heartbeat_timeout_s:
-            return None
-        return self._controller_step
+    def _driver_step(self, job_id: str | None = None) -> int | None:
+        """The step the single-controller driver of Ray job ``job_id`` announced, while it
+        still announces; a driver that did not name its job stands for any job."""
+        for key in (job_id, None) if job_id is not None else (None,):
+            seen = self._drivers.get(key)
+            if seen is not None and self._clock() - seen[1] <= self.settings.heartbeat_timeout_s:
+                return seen[0]
+        return None
 
-    def _say_what_is_past(self, s: Session, driver: int | None) -> None:
+    def _latest_driver_step(self) -> int | None:
+        """The step of the driver heard from last, while it announces (for status)."""
+        now, silence = self._clock(), self.settings.heartbeat_timeout_s
+        fresh = [(seen, step) for step, seen in self._drivers.values() if now - seen <= silence]
+        return max(fresh)[1] if fresh else None
+
+    def _job_step(self, rec: Any) -> int | None:
+        """The job's step on a registered agent: its own, else its driver's."""
+        return rec.step(self._driver_step(rec.info.job_id))
+
+    def _say_what_is_past(self, s: Session) -> None:
         """An armed step session waits for its first step still ahead, and says so."""
         if s.state is not SessionState.ARMED or not s.steps or s.request.duration_s is not None:
             return
         recs = [self._registry.get(a) for a in s.targets]
-        note = waiting_note(s.steps, [r.step(driver) if r else None for r in recs])
+        note = waiting_note(s.steps, [self._job_step(r) if r else None for r in recs])
         if note is not None:
             s.reason = note
 
@@ -474,8 +486,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._ensure_ticker()
         now = self._clock()
         recs = sorted(self._registry.all(), key=lambda r: (r.info.role, r.info.rank))
-        driver = self._driver_step()
-        return [r.view(now, driver) for r in recs]
+        return [r.view(now, self._driver_step(r.info.job_id)) for r in recs]
 
     async def get_trace(self, trace_id: str) -> TraceView:
         self._ensure_ticker()
@@ -528,7 +539,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             uptime_s=round(self._clock() - self._started, 3),
             state_write_failures=self._store.failed_writes,
             state_last_error=self._store.last_error,
-            driver_step=self._driver_step(),
+            driver_step=self._latest_driver_step(),
             driver_seen_s=(
                 round(self._clock() - self._controller_seen, 3)
                 if self._controller_step is not None

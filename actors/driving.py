@@ -33,11 +33,14 @@ class ControllerMixin:
     _registry: AgentRegistry
     _controller_step: int | None
     _controller_seen: float
+    _drivers: dict[str | None, tuple[int, float]]
 
     def _live_sessions(self) -> list[Session]:
         raise NotImplementedError
 
-    async def controller_step(self, step: int, timeout: float = 10.0) -> dict[str, Any]:
+    async def controller_step(
+        self, step: int, timeout: float = 10.0, job_id: str | None = None
+    ) -> dict[str, Any]:
         """A driver starts step ``step``: every agent of a live session learns it before this
         returns (or ``timeout`` passes; the slow agents are named). Cheap when nothing is
         being profiled: no agent is contacted. Rollout agents also handle ``step_begin``
@@ -45,7 +48,8 @@ class ControllerMixin:
         self._ensure_ticker()
         self._controller_step = step
         self._controller_seen = self._clock()
-        targets = self._controller_targets()
+        self._drivers[job_id] = (step, self._controller_seen)
+        targets = self._controller_targets(job_id)
         if not targets:
             return {"step": step, "agents": 0, "slow": [], "rollout": False}
         rollout = {aid for aid in targets if self._is_rollout_agent(aid)}
@@ -75,26 +79,35 @@ class ControllerMixin:
             "rollout": bool(rollout),
         }
 
-    async def controller_phase(self, step: int, phase: str, timeout: float = 600.0) -> dict:
+    async def controller_phase(
+        self, step: int, phase: str, timeout: float = 600.0, job_id: str | None = None
+    ) -> dict:
         """A driver reached ``phase`` of ``step`` (``rollout_begin`` / ``rollout_end`` /
         ``step_end``): rollout agents start or stop their engines and confirm before this
         returns — so a colocated engine is stopped before training stages run."""
         if phase not in PHASES:
             raise RequestInvalid.at("phase", f"unknown controller phase {phase!r}")
-        rollout = {a for a in self._controller_targets() if self._is_rollout_agent(a)}
+        rollout = {a for a in self._controller_targets(job_id) if self._is_rollout_agent(a)}
         for aid in rollout:
             self._plans.set_controller_step(aid, step, phase)
         slow = await self._wait_phase(rollout, step, phase, timeout)
         return {"step": step, "phase": phase, "agents": len(rollout), "slow": sorted(slow)}
 
-    def _controller_targets(self) -> set[str]:
-        return {
-            aid
-            for s in self._live_sessions()
-            if s.steps is not None
-            for aid, part in s.targets.items()
-            if not part.state.is_terminal
-        }
+    def _controller_targets(self, job_id: str | None = None) -> set[str]:
+        """Targets of live step sessions that follow this driver: agents of its Ray job (an
+        agent or a driver that does not know its job follows any driver)."""
+        out = set()
+        for s in self._live_sessions():
+            if s.steps is None:
+                continue
+            for aid, part in s.targets.items():
+                if part.state.is_terminal:
+                    continue
+                rec = self._registry.get(aid)
+                job = rec.info.job_id if rec is not None else None
+                if job_id is None or job is None or job == job_id:
+                    out.add(aid)
+        return out
 
     def _is_rollout_agent(self, agent_id: str) -> bool:
         rec = self._registry.get(agent_id)

@@ -38,6 +38,7 @@ __all__ = [
     "join_or_start_ray",
     "load_state",
     "process_start",
+    "ray_job_id",
     "ray_node",
     "read_or_create_token",
     "read_token",
@@ -238,6 +239,18 @@ def ray_node() -> tuple[str | None, str | None]:
     except Exception:
         pass
     return None, None
+
+
+def ray_job_id() -> str | None:
+    """The Ray job of this process (its driver's, in a worker), when inside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_job_id()
+    except Exception:
+        pass
+    return None
 
 
 def is_local_address(address: str | None) -> bool:

@@ -42,6 +42,9 @@ class AgentInfo:
     #: When the process started (clock ticks since boot): the coordinator checks that this
     #: process still runs, so a dead worker stops being a target within seconds.
     pid_start: int | None = None
+    #: The Ray job the process belongs to: its single-controller driver's steps are its steps
+    #: (two jobs on one cluster each have their own driver).
+    job_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

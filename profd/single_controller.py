@@ -150,6 +150,12 @@ def _ray_lookup() -> _Caller | None:
         return None
 
 
+def _ray_job() -> str | None:
+    from profd.cluster import ray_job_id
+
+    return ray_job_id()
+
+
 def _ray_gcs_address() -> str | None:
     try:
         import ray
@@ -206,6 +212,8 @@ class Controller:
         self.config = cfg.model_copy(update=overrides) if overrides else cfg
         self._lookup = lookup or _ray_lookup
         self._gcs_address = gcs_address or (_ray_gcs_address if lookup is None else lambda: None)
+        self._job_of = _ray_job if lookup is None else (lambda: None)
+        self._job: str | None = None
         self._clock = clock
         self._caller: _Caller | None = None
         self._gcs: str | None = None
@@ -288,12 +296,13 @@ class Controller:
         """On the background thread: find the coordinator if needed, then call it."""
         if self._caller is None:
             self._gcs = self._gcs_address()  # local: known before the lookup may hang
+            self._job = self._job_of()
             self._watch_gcs()
             self._caller = self._lookup()
             if self._caller is None:
                 raise LookupError("no profd coordinator is running")
         try:
-            return self._caller.call(method, *args, timeout=budget)
+            return self._caller.call(method, *args, self._job, timeout=budget)
         except Exception:
             self._caller = None
             raise

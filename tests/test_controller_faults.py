@@ -68,7 +68,7 @@ def test_no_coordinator_costs_nothing_and_it_is_found_later() -> None:
     found["caller"] = caller = Caller()  # profd up, after the job started
     wait_until(lambda: timed_step(ctl, 300) is not None and ctl.link is Link.CLOSED, 5)
     timed_step(ctl, 301)
-    assert ("controller_step", (301, FAST.delivery_timeout_s)) in caller.calls
+    assert ("controller_step", (301, FAST.delivery_timeout_s, None)) in caller.calls
     # the reconnect probe announced the driver's latest step
     assert any(m == "controller_step" and a[1] == 0.0 for m, a in caller.calls)
     ctl.close()

@@ -25,7 +25,7 @@ from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
 from profd.agent.recorder import IDLE, ArmedPlan, Recorder
 from profd.agent.timed import TimedWindows
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
-from profd.cluster import process_start, ray_node
+from profd.cluster import process_start, ray_job_id, ray_node
 from profd.naming import sanitize
 from profd.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
@@ -95,6 +95,7 @@ class ProfilerAgent:
             node_ip=node_ip,
             capabilities=capabilities(),
             pid_start=process_start(os.getpid()),
+            job_id=ray_job_id(),
         )
         self._next_step: int | None = None
         self._current_step: int | None = None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
-from profd.cluster import process_start, ray_node
+from profd.cluster import process_start, ray_job_id, ray_node
 from profd.protocol import AgentEvent, AgentPlan, EventKind, WindowPlan
 from profd.rollout.engine_args import EngineProfileOptions
 from profd.rollout.rollout_agent import RolloutAgent
@@ -87,7 +87,7 @@ class RolloutService:
         stop_s = getattr(getattr(agent.engine, "timeouts", None), "stop_s", 0.0)
         info.topology["collect_budget_s"] = int(stop_s + agent.flush.timeout_s) + 1
         # the process hosting this replica's agent: a dead host is lost within seconds
-        self.info = replace(info, pid_start=process_start(os.getpid()))
+        self.info = replace(info, pid_start=process_start(os.getpid()), job_id=ray_job_id())
         self._windows: dict[str, _Window] = {}
         self._finished: set[str] = set()
         self._phase: tuple[int | None, str | None] = (None, None)
