@@ -188,3 +188,66 @@ def test_down_joins_with_the_auth_mode_up_recorded(tmp_path: Path, monkeypatch) 
     monkeypatch.setattr("profd.cluster.connect_ray", fake_connect)
     service.down(address=None)
     assert seen == ["token"] and not (state_dir / "sidecar.json").exists()
+
+
+def test_down_refuses_when_it_cannot_join_a_ray_it_started_that_still_runs(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A join that fails (auth mode, Ray version) is no proof the cluster is gone: with its
+    GCS process alive, `profd down` stops nothing and keeps the record."""
+    import typer
+
+    from profd.cli import service
+    from profd.cluster import ServiceState, save_state
+
+    state_dir = tmp_path / "state"
+    monkeypatch.setenv("PROFD_STATE_DIR", str(state_dir))
+    save_state(
+        state_dir,
+        ServiceState(
+            url="http://127.0.0.1:1",
+            host="127.0.0.1",
+            port=1,
+            ray_address="127.0.0.1:1",
+            started_ray=True,
+            save_root=str(tmp_path),
+            ray_temp_dir=str(tmp_path / "ray"),
+        ),
+    )
+    stopped: list[str] = []
+
+    def fail(address: str | None) -> None:
+        raise RuntimeError("version mismatch")
+
+    monkeypatch.setattr("profd.cluster.connect_ray", fail)
+    monkeypatch.setattr("profd.cluster.gcs_process", lambda temp_dir: 4242)
+    monkeypatch.setattr("profd.cluster.stop_local_ray", lambda *a, **k: stopped.append("ray"))
+    with pytest.raises(typer.Exit) as exit_info:
+        service.down(address=None, stop_ray=False, keep_ray=False)
+    assert exit_info.value.exit_code == 1
+    assert stopped == [] and (state_dir / "sidecar.json").exists()
+
+
+def test_a_clusters_processes_are_found_by_whole_arguments(tmp_path: Path) -> None:
+    """`profd down --stop-ray` signals the processes of its cluster (argument = temp dir, a
+    path below it, or --option=temp dir), never a user's `tail <temp dir>-logs`."""
+    import subprocess
+    import sys
+
+    from profd.cluster import _pids_mentioning
+
+    marker = str(tmp_path / "profd-ray-x")
+    code = "import time; time.sleep(60)"
+    procs = {
+        arg: subprocess.Popen([sys.executable, "-c", code, arg])
+        for arg in (f"--temp-dir={marker}", f"{marker}/session/logs", f"{marker}-logs")
+    }
+    try:
+        found = set(_pids_mentioning(marker))
+        assert procs[f"--temp-dir={marker}"].pid in found
+        assert procs[f"{marker}/session/logs"].pid in found
+        assert procs[f"{marker}-logs"].pid not in found
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
