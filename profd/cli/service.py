@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -179,10 +180,12 @@ def _root_cause(exc: BaseException) -> str:
     return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
 
 
+@dataclass(frozen=True)
 class _Target:
-    def __init__(self, address: str, rejoined: bool) -> None:
-        self.address = address
-        self.rejoined = rejoined
+    """The Ray `profd up` uses, and whether it is the one its state file recorded."""
+
+    address: str
+    rejoined: bool
 
 
 def _choose_cluster(
