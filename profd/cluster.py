@@ -261,12 +261,7 @@ def is_local_address(address: str | None) -> bool:
 
 def gcs_reachable(address: str, timeout: float = 3.0) -> bool:
     """A quick TCP check, so a vanished cluster fails fast instead of Ray retrying for minutes."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
+    return gcs_probe(address, timeout) is True
 
 
 def gcs_probe(address: str, timeout: float) -> bool | None:
