@@ -22,7 +22,6 @@ from profd.actors.admission import (
     check_reachable,
     new_session_id,
     session_dir,
-    waiting_note,
 )
 from profd.actors.agent_rpc import AgentRpcMixin, Registration
 from profd.actors.driving import ControllerMixin
@@ -43,7 +42,6 @@ from profd.settings import CoordinatorSettings
 from profd.targeting import resolve_targets
 from profd.views import (
     AgentView,
-    SessionState,
     SessionView,
     StatusView,
     TraceView,
@@ -88,8 +86,6 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self._align_waiters: list[tuple[set[str], asyncio.Event]] = []
         self._ticker: asyncio.Task | None = None
         #: Last step announced by a single-controller driver, and when.
-        self._controller_step: int | None = None
-        self._controller_seen = 0.0
         #: Ray job id (None: a driver that does not say) -> (its last step, when).
         self._drivers: dict[str | None, tuple[int, float]] = {}
         self._store = store if store is not None else open_store(settings.state_dir)
@@ -205,7 +201,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         else:
             await self._align(session, req.next_steps or 1)
         replicas = [t for t in targets if "replica_world_size" in t.agent.topology]
-        if replicas and req.duration_s is None and self._controller_step is None:
+        if replicas and req.duration_s is None and not self._drivers:
             session.warnings.append(
                 "rollout replicas record the steps a driver announces with "
                 "profd.controller().step(n); none has been announced yet (without a "
@@ -251,34 +247,6 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         known += [d for d in drivers if d is not None]
         first = (max(known) + 1 if known else 0) + self.settings.align_lead_steps
         session.resolve_steps(tuple(range(first, first + count)))
-
-    def _driver_step(self, job_id: str | None = None) -> int | None:
-        """The step the single-controller driver of Ray job ``job_id`` announced, while it
-        still announces; a driver that did not name its job stands for any job."""
-        for key in (job_id, None) if job_id is not None else (None,):
-            seen = self._drivers.get(key)
-            if seen is not None and self._clock() - seen[1] <= self.settings.heartbeat_timeout_s:
-                return seen[0]
-        return None
-
-    def _latest_driver_step(self) -> int | None:
-        """The step of the driver heard from last, while it announces (for status)."""
-        now, silence = self._clock(), self.settings.heartbeat_timeout_s
-        fresh = [(seen, step) for step, seen in self._drivers.values() if now - seen <= silence]
-        return max(fresh)[1] if fresh else None
-
-    def _job_step(self, rec: Any) -> int | None:
-        """The job's step on a registered agent: its own, else its driver's."""
-        return rec.step(self._driver_step(rec.info.job_id))
-
-    def _say_what_is_past(self, s: Session) -> None:
-        """An armed step session waits for its first step still ahead, and says so."""
-        if s.state is not SessionState.ARMED or not s.steps or s.request.duration_s is not None:
-            return
-        recs = [self._registry.get(a) for a in s.targets]
-        note = waiting_note(s.steps, [self._job_step(r) if r else None for r in recs])
-        if note is not None:
-            s.reason = note
 
     def _adopt(self, info: AgentInfo) -> None:
         """Add a newly registered agent to launch-time sessions whose window has not begun."""
@@ -527,6 +495,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         by_state: dict[str, int] = {}
         for s in self._sessions.values():
             by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
+        driver = self.latest_driver()
         return StatusView(
             version=__version__,
             agents=len(self._registry.alive()),
@@ -539,12 +508,8 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
             uptime_s=round(self._clock() - self._started, 3),
             state_write_failures=self._store.failed_writes,
             state_last_error=self._store.last_error,
-            driver_step=self._latest_driver_step(),
-            driver_seen_s=(
-                round(self._clock() - self._controller_seen, 3)
-                if self._controller_step is not None
-                else None
-            ),
+            driver_step=driver[0] if driver else None,
+            driver_seen_s=driver[1] if driver else None,
         )
 
     def _view(self, s: Session) -> SessionView:

@@ -11,7 +11,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from profd.actors.admission import waiting_note
 from profd.errors import RequestInvalid
+from profd.views import SessionState
 
 if TYPE_CHECKING:
     from profd.actors.planbook import PlanBook
@@ -31,9 +33,12 @@ class ControllerMixin:
 
     _plans: PlanBook
     _registry: AgentRegistry
-    _controller_step: int | None
-    _controller_seen: float
     _drivers: dict[str | None, tuple[int, float]]
+
+    @property
+    def _silence_s(self) -> float:
+        """A driver unheard of this long no longer announces the job's step."""
+        return self.settings.heartbeat_timeout_s  # type: ignore[attr-defined]
 
     def _live_sessions(self) -> list[Session]:
         raise NotImplementedError
@@ -46,9 +51,7 @@ class ControllerMixin:
         being profiled: no agent is contacted. Rollout agents also handle ``step_begin``
         (replicas on their own devices start their engine's profiler) before this returns."""
         self._ensure_ticker()
-        self._controller_step = step
-        self._controller_seen = self._clock()
-        self._drivers[job_id] = (step, self._controller_seen)
+        self._drivers[job_id] = (step, self._clock())
         targets = self._controller_targets(job_id)
         if not targets:
             return {"step": step, "agents": 0, "slow": [], "rollout": False}
@@ -92,6 +95,39 @@ class ControllerMixin:
             self._plans.set_controller_step(aid, step, phase)
         slow = await self._wait_phase(rollout, step, phase, timeout)
         return {"step": step, "phase": phase, "agents": len(rollout), "slow": sorted(slow)}
+
+    def _driver_step(self, job_id: str | None = None) -> int | None:
+        """The step the single-controller driver of Ray job ``job_id`` announced, while it
+        still announces; a driver that did not name its job stands for any job."""
+        for key in (job_id, None) if job_id is not None else (None,):
+            seen = self._drivers.get(key)
+            if seen is not None and self._clock() - seen[1] <= self._silence_s:
+                return seen[0]
+        return None
+
+    def latest_driver(self) -> tuple[int, float] | None:
+        """(step, seconds since) of the driver heard from last, while it announces."""
+        now = self._clock()
+        fresh = [
+            (seen, step) for step, seen in self._drivers.values() if now - seen <= self._silence_s
+        ]
+        if not fresh:
+            return None
+        seen, step = max(fresh)
+        return step, round(now - seen, 3)
+
+    def _job_step(self, rec: Any) -> int | None:
+        """The job's step on a registered agent: its own, else its driver's."""
+        return rec.step(self._driver_step(rec.info.job_id))
+
+    def _say_what_is_past(self, s: Session) -> None:
+        """An armed step session waits for its first step still ahead, and says so."""
+        if s.state is not SessionState.ARMED or not s.steps or s.request.duration_s is not None:
+            return
+        recs = [self._registry.get(a) for a in s.targets]
+        note = waiting_note(s.steps, [self._job_step(r) if r else None for r in recs])
+        if note is not None:
+            s.reason = note
 
     def _controller_targets(self, job_id: str | None = None) -> set[str]:
         """Targets of live step sessions that follow this driver: agents of its Ray job (an

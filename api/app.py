@@ -40,14 +40,9 @@ def _connect_ray(config: SidecarConfig) -> None:
 
 
 def _local_node_id() -> str | None:
-    try:
-        import ray
+    from profd.cluster import ray_context
 
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except Exception:
-        pass
-    return None
+    return ray_context().node_id
 
 
 def create_app(

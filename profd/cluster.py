@@ -22,6 +22,7 @@ from profd.settings import CoordinatorSettings, SidecarConfig
 
 __all__ = [
     "LOOPBACK_ENV",
+    "RayContext",
     "ServiceState",
     "Services",
     "Tenant",
@@ -38,7 +39,7 @@ __all__ = [
     "join_or_start_ray",
     "load_state",
     "process_start",
-    "ray_job_id",
+    "ray_context",
     "ray_node",
     "read_or_create_token",
     "read_token",
@@ -229,28 +230,38 @@ def init_local_ray(num_cpus: int = 4) -> None:
     )
 
 
+@dataclass(frozen=True)
+class RayContext:
+    """Where this process stands in Ray (all ``None`` outside Ray)."""
+
+    node_id: str | None = None
+    node_ip: str | None = None
+    job_id: str | None = None  # a worker's is its driver's
+    gcs_address: str | None = None
+
+
+def ray_context() -> RayContext:
+    """This process's node, job and GCS address, when it is part of a Ray cluster."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            return RayContext(
+                ctx.get_node_id(),
+                ray.util.get_node_ip_address(),
+                ctx.get_job_id(),
+                ctx.gcs_address,
+            )
+    except Exception:
+        pass
+    return RayContext()
+
+
 def ray_node() -> tuple[str | None, str | None]:
     """(node id, node address) of this process when it is part of a Ray cluster."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return None, None
-
-
-def ray_job_id() -> str | None:
-    """The Ray job of this process (its driver's, in a worker), when inside Ray."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_job_id()
-    except Exception:
-        pass
-    return None
+    ctx = ray_context()
+    return ctx.node_id, ctx.node_ip
 
 
 def is_local_address(address: str | None) -> bool:

@@ -150,21 +150,10 @@ def _ray_lookup() -> _Caller | None:
         return None
 
 
-def _ray_job() -> str | None:
-    from profd.cluster import ray_job_id
+def _ray_context() -> Any:
+    from profd.cluster import ray_context
 
-    return ray_job_id()
-
-
-def _ray_gcs_address() -> str | None:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().gcs_address
-    except Exception:
-        pass
-    return None
+    return ray_context()
 
 
 class _Unanswered(Exception):
@@ -211,8 +200,11 @@ class Controller:
             overrides["rollout_timeout_s"] = rollout_timeout_s
         self.config = cfg.model_copy(update=overrides) if overrides else cfg
         self._lookup = lookup or _ray_lookup
-        self._gcs_address = gcs_address or (_ray_gcs_address if lookup is None else lambda: None)
-        self._job_of = _ray_job if lookup is None else (lambda: None)
+        in_ray = lookup is None  # the real coordinator: this process's Ray says where it is
+        self._gcs_address = gcs_address or (
+            (lambda: _ray_context().gcs_address) if in_ray else lambda: None
+        )
+        self._job_of = (lambda: _ray_context().job_id) if in_ray else (lambda: None)
         self._job: str | None = None
         self._clock = clock
         self._caller: _Caller | None = None

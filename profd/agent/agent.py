@@ -25,7 +25,7 @@ from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
 from profd.agent.recorder import IDLE, ArmedPlan, Recorder
 from profd.agent.timed import TimedWindows
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
-from profd.cluster import process_start, ray_job_id, ray_node
+from profd.cluster import process_start, ray_context
 from profd.naming import sanitize
 from profd.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
@@ -82,7 +82,7 @@ class ProfilerAgent:
         ):
             raise ValueError(f"world_size: must be an int > rank ({rank}), got {world_size!r}")
         topo = {str(k): int(v) for k, v in (topology or {}).items()}
-        node_id, node_ip = ray_node()
+        ray = ray_context()
         self.info = AgentInfo(
             agent_id=f"{sanitize(role)}-{rank}-{uuid.uuid4().hex[:8]}",
             role=role,
@@ -91,11 +91,11 @@ class ProfilerAgent:
             topology=topo,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            node_id=node_id,
-            node_ip=node_ip,
+            node_id=ray.node_id,
+            node_ip=ray.node_ip,
             capabilities=capabilities(),
             pid_start=process_start(os.getpid()),
-            job_id=ray_job_id(),
+            job_id=ray.job_id,
         )
         self._next_step: int | None = None
         self._current_step: int | None = None

@@ -40,31 +40,47 @@ AllowUploadOpt = Annotated[
 ]
 
 
+@dataclass(frozen=True)
+class SidecarFlags:
+    """The sidecar flags of one `profd up`, as given (None / empty: not given)."""
+
+    host: str | None = None
+    port: int | None = None
+    allow_hook_commands: bool = False
+    allow_save_root: tuple[Path, ...] = ()
+    allow_upload_prefix: tuple[str, ...] = ()
+    allow_host: tuple[str, ...] = ()
+
+    @property
+    def given(self) -> bool:
+        return self != SidecarFlags()
+
+
 def _sidecar_config(
-    settings: ProfdSettings,
-    coord: Any,
-    token: str,
-    host: str | None,
-    port: int | None,
-    allow_hook_commands: bool,
-    allow_save_root: list[Path],
-    allow_upload_prefix: list[str],
-    allow_host: list[str],
+    settings: ProfdSettings, coord: Any, token: str, flags: SidecarFlags, previous: Any
 ) -> Any:
-    """How `profd up` serves the sidecar: the token, and where sessions may write."""
+    """How `profd up` serves the sidecar: the token, and where sessions may write; on the
+    recorded cluster with no flags given, as the earlier `profd up` recorded it."""
     from profd.settings import SidecarConfig
 
+    if previous is not None and previous.sidecar and not flags.given:
+        console.print("  sidecar flags as recorded by the earlier `profd up`")
+        return SidecarConfig(**{**previous.sidecar, "token": token})
     return SidecarConfig(
-        host=host or settings.host,
-        port=settings.port if port is None else port,
+        host=flags.host or settings.host,
+        port=settings.port if flags.port is None else flags.port,
         token=token,
-        allow_hook_commands=allow_hook_commands,
-        save_roots=(coord.save_root, *(str(p.expanduser().resolve()) for p in allow_save_root)),
+        allow_hook_commands=flags.allow_hook_commands,
+        save_roots=(
+            coord.save_root,
+            *(str(p.expanduser().resolve()) for p in flags.allow_save_root),
+        ),
         upload_prefixes=tuple(
-            p if "://" in p else str(Path(p).expanduser().resolve()) for p in allow_upload_prefix
+            p if "://" in p else str(Path(p).expanduser().resolve())
+            for p in flags.allow_upload_prefix
         ),
         base_dir=coord.base_dir,
-        allowed_hosts=tuple(allow_host),
+        allowed_hosts=flags.allow_host,
         freeze_gc=True,  # the sidecar actor's process serves nothing else
     )
 
@@ -103,22 +119,22 @@ def up(
     Run again after a crash, it brings back what is missing on the cluster it recorded: a
     sidecar that died, a coordinator killed for good (restored from its state), never a
     second cluster while the recorded one runs."""
-    from profd.cluster import load_state, read_or_create_token, save_state, start_services
+    from profd.cluster import load_state, read_or_create_token, save_state
 
+    flags = SidecarFlags(
+        host,
+        port,
+        allow_hook_commands,
+        tuple(allow_save_root),
+        tuple(allow_upload_prefix),
+        tuple(allow_host),
+    )
     settings = _settings()
     previous = load_state(settings.state_dir)
     health = _health(previous.url) if previous is not None else None
-    flags_given = bool(
-        host
-        or port is not None
-        or allow_hook_commands
-        or allow_save_root
-        or allow_upload_prefix
-        or allow_host
-    )
     if previous is not None and health is not None and health.get("coordinator"):
         console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
-        if flags_given or save_root is not None:
+        if flags.given or save_root is not None:
             err_console.print(
                 "  the flags given were not applied to the running profd: `profd down "
                 "--keep-ray`, then `profd up` with them"
@@ -129,41 +145,31 @@ def up(
     token, token_path = read_or_create_token(settings.state_dir)
     if health is None:  # the recorded sidecar does not answer (or there is no record)
         _replace_unknown_sidecar(token_path)
-    coord = _coordinator_settings(settings, previous, save_root, rejoined=target.rejoined)
-    if target.rejoined and previous is not None and previous.sidecar and not flags_given:
-        from profd.settings import SidecarConfig
+    recorded = previous if target.rejoined else None
+    coord = _coordinator_settings(settings, recorded, save_root)
+    sidecar = _sidecar_config(settings, coord, token, flags, recorded)
+    services = _start(coord, sidecar, started_ray and not target.rejoined, temp_dir)
+    state = _service_state(services, target.address, started_ray, temp_dir, coord, sidecar)
+    save_state(settings.state_dir, state)
+    _report_up(services.address["url"], token_path, coord.save_root, sidecar, services)
+    _report_join(state.ray_address)
 
-        sidecar = SidecarConfig(**{**previous.sidecar, "token": token})
-        console.print("  sidecar flags as recorded by the earlier `profd up`")
-    else:
-        sidecar = _sidecar_config(
-            settings,
-            coord,
-            token,
-            host,
-            port,
-            allow_hook_commands,
-            allow_save_root,
-            allow_upload_prefix,
-            allow_host,
-        )
+
+def _start(coord: Any, sidecar: Any, ray_is_ours: bool, temp_dir: str | None) -> Any:
+    """Start the services; on failure, say why and stop the Ray this `profd up` started."""
+    from profd.cluster import start_services, stop_local_ray
+
     try:
-        services = start_services(coord, sidecar, detached=True)
+        return start_services(coord, sidecar, detached=True)
     except Exception as exc:
         err_console.print(f"[red]profd up failed:[/red] {_root_cause(exc)}")
-        if started_ray and not target.rejoined:  # leave no cluster of ours behind
+        if ray_is_ours:  # leave no cluster of ours behind
             import ray
-
-            from profd.cluster import stop_local_ray
 
             ray.shutdown()
             stop_local_ray(temp_dir)
             err_console.print("  stopped the local Ray this `profd up` had started")
         raise typer.Exit(1) from None
-    state = _service_state(services, target.address, started_ray, temp_dir, coord, sidecar)
-    save_state(settings.state_dir, state)
-    _report_up(services.address["url"], token_path, coord.save_root, sidecar, services)
-    _report_join(state.ray_address)
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -227,15 +233,15 @@ def _choose_cluster(
     return _Target(target, False), started, temp_dir
 
 
-def _coordinator_settings(
-    settings: ProfdSettings, previous: Any, save_root: Path | None, *, rejoined: bool
-) -> Any:
+def _coordinator_settings(settings: ProfdSettings, recorded: Any, save_root: Path | None) -> Any:
+    """The coordinator's settings: --save-root given, else as recorded for the cluster
+    rejoined, else from the environment."""
     from profd.settings import CoordinatorSettings
 
     if save_root is not None:
         return ProfdSettings(save_root=save_root).coordinator()
-    if rejoined and previous is not None and previous.coordinator:
-        return CoordinatorSettings(**previous.coordinator)
+    if recorded is not None and recorded.coordinator:
+        return CoordinatorSettings(**recorded.coordinator)
     return settings.coordinator()
 
 
@@ -361,7 +367,7 @@ def down(
 ) -> None:
     """Stop the sidecar and the coordinator, and the local Ray `profd up` started when it runs
     nothing else (a Ray that also runs a job is left alone unless --stop-ray says so)."""
-    from profd.cluster import STATE_FILE, connect_ray, load_state
+    from profd.cluster import STATE_FILE, load_state
 
     if stop_ray and keep_ray:
         err_console.print("--stop-ray and --keep-ray contradict each other")
@@ -379,24 +385,7 @@ def down(
             "its nodes)"
         )
         raise typer.Exit(2)
-    if state is not None and state.ray_auth_mode and "RAY_AUTH_MODE" not in os.environ:
-        # before Ray is imported: a token-auth cluster refuses a driver without it
-        os.environ["RAY_AUTH_MODE"] = state.ray_auth_mode
-    try:
-        connect_ray(target)
-        reachable = True
-    except Exception as exc:  # the cluster may already be gone
-        reachable = False
-        if owns_ray and not stop_ray and _still_running(state):
-            # cannot ask what runs there: never stop a cluster that may hold the user's job
-            err_console.print(
-                f"[red]refused:[/red] could not join the Ray at {target} ({exc}), but it still "
-                "runs, so profd cannot tell what else does: nothing was stopped. Fix the join "
-                "(RAY_AUTH_MODE, Ray version) and run `profd down` again, or `profd down "
-                "--stop-ray` to stop it and everything on it."
-            )
-            raise typer.Exit(1) from None
-        err_console.print(f"could not reach Ray at {target} ({exc}); cleaning up local state")
+    reachable = _join_for_down(state, target, refuse=owns_ray and not stop_ray)
     if reachable and owns_ray and not keep_ray and not stop_ray:
         _refuse_if_tenants(target)
     stopped = _stop_services() if reachable else []
@@ -411,6 +400,31 @@ def down(
             f"  the local Ray at {target} keeps running (recorded: `profd up` rejoins it, "
             "`profd down` stops it once it runs nothing else)"
         )
+
+
+def _join_for_down(state: Any, target: str | None, *, refuse: bool) -> bool:
+    """Join the cluster `down` acts on; False when it is gone. When the join fails but a Ray
+    this `profd up` started still runs, profd cannot see what runs there: with ``refuse``
+    it stops nothing (exit 1) rather than stop a cluster that may hold the user's job."""
+    from profd.cluster import connect_ray
+
+    if state is not None and state.ray_auth_mode and "RAY_AUTH_MODE" not in os.environ:
+        # before Ray is imported: a token-auth cluster refuses a driver without it
+        os.environ["RAY_AUTH_MODE"] = state.ray_auth_mode
+    try:
+        connect_ray(target)
+        return True
+    except Exception as exc:  # the cluster may already be gone
+        if refuse and _still_running(state):
+            err_console.print(
+                f"[red]refused:[/red] could not join the Ray at {target} ({exc}), but it still "
+                "runs, so profd cannot tell what else does: nothing was stopped. Fix the join "
+                "(RAY_AUTH_MODE, Ray version) and run `profd down` again, or `profd down "
+                "--stop-ray` to stop it and everything on it."
+            )
+            raise typer.Exit(1) from None
+        err_console.print(f"could not reach Ray at {target} ({exc}); cleaning up local state")
+        return False
 
 
 def _still_running(state: Any) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
-from profd.cluster import process_start, ray_job_id, ray_node
+from profd.cluster import process_start, ray_context
 from profd.protocol import AgentEvent, AgentPlan, EventKind, WindowPlan
 from profd.rollout.engine_args import EngineProfileOptions
 from profd.rollout.rollout_agent import RolloutAgent
@@ -72,13 +72,13 @@ class RolloutService:
     ) -> None:
         self.agent = agent
         self.colocated = colocated
-        node_id, node_ip = ray_node()
+        ray = ray_context()
         info = agent.describe().to_agent_info(
             agent_id=f"rollout-{agent.replica_index}-{uuid.uuid4().hex[:8]}",
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            node_id=node_id,
-            node_ip=node_ip,
+            node_id=ray.node_id,
+            node_ip=ray.node_ip,
             replicas=replicas,
         )
         info.topology["colocated"] = int(colocated)
@@ -87,7 +87,7 @@ class RolloutService:
         stop_s = getattr(getattr(agent.engine, "timeouts", None), "stop_s", 0.0)
         info.topology["collect_budget_s"] = int(stop_s + agent.flush.timeout_s) + 1
         # the process hosting this replica's agent: a dead host is lost within seconds
-        self.info = replace(info, pid_start=process_start(os.getpid()), job_id=ray_job_id())
+        self.info = replace(info, pid_start=process_start(os.getpid()), job_id=ray.job_id)
         self._windows: dict[str, _Window] = {}
         self._finished: set[str] = set()
         self._phase: tuple[int | None, str | None] = (None, None)
