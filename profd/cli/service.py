@@ -64,7 +64,6 @@ def _sidecar_config(
     from profd.settings import SidecarConfig
 
     if previous is not None and previous.sidecar and not flags.given:
-        console.print("  sidecar flags as recorded by the earlier `profd up`")
         return SidecarConfig(**{**previous.sidecar, "token": token})
     return SidecarConfig(
         host=flags.host or settings.host,
@@ -152,6 +151,8 @@ def up(
     state = _service_state(services, target.address, started_ray, temp_dir, coord, sidecar)
     save_state(settings.state_dir, state)
     _report_up(services.address["url"], token_path, coord.save_root, sidecar, services)
+    if services.sidecar_created and recorded is not None and not flags.given:
+        console.print("  (sidecar restarted with the flags the earlier `profd up` recorded)")
     _report_join(state.ray_address)
 
 
