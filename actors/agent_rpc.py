@@ -118,7 +118,7 @@ class AgentRpcMixin:
         self._note_fresh_step(agent_id)
         plan = await self._plans.wait(agent_id, known_version, min(timeout, 60.0))
         if self._registry.get(agent_id) is not None:
-            self._registry.get(agent_id).touch(self._clock(), None)  # type: ignore[union-attr]
+            self._registry.get(agent_id).touch(self._clock(), None, revive=False)  # type: ignore[union-attr]
         return PollReply(plan=plan)
 
     async def poll_many(
@@ -143,7 +143,7 @@ class AgentRpcMixin:
         for aid in waiting:
             rec = self._registry.get(aid)
             if rec is not None:
-                rec.touch(now, None)
+                rec.touch(now, None, revive=False)
         replies.update({aid: PollReply(plan=plan) for aid, plan in plans.items()})
         return replies
 

@@ -21,7 +21,11 @@ class AgentRecord:
     current_step: int | None = None
     state: str = ALIVE
 
-    def touch(self, now: float, step: int | None) -> None:
+    def touch(self, now: float, step: int | None, revive: bool = True) -> None:
+        """Heard from now. ``revive=False`` for the end of a long-poll parked before the
+        agent was found dead: only a new call from the agent brings a lost agent back."""
+        if self.state == LOST and not revive:
+            return
         self.last_seen = now
         if step is not None:
             self.current_step = step
