@@ -7,36 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from profd.constants import COORDINATOR_NAME, NAMESPACE, SIDECAR_NAME
+from profd.core.constants import COORDINATOR_NAME, NAMESPACE, SIDECAR_NAME
+from profd.core.ray_env import find_actor, find_coordinator, find_sidecar
 
 __all__ = [
-    "get_coordinator",
     "get_or_create_coordinator",
     "get_or_create_sidecar",
-    "get_sidecar",
     "kill_named",
 ]
 
 #: Enough concurrent calls for every agent's long-poll plus API traffic.
 COORDINATOR_MAX_CONCURRENCY = 100_000
-
-
-def _get(name: str) -> Any | None:
-    import ray
-
-    try:
-        return ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return None
-
-
-def get_coordinator() -> Any | None:
-    """The coordinator's handle, or ``None`` when it is not running."""
-    return _get(COORDINATOR_NAME)
-
-
-def get_sidecar() -> Any | None:
-    return _get(SIDECAR_NAME)
 
 
 def _alive(handle: Any, timeout: float = 10.0) -> bool:
@@ -53,7 +34,7 @@ def _wait_name_free(name: str, timeout: float = 30.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout
-    while _get(name) is not None and time.monotonic() < deadline:
+    while find_actor(name) is not None and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
@@ -71,7 +52,7 @@ def get_or_create_coordinator(settings: Any, *, detached: bool = True) -> tuple[
 
     from profd.actors.coordinator import ProfileCoordinator
 
-    existing = get_coordinator()
+    existing = find_coordinator()
     if existing is not None:
         if _alive(existing):
             return existing, False
@@ -98,7 +79,7 @@ def get_or_create_sidecar(config: Any, *, detached: bool = True) -> tuple[Any, b
 
     from profd.actors.sidecar import SidecarServer
 
-    existing = get_sidecar()
+    existing = find_sidecar()
     if existing is not None:
         if _alive(existing):
             return existing, False
@@ -125,7 +106,7 @@ def get_or_create_sidecar(config: Any, *, detached: bool = True) -> tuple[Any, b
 def kill_named(name: str) -> bool:
     import ray
 
-    handle = _get(name)
+    handle = find_actor(name)
     if handle is None:
         return False
     ray.kill(handle, no_restart=True)

@@ -8,13 +8,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from profd.config import SessionRequest
-from profd.errors import ConflictError, RequestInvalid
-from profd.protocol import AgentInfo
-from profd.registry import AgentRecord, AgentRegistry
-from profd.sessions import Part, Session
-from profd.settings import CoordinatorSettings
-from profd.targeting import Target
+from profd.actors.registry import AgentRecord, AgentRegistry
+from profd.actors.sessions import Part, Session
+from profd.actors.targeting import Target
+from profd.core.errors import ConflictError, RequestInvalid
+from profd.core.protocol import AgentInfo
+from profd.core.request import SessionRequest
+from profd.core.settings import CoordinatorSettings
 
 __all__ = ["check_conflicts", "check_reachable", "new_session_id", "session_dir"]
 

@@ -15,16 +15,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from profd.protocol import AgentEvent, AgentInfo, EventKind, PollReply
-from profd.views import TraceView
+from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PollReply
+from profd.core.views import TraceView
 
 if TYPE_CHECKING:
     from profd.actors.finisher import Finisher
     from profd.actors.planbook import PlanBook
+    from profd.actors.registry import AgentRecord, AgentRegistry
+    from profd.actors.sessions import Session
     from profd.actors.store import Store
-    from profd.registry import AgentRecord, AgentRegistry
-    from profd.sessions import Session
-    from profd.settings import CoordinatorSettings
+    from profd.core.settings import CoordinatorSettings
 
 __all__ = ["AgentRpcMixin", "Registration"]
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from profd import __version__
 from profd.actors.admission import (
     check_conflicts,
     check_reachable,
@@ -28,19 +27,20 @@ from profd.actors.driving import ControllerMixin
 from profd.actors.finisher import Finisher
 from profd.actors.liveness import Periodic, find_gone
 from profd.actors.planbook import PlanBook
+from profd.actors.registry import AgentRegistry
 from profd.actors.reporting import metrics_snapshot, session_view
 from profd.actors.runner import NodeRunner, default_runner
+from profd.actors.selection import WILDCARD
+from profd.actors.sessions import Part, Session
 from profd.actors.store import Store, open_store
-from profd.config import RoleProfilerConfig, SessionRequest, ToolKind, field_errors
-from profd.errors import ConflictError, NotFoundError, RequestInvalid
-from profd.paging import Page, page_of
-from profd.protocol import AgentInfo, WindowPlan
-from profd.registry import AgentRegistry
-from profd.selection import WILDCARD
-from profd.sessions import Part, Session
-from profd.settings import CoordinatorSettings
-from profd.targeting import resolve_targets
-from profd.views import (
+from profd.actors.targeting import resolve_targets
+from profd.core.constants import __version__
+from profd.core.errors import ConflictError, NotFoundError, RequestInvalid
+from profd.core.paging import Page, page_of
+from profd.core.protocol import AgentInfo, WindowPlan
+from profd.core.request import RoleProfilerConfig, SessionRequest, ToolKind, field_errors
+from profd.core.settings import CoordinatorSettings
+from profd.core.views import (
     AgentView,
     SessionView,
     StatusView,
@@ -274,7 +274,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         self, limit: int | None = None, cursor: str | None = None
     ) -> list[SessionView] | Page:
         """Without ``limit`` and ``cursor``: every session, oldest first (a list). With
-        either: one :class:`~profd.paging.Page` of ``limit`` sessions (default 50), newest
+        either: one :class:`~profd.core.paging.Page` of ``limit`` sessions (default 50), newest
         first (created_at, then session id, descending), after ``cursor`` (the previous
         page's ``next_cursor``); only the page's sessions are turned into views."""
         self._ensure_ticker()
@@ -472,7 +472,7 @@ class ProfileCoordinator(AgentRpcMixin, ControllerMixin):
         cursor: str | None = None,
     ) -> list[TraceView] | Page:
         """Traces matching the filters. Without ``limit`` and ``cursor``: all of them by
-        session, role, rank and step (a list). With either: one :class:`~profd.paging.Page`
+        session, role, rank and step (a list). With either: one :class:`~profd.core.paging.Page`
         of ``limit`` traces (default 50), newest first (created_at, then trace id,
         descending), after ``cursor``; its ``total`` and ``bytes`` count every match."""
         self._ensure_ticker()

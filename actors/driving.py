@@ -12,13 +12,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from profd.actors.admission import waiting_note
-from profd.errors import RequestInvalid
-from profd.views import SessionState
+from profd.core.errors import RequestInvalid
+from profd.core.views import SessionState
 
 if TYPE_CHECKING:
     from profd.actors.planbook import PlanBook
-    from profd.registry import AgentRegistry
-    from profd.sessions import Session
+    from profd.actors.registry import AgentRegistry
+    from profd.actors.sessions import Session
 
 __all__ = ["ControllerMixin"]
 

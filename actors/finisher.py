@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
+from profd.actors.hook_upload import HookResult, UploadResult, hook_env, run_hook, upload_file
+from profd.actors.registry import AgentRecord
 from profd.actors.runner import NodeRunner, TraceLocator
-from profd.finish import HookResult, UploadResult, hook_env, run_hook, upload_file
-from profd.registry import AgentRecord
-from profd.sessions import Session
-from profd.views import TraceView
+from profd.actors.sessions import Session
+from profd.core.views import TraceView
 
 __all__ = ["Finisher", "hook_agents"]
 
@@ -126,7 +126,7 @@ class Finisher:
         """Where the file of an upload record is read: by node id while that node lives, else
         by its address or host name (a coordinator restored on a new cluster: see
         :func:`profd.actors.runner.locate`)."""
-        from profd.cluster import ray_node
+        from profd.core.ray_env import ray_node
 
         here = ray_node()[0]
         where = SimpleNamespace(

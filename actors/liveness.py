@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from profd.cluster import process_start
+from profd.core.ray_env import process_start
 
 __all__ = ["Gone", "Periodic", "ProcessProbe", "exited", "find_gone"]
 

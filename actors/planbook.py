@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from profd.protocol import AgentPlan, WindowPlan
+from profd.core.protocol import AgentPlan, WindowPlan
 
 __all__ = ["PlanBook"]
 

@@ -6,10 +6,10 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from profd.config import RoleProfilerConfig
-from profd.registry import AgentRegistry
-from profd.sessions import Session
-from profd.views import HookView, IgnoredView, PartView, SessionView, TraceView, UploadView
+from profd.actors.registry import AgentRegistry
+from profd.actors.sessions import Session
+from profd.core.request import RoleProfilerConfig
+from profd.core.views import HookView, IgnoredView, PartView, SessionView, TraceView, UploadView
 
 __all__ = ["metrics_snapshot", "session_view"]
 

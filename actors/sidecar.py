@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from profd.settings import SidecarConfig
+from profd.core.settings import SidecarConfig
 
 __all__ = ["SidecarServer"]
 
@@ -50,7 +50,7 @@ class SidecarServer:
         log.info("profd sidecar listening on http://%s:%d", self.config.host, self._port)
 
     def ping(self) -> str:
-        from profd import __version__
+        from profd.core.constants import __version__
 
         return __version__
 

@@ -14,16 +14,16 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from profd import __version__
 from profd.actors.runner import default_runner
 from profd.api import metrics
 from profd.api.client import CoordinatorClient, RayCoordinatorClient, SharedReads
 from profd.api.deps import ReadTokenDep
 from profd.api.routes import agents, dashboard, sessions, status, traces
 from profd.api.security import BodyLimit, HostCheck, allowed_host_names
-from profd.config import field_errors
-from profd.errors import ProfdError, RequestInvalid
-from profd.settings import SidecarConfig
+from profd.core.constants import __version__
+from profd.core.errors import ProfdError, RequestInvalid
+from profd.core.request import field_errors
+from profd.core.settings import SidecarConfig
 
 __all__ = ["create_app"]
 
@@ -33,14 +33,14 @@ log = logging.getLogger(__name__)
 def _connect_ray(config: SidecarConfig) -> None:
     import ray
 
-    from profd.constants import NAMESPACE
+    from profd.core.constants import NAMESPACE
 
     if not ray.is_initialized():
         ray.init(address=config.ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
 
 
 def _local_node_id() -> str | None:
-    from profd.cluster import ray_context
+    from profd.core.ray_env import ray_context
 
     return ray_context().node_id
 

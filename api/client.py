@@ -12,20 +12,15 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from profd.errors import ProfdError
+from profd.core.errors import CoordinatorUnavailable
+from profd.core.ray_env import acall_coordinator, find_coordinator
 
 __all__ = [
     "CoordinatorClient",
-    "CoordinatorUnavailable",
     "LocalCoordinatorClient",
     "RayCoordinatorClient",
     "SharedReads",
 ]
-
-
-class CoordinatorUnavailable(ProfdError):
-    status_code = 503
-    code = "coordinator_unavailable"
 
 
 class CoordinatorClient(Protocol):
@@ -43,17 +38,11 @@ class LocalCoordinatorClient:
 class RayCoordinatorClient:
     """Finds the coordinator by name on first use and again after it went away."""
 
-    def __init__(self, lookup: Callable[[], Any | None] | None = None) -> None:
-        if lookup is None:
-            from profd.actors import get_coordinator
-
-            lookup = get_coordinator
+    def __init__(self, lookup: Callable[[], Any | None] = find_coordinator) -> None:
         self._lookup = lookup
         self._handle: Any | None = None
 
     async def call(self, method: str, *args: Any) -> Any:
-        from ray.exceptions import RayActorError, RayTaskError
-
         handle = self._handle or self._lookup()
         if handle is None:
             raise CoordinatorUnavailable(
@@ -61,15 +50,10 @@ class RayCoordinatorClient:
             )
         self._handle = handle
         try:
-            return await getattr(handle, method).remote(*args)
-        except RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, ProfdError):
-                raise cause from None
+            return await acall_coordinator(handle, method, *args)
+        except CoordinatorUnavailable:
+            self._handle = None  # found again by name on the next call
             raise
-        except RayActorError as exc:
-            self._handle = None
-            raise CoordinatorUnavailable(f"the profd coordinator is unreachable: {exc}") from None
 
 
 class SharedReads:

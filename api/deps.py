@@ -15,9 +15,9 @@ from pydantic import BeforeValidator
 
 from profd.actors.runner import NodeRunner, TraceLocator
 from profd.api.client import CoordinatorClient
-from profd.config import MAX_INT
-from profd.paging import DEFAULT_LIMIT, MAX_CURSOR_CHARS, MAX_LIMIT
-from profd.settings import SidecarConfig
+from profd.core.paging import DEFAULT_LIMIT, MAX_CURSOR_CHARS, MAX_LIMIT
+from profd.core.request import MAX_INT
+from profd.core.settings import SidecarConfig
 
 __all__ = [
     "ClientDep",

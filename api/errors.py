@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from profd.config import FieldError
+from profd.core.request import FieldError
 
 __all__ = ["ErrorBody", "error_responses"]
 

@@ -27,9 +27,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from profd.api.client import CoordinatorUnavailable
 from profd.api.deps import ClientDep, ReadTokenDep
 from profd.api.errors import error_responses
+from profd.core.errors import CoordinatorUnavailable
 
 __all__ = ["CoordinatorCollector", "new_registry", "router"]
 

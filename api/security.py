@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from profd.errors import RequestInvalid
-from profd.settings import SidecarConfig
+from profd.core.errors import RequestInvalid
+from profd.core.settings import SidecarConfig
 
 __all__ = [
     "BodyLimit",

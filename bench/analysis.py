@@ -97,9 +97,9 @@ def record(out: Path, ranks: int, target_mb: float) -> None:
 
     from profd.actors.coordinator import ProfileCoordinator
     from profd.agent import ProfilerAgent
-    from profd.agent.local import InProcessCoordinator
     from profd.analysis.jsonscan import json_size_hint
-    from profd.settings import CoordinatorSettings
+    from profd.core.settings import CoordinatorSettings
+    from profd.testing.coordinator import InProcessCoordinator
 
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))

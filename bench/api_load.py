@@ -102,9 +102,9 @@ def serve(port_file: Path, n_agents: int, workdir: Path) -> None:
 
     from profd.actors.coordinator import ProfileCoordinator
     from profd.agent import ProfilerAgent
-    from profd.agent.local import InProcessCoordinator
     from profd.api import create_app
-    from profd.settings import CoordinatorSettings, SidecarConfig
+    from profd.core.settings import CoordinatorSettings, SidecarConfig
+    from profd.testing.coordinator import InProcessCoordinator
 
     settings = CoordinatorSettings(
         save_root=str(workdir / "profile"), base_dir=str(workdir), state_dir=str(workdir / "state")
@@ -168,13 +168,14 @@ class RayOwner:
 def serve_ray(port_file: Path, n_agents: int, workdir: Path) -> None:
     """What `profd up` runs: the sidecar actor (uvicorn inside it) calling the coordinator
     actor through Ray on every request, on a local Ray on 127.0.0.1."""
-    from profd.cluster import init_local_ray, start_services, stop_services
+    from profd.cli.ray_cluster import start_services, stop_services
+    from profd.core.ray_env import init_local_ray
 
     init_local_ray()  # before the agents: they find the coordinator through Ray
     import ray
 
     from profd.agent import ProfilerAgent
-    from profd.settings import CoordinatorSettings, SidecarConfig
+    from profd.core.settings import CoordinatorSettings, SidecarConfig
 
     settings = CoordinatorSettings(
         save_root=str(workdir / "profile"), base_dir=str(workdir), state_dir=str(workdir / "state")

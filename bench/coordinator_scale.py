@@ -44,8 +44,8 @@ class AgentHost:
     """Many simulated agents in one process, each with its own long-poll."""
 
     def __init__(self, coordinator: Any, offset: int, count: int, world: int) -> None:
-        from profd.config import ToolKind
-        from profd.protocol import AgentInfo
+        from profd.core.protocol import AgentInfo
+        from profd.core.request import ToolKind
 
         caps = {t.value: None for t in ToolKind}
         self.coord = coordinator
@@ -91,7 +91,7 @@ class AgentHost:
     async def send_events(self, session_id: str, batches: int, size: int) -> tuple[int, float]:
         """Real events of the live session, each batch from another agent: every report
         updates that agent's part, advances the session and persists it (SQLite)."""
-        from profd.protocol import AgentEvent, EventKind
+        from profd.core.protocol import AgentEvent, EventKind
 
         def batch(k: int) -> list[AgentEvent]:
             return [
@@ -117,13 +117,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=100)
     args = parser.parse_args()
 
-    from profd.cluster import init_local_ray
+    from profd.core.ray_env import init_local_ray
 
     init_local_ray()  # on 127.0.0.1; the loopback settings come before Ray is imported
     import ray
 
     from profd.actors import get_or_create_coordinator
-    from profd.settings import ProfdSettings
+    from profd.core.settings import ProfdSettings
 
     state_dir = tempfile.mkdtemp(prefix="profd-bench-state-")  # persisted, as `profd up` does
     settings = ProfdSettings(poll_timeout_s=60.0, heartbeat_timeout_s=600.0).coordinator()

@@ -74,8 +74,8 @@ def _start_coordinator(scenario: str, delay_s: float, tmp: Path) -> Any:
     import ray
 
     from profd.actors import get_or_create_coordinator
-    from profd.constants import COORDINATOR_NAME, NAMESPACE
-    from profd.settings import CoordinatorSettings
+    from profd.core.constants import COORDINATOR_NAME, NAMESPACE
+    from profd.core.settings import CoordinatorSettings
 
     settings = CoordinatorSettings(save_root=str(tmp / "traces"), base_dir=str(tmp))
     if scenario != "slow":
@@ -91,7 +91,7 @@ def _start_coordinator(scenario: str, delay_s: float, tmp: Path) -> Any:
 
 
 def _kill_gcs(temp_dir: str) -> int:
-    from profd.cluster import _pids_mentioning
+    from profd.cli.ray_cluster import _pids_mentioning
 
     pids = [p for p in _pids_mentioning(temp_dir) if b"gcs_server" in _cmdline(p)]
     for pid in pids:
@@ -127,14 +127,15 @@ def _measure(ctl: Any, first: int, steps: int) -> tuple[list[float], int | None]
 
 
 def run_scenario(scenario: str, steps: int, delay_s: float, tmp: Path) -> dict[str, Any]:
-    from profd.cluster import apply_loopback_env, connect_ray, start_local_ray
+    from profd.cli.ray_cluster import start_local_ray
+    from profd.core.ray_env import apply_loopback_env, connect_ray
 
     apply_loopback_env()
     address, temp_dir = start_local_ray(num_cpus=1)
     connect_ray(address)
     import ray
 
-    from profd.single_controller import Controller, Link
+    from profd.driver.controller import Controller, Link
 
     coord = _start_coordinator(scenario, delay_s, tmp)
     ctl = Controller()
@@ -143,10 +144,10 @@ def run_scenario(scenario: str, steps: int, delay_s: float, tmp: Path) -> dict[s
         assert ctl.link is Link.CLOSED, ctl.history
         if scenario == "dead":
             ray.kill(coord, no_restart=True)
-            from profd.actors import get_coordinator
+            from profd.core.ray_env import find_coordinator
 
             deadline = time.monotonic() + 30
-            while get_coordinator() is not None and time.monotonic() < deadline:
+            while find_coordinator() is not None and time.monotonic() < deadline:
                 time.sleep(0.05)
         else:
             assert _kill_gcs(temp_dir) == 1, "no gcs_server process found"
@@ -163,7 +164,7 @@ def run_scenario(scenario: str, steps: int, delay_s: float, tmp: Path) -> dict[s
     }
     print(json.dumps(out), flush=True)
     # A driver whose GCS is gone cannot shut Ray down cleanly: leave, then clean up the head.
-    from profd.cluster import stop_local_ray
+    from profd.cli.ray_cluster import stop_local_ray
 
     if scenario != "gcs_down":
         ray.shutdown()

@@ -73,13 +73,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    from profd.cluster import init_local_ray
+    from profd.core.ray_env import init_local_ray
 
     init_local_ray()  # on 127.0.0.1; the loopback settings come before Ray is imported
     import ray
 
-    from profd.cluster import start_services
-    from profd.settings import ProfdSettings, SidecarConfig
+    from profd.cli.ray_cluster import start_services
+    from profd.core.settings import ProfdSettings, SidecarConfig
 
     token = secrets.token_urlsafe(16)
     services = start_services(

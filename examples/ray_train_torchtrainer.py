@@ -13,7 +13,7 @@ Run it on a cluster where ``profd up --address auto`` ran on the head::
 
 or declare the window when the job starts (no ``profd up`` needed: the job then owns a
 coordinator for its lifetime); without ``--address`` the script starts a private Ray on
-127.0.0.1 (see :func:`profd.cluster.join_or_start_ray`)::
+127.0.0.1 (see :func:`profd.core.ray_env.join_or_start_ray`)::
 
     python examples/ray_train_torchtrainer.py --profile-steps 3,4
 
@@ -28,7 +28,7 @@ import json
 import time
 from typing import Any
 
-from profd.cluster import join_or_start_ray
+from profd.core.ray_env import join_or_start_ray
 
 ROLE = "trainer"
 FEATURES = 32

@@ -12,7 +12,7 @@ verl's shape, in miniature:
 
 A verl config (``global_profiler`` + ``<role>.profiler``) is given to profd unchanged (here
 on a private Ray on 127.0.0.1, since no ``--address`` is given; see
-:func:`profd.cluster.join_or_start_ray`)::
+:func:`profd.core.ray_env.join_or_start_ray`)::
 
     python examples/single_controller.py --config examples/verl_config.yaml
 
@@ -30,7 +30,7 @@ import json
 import time
 from typing import Any
 
-from profd.cluster import join_or_start_ray
+from profd.core.ray_env import join_or_start_ray
 
 VOCAB = 32
 HIDDEN = 48

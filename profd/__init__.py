@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from profd.core.constants import __version__
 
 __all__ = [
     "ProfilerAgent",
@@ -31,7 +31,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from profd.agent import ProfilerAgent
-    from profd.config import SessionRequest
+    from profd.core.request import SessionRequest
 
 
 def attach(
@@ -49,7 +49,7 @@ def attach(
 
 def controller() -> Any:
     """The single-controller driver's handle: ``with profd.controller().step(n): ...``."""
-    from profd.single_controller import controller as _controller
+    from profd.driver.controller import controller as _controller
 
     return _controller()
 
@@ -62,15 +62,15 @@ def attach_rollout(replica: int, parallelism: Any, engine: Any, **kwargs: Any) -
 
 
 def start_session(config: Any, **kwargs: Any) -> Any:
-    """Declare a session at job start (verl or profd layout); see :mod:`profd.launch`."""
-    from profd.launch import start_session as _start
+    """Declare a session at job start (verl or profd layout); see :mod:`profd.driver.launch`."""
+    from profd.driver.launch import start_session as _start
 
     return _start(config, **kwargs)
 
 
 def wait_session(session_id: str, timeout: float = 120.0) -> Any:
-    """Wait for a session to end; see :func:`profd.launch.wait_session`."""
-    from profd.launch import wait_session as _wait
+    """Wait for a session to end; see :func:`profd.driver.launch.wait_session`."""
+    from profd.driver.launch import wait_session as _wait
 
     return _wait(session_id, timeout)
 
@@ -82,7 +82,7 @@ def __getattr__(name: str) -> Any:
 
         return ProfilerAgent
     if name == "SessionRequest":
-        from profd.config import SessionRequest
+        from profd.core.request import SessionRequest
 
         return SessionRequest
     raise AttributeError(f"module 'profd' has no attribute {name!r}")

@@ -25,8 +25,8 @@ import torch
 
 from profd.actors.coordinator import ProfileCoordinator
 from profd.agent import ProfilerAgent
-from profd.agent.local import InProcessCoordinator
-from profd.files import gzip_file
+from profd.core.files import gzip_file
+from profd.testing.coordinator import InProcessCoordinator
 
 from helpers import coordinator_settings, wait_until
 

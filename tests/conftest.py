@@ -30,7 +30,7 @@ def cluster() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from profd.constants import NAMESPACE
+    from profd.core.constants import NAMESPACE
 
     c = Cluster(
         initialize_head=True,
@@ -59,11 +59,12 @@ def ray_session(cluster: Any) -> Any:
 
 
 def _kill_services() -> None:
-    from profd.actors import get_coordinator, get_sidecar
-    from profd.cluster import stop_services
+    from profd.cli.ray_cluster import stop_services
+    from profd.core.ray_env import find_coordinator, find_sidecar
 
     stop_services()
-    wait_until(lambda: get_coordinator() is None and get_sidecar() is None, 30, what="actors gone")
+    gone = lambda: find_coordinator() is None and find_sidecar() is None  # noqa: E731
+    wait_until(gone, 30, what="actors gone")
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def ray_coordinator(ray_session: Any, tmp_path: Path) -> Iterator[Any]:
 def local_coordinator(tmp_path: Path) -> Iterator[Any]:
     """A coordinator running in this process on its own event-loop thread."""
     from profd.actors.coordinator import ProfileCoordinator
-    from profd.agent.local import InProcessCoordinator
+    from profd.testing.coordinator import InProcessCoordinator
 
     owner = InProcessCoordinator(ProfileCoordinator(coordinator_settings(tmp_path)))
     yield owner

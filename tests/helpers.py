@@ -22,7 +22,7 @@ def wait_until(
 
 
 def coordinator_settings(tmp_path: Path, **overrides: Any) -> Any:
-    from profd.settings import CoordinatorSettings
+    from profd.core.settings import CoordinatorSettings
 
     values = dict(
         save_root=str(tmp_path / "profile"),

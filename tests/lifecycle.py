@@ -142,7 +142,7 @@ class Home:
         with contextlib.suppress(Exception):
             if self.state_file.exists():
                 self.cli("down", "--stop-ray", timeout=120)
-        from profd.cluster import stop_local_ray
+        from profd.cli.ray_cluster import stop_local_ray
 
         for temp in self.temp_dirs:
             stop_local_ray(temp, timeout=5)

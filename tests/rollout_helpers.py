@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from profd.demo.fake_engines import FakeSglangServer, FakeVllmServer
 from profd.rollout import (
     EngineProfileOptions,
     EngineTimeouts,
@@ -16,6 +15,7 @@ from profd.rollout import (
     engine_trace_dir,
     vllm_launch_settings,
 )
+from profd.testing.fake_engines import FakeSglangServer, FakeVllmServer
 
 FAST = FlushWait(
     settle_s=0.15, poll_s=0.03, timeout_s=5, first_file_timeout_s=0.6, peer_grace_s=0.5

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 from profd.api.deps import ClientDep
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
-from profd.views import AgentView
+from profd.core.views import AgentView
 
 __all__ = ["AgentList", "router"]
 

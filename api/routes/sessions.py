@@ -17,11 +17,11 @@ from profd.api.deps import ClientDep, ConfigDep, CursorQuery, LimitQuery, Locato
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
 from profd.api.security import confine_save_path, confine_upload_uri
-from profd.config import SessionRequest
-from profd.errors import ConflictError, NotFoundError, RequestInvalid
-from profd.paging import DEFAULT_LIMIT
-from profd.settings import SidecarConfig
-from profd.views import SessionView
+from profd.core.errors import ConflictError, NotFoundError, RequestInvalid
+from profd.core.paging import DEFAULT_LIMIT
+from profd.core.request import SessionRequest
+from profd.core.settings import SidecarConfig
+from profd.core.views import SessionView
 
 __all__ = ["SessionList", "router"]
 

@@ -6,12 +6,12 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from profd import __version__
-from profd.api.client import CoordinatorUnavailable
 from profd.api.deps import ClientDep, ReadTokenDep
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
-from profd.views import StatusView
+from profd.core.constants import __version__
+from profd.core.errors import CoordinatorUnavailable
+from profd.core.views import StatusView
 
 __all__ = ["Health", "router"]
 

@@ -22,10 +22,10 @@ from profd.api.deps import (
 )
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
-from profd.errors import NotFoundError
-from profd.files import file_size, read_chunk
-from profd.paging import DEFAULT_LIMIT
-from profd.views import TraceView
+from profd.core.errors import NotFoundError
+from profd.core.files import file_size, read_chunk
+from profd.core.paging import DEFAULT_LIMIT
+from profd.core.views import TraceView
 
 __all__ = ["TraceList", "router"]
 

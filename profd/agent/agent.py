@@ -22,13 +22,14 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
-from profd.agent.recorder import IDLE, ArmedPlan, Recorder
+from profd.agent.recorder import Recorder
 from profd.agent.timed import TimedWindows
+from profd.agent.window_state import IDLE, ArmedPlan
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
-from profd.cluster import process_start, ray_context
-from profd.naming import sanitize
-from profd.nvtx_guard import apply_guard as apply_nvtx_guard
-from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
+from profd.backends.nvtx_guard import apply_guard as apply_nvtx_guard
+from profd.core.naming import sanitize
+from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
+from profd.core.ray_env import process_start, ray_context, ray_up
 
 __all__ = ["ProfilerAgent"]
 
@@ -306,10 +307,4 @@ class ProfilerAgent:
 
 
 def _default_find_link() -> Callable[[], CoordinatorLink | None] | None:
-    try:
-        import ray
-    except Exception:
-        return None
-    if not ray.is_initialized():
-        return None
-    return find_ray_link
+    return find_ray_link if ray_up() else None

@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from profd.agent.agent import ProfilerAgent
-from profd.protocol import AgentPlan
+from profd.core.protocol import AgentPlan
 
 __all__ = ["RoleAgent", "attach", "attached_agents"]
 

@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from profd.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
+from profd.core.errors import CoordinatorUnavailable
+from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
+from profd.core.ray_env import call_coordinator, find_coordinator
 
 __all__ = ["Channel", "CoordinatorLink", "LinkDown", "RayLink", "Registration", "find_ray_link"]
 
@@ -57,19 +59,10 @@ class RayLink:
         self._timeout = call_timeout_s
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
         try:
-            ref = getattr(self._handle, method).remote(*args)
-            return ray.get(ref, timeout=timeout or self._timeout)
-        except (RayActorError, GetTimeoutError) as exc:
-            raise LinkDown(f"{method}: {type(exc).__name__}") from exc
-        except Exception as exc:
-            # ActorUnavailableError and friends moved between Ray versions.
-            if "Actor" in type(exc).__name__ or "Unavailable" in type(exc).__name__:
-                raise LinkDown(f"{method}: {type(exc).__name__}") from exc
-            raise
+            return call_coordinator(self._handle, method, *args, timeout=timeout or self._timeout)
+        except CoordinatorUnavailable as exc:
+            raise LinkDown(str(exc)) from exc
 
     def register(self, info: AgentInfo, step: int | None) -> Registration:
         return self._call("register", info, step)
@@ -83,16 +76,8 @@ class RayLink:
 
 def find_ray_link() -> RayLink | None:
     """The coordinator by its fixed name, or ``None`` when Ray is down or it does not exist."""
-    import ray
-
-    from profd.constants import COORDINATOR_NAME, NAMESPACE
-
-    if not ray.is_initialized():
-        return None
-    try:
-        return RayLink(ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE))
-    except ValueError:
-        return None
+    handle = find_coordinator()
+    return RayLink(handle) if handle is not None else None
 
 
 class Channel:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from profd.backends.base import PendingOutput, WrittenFile
-from profd.protocol import AgentEvent, EventKind
+from profd.core.protocol import AgentEvent, EventKind
 
 __all__ = ["ExportJob", "Exporter", "trace_event", "trace_id_for"]
 

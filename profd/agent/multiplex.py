@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from profd.agent.channel import LinkDown
-from profd.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
+from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
 
 __all__ = ["MultiplexedLink", "Multiplexer"]
 

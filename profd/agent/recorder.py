@@ -27,75 +27,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from profd.agent.export import Exporter, ExportJob, trace_event
 from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope, TimedScope
 from profd.agent.specs import build_spec
 from profd.agent.timed import is_timed_thread_free
+from profd.agent.window_state import IDLE, ArmedPlan, Ticket, WindowState
 from profd.backends.base import Backend, Collection, WrittenFile
-from profd.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, WindowPlan
-from profd.schedule import continuous_schedule, discrete_schedule
+from profd.core.protocol import AgentEvent, AgentInfo, EventKind
+from profd.core.schedule import continuous_schedule, discrete_schedule
 
-__all__ = ["IDLE", "ArmedPlan", "Recorder"]
+__all__ = ["Recorder"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ArmedPlan:
-    """An installed plan, as the training thread sees it (swapped atomically, never mutated)."""
-
-    plan: AgentPlan
-    #: The agent's step when the plan arrived (explains missed steps).
-    received_at_step: int | None = None
-
-    @property
-    def windows(self) -> tuple[WindowPlan, ...]:
-        return self.plan.windows
-
-
-IDLE = ArmedPlan(AgentPlan(version=0))
-
-
-@dataclass
-class WindowState:
-    window: WindowPlan
-    group_of: dict[int, tuple[int, ...]]
-    received_at_step: int | None
-    handled: set[int] = field(default_factory=set)  # no collection will take these any more
-    recorded: set[int] = field(default_factory=set)  # a written file holds them
-    missed: set[int] = field(default_factory=set)
-    open_tickets: int = 0  # collections whose files are not all written yet
-    scope: Scope | None = None
-    recording_sent: bool = False
-    collecting_sent: bool = False
-    done_sent: bool = False
-    #: Timed windows: the window opened, ran and closed (or could not open at all).
-    timed_done: bool = False
-
-    @property
-    def all_handled(self) -> bool:
-        if self.window.duration_s is not None:
-            return self.timed_done
-        return self.handled >= set(self.window.steps)
-
-
-@dataclass
-class Ticket:
-    """One collection's way through the exporter."""
-
-    ws: WindowState
-    label: str
-    steps: list[int]
-    pending: int = 0
-    files: int = 0
-    errors: list[str] = field(default_factory=list)
-    closed: bool = False
-    settled: bool = False
-    #: Seconds the training thread spent stopping the collection (the export stall).
-    stall_s: float = 0.0
 
 
 class Recorder:

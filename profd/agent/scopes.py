@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from profd.agent.window_state import ScopeHost, Ticket, WindowState
 from profd.backends.base import NULL_RANGE, Collection
-
-if TYPE_CHECKING:
-    from profd.agent.recorder import Recorder, Ticket, WindowState
 
 __all__ = [
     "CONTINUOUS_SCOPE",
@@ -63,7 +61,7 @@ class SafeRange:
 class Scope:
     """What stage / mini-batch marks talk to while a window is active on this agent."""
 
-    def __init__(self, recorder: Recorder, ws: WindowState) -> None:
+    def __init__(self, recorder: ScopeHost, ws: WindowState) -> None:
         self.recorder = recorder
         self.ws = ws
         self.in_update_loop = False
@@ -103,7 +101,7 @@ class Scope:
 class ContinuousScope(Scope):
     """One collection for a group of consecutive steps; stages are ranges inside it."""
 
-    def __init__(self, recorder: Recorder, ws: WindowState, group: tuple[int, ...]) -> None:
+    def __init__(self, recorder: ScopeHost, ws: WindowState, group: tuple[int, ...]) -> None:
         super().__init__(recorder, ws)
         self.group = group
         self.done: list[int] = []
@@ -184,7 +182,7 @@ class DiscreteStage:
 class DiscreteScope(Scope):
     """A profiled step in discrete mode: every stage inside it is its own collection."""
 
-    def __init__(self, recorder: Recorder, ws: WindowState, step: int) -> None:
+    def __init__(self, recorder: ScopeHost, ws: WindowState, step: int) -> None:
         super().__init__(recorder, ws)
         self.step = step
         self.stages = 0
@@ -199,7 +197,7 @@ class TimedScope(ContinuousScope):
     """A timed window (``duration_s``) of a thread-bound backend: opened at a mark, closed at
     the first mark after its deadline. Steps seen meanwhile become ``step<n>`` ranges."""
 
-    def __init__(self, recorder: Recorder, ws: WindowState, duration_s: float) -> None:
+    def __init__(self, recorder: ScopeHost, ws: WindowState, duration_s: float) -> None:
         Scope.__init__(self, recorder, ws)
         self.group = ()
         self.done = []

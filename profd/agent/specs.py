@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from profd.backends.base import CollectionSpec
-from profd.naming import trace_stem
-from profd.protocol import AgentInfo, WindowPlan
+from profd.core.naming import trace_stem
+from profd.core.protocol import AgentInfo, WindowPlan
 
 __all__ = ["build_spec", "trace_metadata"]
 
@@ -19,7 +19,7 @@ def trace_metadata(
     info: AgentInfo, window: WindowPlan, scope: str, step: int | None, group: Sequence[int]
 ) -> dict[str, Any]:
     """``distributedInfo`` (rank, world size: read by HTA) and profd's own keys."""
-    from profd import __version__
+    from profd.core.constants import __version__
 
     dist: dict[str, Any] = {"rank": info.rank}
     if info.world_size:

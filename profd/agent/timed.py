@@ -18,7 +18,7 @@ from profd.agent.export import trace_event
 from profd.agent.specs import build_spec
 from profd.backends import backend_class
 from profd.backends.base import Backend
-from profd.protocol import AgentEvent, AgentInfo, EventKind, WindowPlan
+from profd.core.protocol import AgentEvent, AgentInfo, EventKind, WindowPlan
 
 __all__ = ["TimedWindows", "is_timed_thread_free"]
 

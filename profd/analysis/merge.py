@@ -404,6 +404,6 @@ def _sink(path: Path, compress: bool) -> Any:
 
 
 def _version() -> str:
-    from profd import __version__
+    from profd.core.constants import __version__
 
     return __version__

@@ -1,7 +1,7 @@
 """Which files of a session directory are traces, and whose track each one is.
 
 Identity comes from the trace itself when profd wrote it (``profd`` and ``distributedInfo``
-keys), else from the file name: profd's stem grammar (:func:`profd.naming.parse_trace_name`)
+keys), else from the file name: profd's stem grammar (:func:`profd.core.naming.parse_trace_name`)
 or a relocated rollout-engine file (``rollout-replica<n>[-globalrank<g>]_<engine name>``).
 A file that matches neither is still a track, labelled by its file name — nothing found in
 the directory is dropped without saying so.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from profd.naming import PAR_KEYS, parse_trace_name
+from profd.core.naming import PAR_KEYS, parse_trace_name
 
 __all__ = [
     "TrackIdentity",

@@ -13,7 +13,7 @@ from profd.backends.base import (
     PendingOutput,
     WrittenFile,
 )
-from profd.config import ToolKind
+from profd.core.request import ToolKind
 
 __all__ = [
     "NULL_RANGE",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from profd.config import ToolKind
+from profd.core.request import ToolKind
 
 __all__ = [
     "NULL_RANGE",
@@ -37,7 +37,7 @@ class CollectionSpec:
     """Everything a backend needs to open one collection."""
 
     save_dir: Path
-    #: File stem without suffix or extension (see :mod:`profd.naming`).
+    #: File stem without suffix or extension (see :mod:`profd.core.naming`).
     stem: str
     #: Written inside the trace: ``distributedInfo`` and profd's own keys.
     metadata: Mapping[str, Any]

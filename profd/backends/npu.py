@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
-from profd.config import NpuToolConfig, ToolKind
+from profd.core.request import NpuToolConfig, ToolKind
 
 __all__ = ["NpuBackend", "npu_profiler_kwargs"]
 

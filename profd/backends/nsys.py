@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
-from profd.config import NsysToolConfig, ToolKind
-from profd.files import publish_unique
+from profd.core.files import publish_unique
+from profd.core.request import NsysToolConfig, ToolKind
 
 __all__ = ["NsysApi", "NsysBackend", "launcher_command", "nsys_runtime_env"]
 

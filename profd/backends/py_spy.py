@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
-from profd.config import PySpyToolConfig, ToolKind
-from profd.files import publish_unique, temp_path
+from profd.core.files import publish_unique, temp_path
+from profd.core.request import PySpyToolConfig, ToolKind
 
 __all__ = ["PySpyBackend", "find_py_spy", "ptrace_refusal", "py_spy_command"]
 

@@ -31,9 +31,9 @@ from profd.backends.base import (
     PendingOutput,
     WrittenFile,
 )
-from profd.config import ToolKind, TorchToolConfig
-from profd.files import TRACE_EXT, gzip_file, publish_unique, temp_path
-from profd.schedule import window_suffix
+from profd.core.files import TRACE_EXT, gzip_file, publish_unique, temp_path
+from profd.core.request import ToolKind, TorchToolConfig
+from profd.core.schedule import window_suffix
 
 __all__ = ["TorchBackend", "torch_profiler_kwargs"]
 

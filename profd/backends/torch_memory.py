@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
-from profd.config import ToolKind, TorchMemoryToolConfig
-from profd.files import publish_unique, temp_path
+from profd.core.files import publish_unique, temp_path
+from profd.core.request import ToolKind, TorchMemoryToolConfig
 
 __all__ = ["CudaMemoryApi", "TorchMemoryBackend"]
 

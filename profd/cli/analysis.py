@@ -52,7 +52,7 @@ def resolve_target(target: str, url: str | None) -> Path:
         )
     if not _SESSION_ID.match(target) or target.startswith("."):
         raise typer.BadParameter(f"no such directory: {target}", param_hint="TARGET")
-    from profd.settings import ProfdSettings
+    from profd.core.settings import ProfdSettings
 
     api = ApiClient.from_state(url, ProfdSettings().state_dir)
     try:

@@ -7,9 +7,9 @@ from typing import Any
 
 import httpx
 
-from profd.cluster import load_state, read_token
-from profd.constants import DEFAULT_PORT, TOKEN_FILE
-from profd.paging import MAX_LIMIT
+from profd.cli.ray_cluster import load_state, read_token
+from profd.core.constants import DEFAULT_PORT, TOKEN_FILE
+from profd.core.paging import MAX_LIMIT
 
 __all__ = ["ApiClient", "CliError", "resolve_url"]
 

@@ -20,8 +20,8 @@ from rich.table import Table
 
 from profd.cli import analysis, service
 from profd.cli.client import EXIT_UNREACHABLE, ApiClient, CliError
-from profd.paging import DEFAULT_LIMIT, MAX_LIMIT
-from profd.settings import ProfdSettings
+from profd.core.paging import DEFAULT_LIMIT, MAX_LIMIT
+from profd.core.settings import ProfdSettings
 
 __all__ = ["app", "main"]
 
@@ -311,8 +311,8 @@ def _build_request(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if config is not None:
-        from profd.launch import resolve_interpolations
-        from profd.verl_compat import looks_like_verl, request_from_verl
+        from profd.driver.launch import resolve_interpolations
+        from profd.driver.verl import looks_like_verl, request_from_verl
 
         try:
             loaded = resolve_interpolations(yaml.safe_load(config.read_text()) or {})

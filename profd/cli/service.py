@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from profd.settings import ProfdSettings
+from profd.core.settings import ProfdSettings
 
 __all__ = ["down", "register", "up"]
 
@@ -61,7 +61,7 @@ def _sidecar_config(
 ) -> Any:
     """How `profd up` serves the sidecar: the token, and where sessions may write; on the
     recorded cluster with no flags given, as the earlier `profd up` recorded it."""
-    from profd.settings import SidecarConfig
+    from profd.core.settings import SidecarConfig
 
     if previous is not None and previous.sidecar and not flags.given:
         return SidecarConfig(**{**previous.sidecar, "token": token})
@@ -118,7 +118,7 @@ def up(
     Run again after a crash, it brings back what is missing on the cluster it recorded: a
     sidecar that died, a coordinator killed for good (restored from its state), never a
     second cluster while the recorded one runs."""
-    from profd.cluster import load_state, read_or_create_token, save_state
+    from profd.cli.ray_cluster import load_state, read_or_create_token, save_state
 
     flags = SidecarFlags(
         host,
@@ -158,7 +158,7 @@ def up(
 
 def _start(coord: Any, sidecar: Any, ray_is_ours: bool, temp_dir: str | None) -> Any:
     """Start the services; on failure, say why and stop the Ray this `profd up` started."""
-    from profd.cluster import start_services, stop_local_ray
+    from profd.cli.ray_cluster import start_services, stop_local_ray
 
     try:
         return start_services(coord, sidecar, detached=True)
@@ -200,7 +200,8 @@ def _choose_cluster(
 ) -> tuple[_Target, bool, str | None]:
     """Which Ray to use: the one asked for; else the recorded one while it runs; else a new
     local head (after clearing what is left of a recorded local one that stopped)."""
-    from profd.cluster import connect_ray, current_address, gcs_reachable, stop_local_ray
+    from profd.cli.ray_cluster import stop_local_ray
+    from profd.core.ray_env import connect_ray, current_address, gcs_reachable
 
     recorded = previous.ray_address if previous is not None else None
     if recorded and address in (None, recorded):
@@ -212,7 +213,7 @@ def _choose_cluster(
             err_console.print(f"[red]no Ray cluster answers at {recorded}[/red]")
             raise typer.Exit(1)
         if previous.started_ray and previous.ray_temp_dir:
-            from profd.cluster import gcs_process
+            from profd.cli.ray_cluster import gcs_process
 
             gcs = gcs_process(previous.ray_temp_dir)
             if gcs is not None:  # not gone: only not answering (overloaded, paused)
@@ -237,7 +238,7 @@ def _choose_cluster(
 def _coordinator_settings(settings: ProfdSettings, recorded: Any, save_root: Path | None) -> Any:
     """The coordinator's settings: --save-root given, else as recorded for the cluster
     rejoined, else from the environment."""
-    from profd.settings import CoordinatorSettings
+    from profd.core.settings import CoordinatorSettings
 
     if save_root is not None:
         return ProfdSettings(save_root=save_root).coordinator()
@@ -255,7 +256,8 @@ def _service_state(
     sidecar: Any,
 ) -> Any:
     """What `down` and the other commands need to find what `up` started."""
-    from profd.cluster import ServiceState, current_address
+    from profd.cli.ray_cluster import ServiceState
+    from profd.core.ray_env import current_address
 
     addr = services.address
     return ServiceState(
@@ -311,7 +313,7 @@ def _replace_unknown_sidecar(token_path: Path) -> None:
     started from elsewhere) has a token and flags this `up` cannot know: start it afresh so
     the token file and the flags given now are the ones it uses. The coordinator is kept."""
     from profd.actors import kill_named
-    from profd.cluster import SIDECAR_NAME
+    from profd.cli.ray_cluster import SIDECAR_NAME
 
     if kill_named(SIDECAR_NAME):
         console.print(
@@ -322,7 +324,8 @@ def _replace_unknown_sidecar(token_path: Path) -> None:
 
 def _join_or_start_ray(address: str | None, num_cpus: int | None) -> tuple[str, bool, str | None]:
     """Join ``address``, or start a local Ray head when none is given."""
-    from profd.cluster import connect_ray, start_local_ray
+    from profd.cli.ray_cluster import start_local_ray
+    from profd.core.ray_env import connect_ray
 
     temp_dir = None
     started = address is None
@@ -368,7 +371,7 @@ def down(
 ) -> None:
     """Stop the sidecar and the coordinator, and the local Ray `profd up` started when it runs
     nothing else (a Ray that also runs a job is left alone unless --stop-ray says so)."""
-    from profd.cluster import STATE_FILE, load_state
+    from profd.cli.ray_cluster import STATE_FILE, load_state
 
     if stop_ray and keep_ray:
         err_console.print("--stop-ray and --keep-ray contradict each other")
@@ -407,7 +410,7 @@ def _join_for_down(state: Any, target: str | None, *, refuse: bool) -> bool:
     """Join the cluster `down` acts on; False when it is gone. When the join fails but a Ray
     this `profd up` started still runs, profd cannot see what runs there: with ``refuse``
     it stops nothing (exit 1) rather than stop a cluster that may hold the user's job."""
-    from profd.cluster import connect_ray
+    from profd.core.ray_env import connect_ray
 
     if state is not None and state.ray_auth_mode and "RAY_AUTH_MODE" not in os.environ:
         # before Ray is imported: a token-auth cluster refuses a driver without it
@@ -429,7 +432,8 @@ def _join_for_down(state: Any, target: str | None, *, refuse: bool) -> bool:
 
 
 def _still_running(state: Any) -> bool:
-    from profd.cluster import gcs_process, gcs_reachable
+    from profd.cli.ray_cluster import gcs_process
+    from profd.core.ray_env import gcs_reachable
 
     if state.ray_temp_dir and gcs_process(state.ray_temp_dir) is not None:
         return True
@@ -438,7 +442,7 @@ def _still_running(state: Any) -> bool:
 
 def _refuse_if_tenants(target: str | None) -> None:
     """Refuse (exit 1, nothing stopped) while the Ray profd started runs something else."""
-    from profd.cluster import cluster_tenants
+    from profd.cli.ray_cluster import cluster_tenants
 
     try:
         tenants = cluster_tenants()
@@ -467,7 +471,7 @@ def _refuse_if_tenants(target: str | None) -> None:
 
 
 def _stop_services() -> list[str]:
-    from profd.cluster import stop_services
+    from profd.cli.ray_cluster import stop_services
 
     try:
         return stop_services()
@@ -479,7 +483,7 @@ def _stop_services() -> list[str]:
 def _stop_ray(state: Any) -> list[str]:
     import ray
 
-    from profd.cluster import stop_local_ray
+    from profd.cli.ray_cluster import stop_local_ray
 
     ray.shutdown()  # disconnect first, so the driver does not echo the cluster's shutdown
     stop_local_ray(state.ray_temp_dir)

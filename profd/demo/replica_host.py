@@ -22,7 +22,6 @@ class FakeReplicaHost:
         colocated: bool = False,
         quick: bool = True,
     ) -> None:
-        from profd.demo.fake_engines import FakeSglangServer, FakeVllmServer
         from profd.rollout import (
             EngineProfileOptions,
             RolloutAgent,
@@ -34,6 +33,7 @@ class FakeReplicaHost:
         from profd.rollout.engines import EngineTimeouts
         from profd.rollout.relocate import FlushWait
         from profd.rollout.service import RolloutService
+        from profd.testing.fake_engines import FakeSglangServer, FakeVllmServer
 
         # quick: a test's engines answer in milliseconds; give up on them in seconds
         timeouts = EngineTimeouts(connect_s=1.0, start_s=5.0, stop_s=5.0) if quick else None

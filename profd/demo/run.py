@@ -23,9 +23,10 @@ from rich.console import Console
 from rich.table import Table
 
 from profd.cli.client import ApiClient
-from profd.cluster import apply_loopback_env, init_local_ray, is_local_address, start_services
-from profd.constants import NAMESPACE
-from profd.settings import ProfdSettings, SidecarConfig
+from profd.cli.ray_cluster import start_services
+from profd.core.constants import NAMESPACE
+from profd.core.ray_env import apply_loopback_env, init_local_ray, is_local_address
+from profd.core.settings import ProfdSettings, SidecarConfig
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -104,7 +105,6 @@ def _start_ray(console: Console, address: str | None) -> bool:
 
 def _start_rollout(stack: ExitStack, save_root: str) -> tuple[list[Any], list[Any]]:
     """Fake vLLM replicas launched with profd's launch settings, and their rollout agents."""
-    from profd.demo.fake_engines import FakeVllmServer
     from profd.rollout import (
         EngineProfileOptions,
         RolloutAgent,
@@ -113,6 +113,7 @@ def _start_rollout(stack: ExitStack, save_root: str) -> tuple[list[Any], list[An
         vllm_launch_settings,
     )
     from profd.rollout.service import RolloutService
+    from profd.testing.fake_engines import FakeVllmServer
 
     fakes, services = [], []
     for r in range(REPLICAS):
@@ -137,7 +138,7 @@ def _drive(
     """The single controller: every step, generation on the replicas, then the workers."""
     import ray
 
-    from profd.single_controller import Controller
+    from profd.driver.controller import Controller
 
     ctl = Controller()
     step = 0
@@ -256,7 +257,7 @@ def run_demo(
     finally:
         for w in workers:
             ray.kill(w)
-        from profd.cluster import stop_services
+        from profd.cli.ray_cluster import stop_services
 
         stop_services()
         if started_ray:

@@ -25,7 +25,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from profd.config import (
+from profd.core.request import (
     NonNegInt,
     NpuContent,
     NpuToolConfig,

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from profd.config import ToolKind
+from profd.core.request import ToolKind
+from profd.core.views import PartState
 from profd.rollout.engine_args import (
     EngineProfileOptions,
     VllmLaunchSettings,
@@ -47,7 +48,6 @@ from profd.rollout.relocate import (
 )
 from profd.rollout.replicas import ReplicaParallelism
 from profd.rollout.windows import RolloutAgentInfo, WindowMode, WindowOutcome, WindowStart
-from profd.views import PartState
 
 __all__ = [
     "RolloutAgent",

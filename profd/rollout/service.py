@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
-from profd.cluster import process_start, ray_context
-from profd.protocol import AgentEvent, AgentPlan, EventKind, WindowPlan
+from profd.core.protocol import AgentEvent, AgentPlan, EventKind, WindowPlan
+from profd.core.ray_env import process_start, ray_context
 from profd.rollout.engine_args import EngineProfileOptions
 from profd.rollout.rollout_agent import RolloutAgent
 from profd.rollout.windows import WindowMode, WindowOutcome

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from profd.protocol import AgentEvent, AgentInfo, EventKind
+from profd.core.protocol import AgentEvent, AgentInfo, EventKind
+from profd.core.views import PartState
 from profd.rollout.relocate import IncompleteFile, RelocatedFile
 from profd.rollout.replicas import ROLLOUT_ROLE
-from profd.views import PartState
 
 __all__ = ["RolloutAgentInfo", "WindowMode", "WindowOutcome", "WindowStart"]
 

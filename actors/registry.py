@@ -1,0 +1,120 @@
+"""The coordinator's registry of agents (pure bookkeeping, no Ray)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from profd.core.protocol import AgentInfo
+from profd.core.views import AgentView
+
+__all__ = ["AgentRecord", "AgentRegistry"]
+
+ALIVE, LOST, CLOSED = "alive", "lost", "closed"
+
+
+@dataclass
+class AgentRecord:
+    info: AgentInfo
+    registered_at: float
+    last_seen: float
+    current_step: int | None = None
+    state: str = ALIVE
+
+    def touch(self, now: float, step: int | None, revive: bool = True) -> None:
+        """Heard from now. ``revive=False`` for the end of a long-poll parked before the
+        agent was found dead: only a new call from the agent brings a lost agent back."""
+        if self.state == LOST and not revive:
+            return
+        self.last_seen = now
+        if step is not None:
+            self.current_step = step
+        if self.state == LOST:
+            self.state = ALIVE
+
+    def step(self, driver_step: int | None) -> int | None:
+        """The job's step on this agent: its own, else its driver's."""
+        return self.current_step if self.current_step is not None else driver_step
+
+    def view(self, now: float, driver_step: int | None = None) -> AgentView:
+        i = self.info
+        step = self.step(driver_step)
+        source = None if step is None else ("agent" if self.current_step is not None else "driver")
+        return AgentView(
+            agent_id=i.agent_id,
+            role=i.role,
+            rank=i.rank,
+            world_size=i.world_size,
+            topology=dict(i.topology),
+            hostname=i.hostname,
+            node_id=i.node_id,
+            node_ip=i.node_ip,
+            pid=i.pid,
+            state=self.state,
+            current_step=step,
+            step_source=source,
+            last_seen_s=round(max(0.0, now - self.last_seen), 3),
+            capabilities=dict(i.capabilities),
+            labels=dict(i.labels),
+        )
+
+
+class AgentRegistry:
+    def __init__(self) -> None:
+        self._agents: dict[str, AgentRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._agents)
+
+    def get(self, agent_id: str) -> AgentRecord | None:
+        return self._agents.get(agent_id)
+
+    def upsert(self, info: AgentInfo, now: float, step: int | None) -> AgentRecord:
+        rec = self._agents.get(info.agent_id)
+        if rec is None:
+            rec = AgentRecord(info=info, registered_at=now, last_seen=now, current_step=step)
+            self._agents[info.agent_id] = rec
+        else:
+            rec.info = info
+            rec.state = ALIVE
+            rec.touch(now, step)
+        return rec
+
+    def alive(self) -> list[AgentRecord]:
+        return [r for r in self._agents.values() if r.state == ALIVE]
+
+    def all(self) -> list[AgentRecord]:
+        return list(self._agents.values())
+
+    def by_role(self) -> dict[str, list[AgentRecord]]:
+        out: dict[str, list[AgentRecord]] = {}
+        for rec in self.alive():
+            out.setdefault(rec.info.role, []).append(rec)
+        for recs in out.values():
+            recs.sort(key=lambda r: r.info.rank)
+        return out
+
+    def counts_by_role(self) -> dict[str, int]:
+        return dict(Counter(r.info.role for r in self.alive()))
+
+    def expire(self, now: float, timeout_s: float) -> list[AgentRecord]:
+        """Mark agents unheard of for ``timeout_s`` as lost; return the newly lost ones."""
+        lost = []
+        for rec in self._agents.values():
+            if rec.state == ALIVE and now - rec.last_seen > timeout_s:
+                rec.state = LOST
+                lost.append(rec)
+        return lost
+
+    def lose(self, agent_id: str) -> AgentRecord | None:
+        """Mark an alive agent lost now (its process is known dead); the record if it was."""
+        rec = self._agents.get(agent_id)
+        if rec is None or rec.state != ALIVE:
+            return None
+        rec.state = LOST
+        return rec
+
+    def close(self, agent_id: str) -> None:
+        rec = self._agents.get(agent_id)
+        if rec is not None:
+            rec.state = CLOSED

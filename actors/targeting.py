@@ -1,0 +1,158 @@
+"""Resolve a session request against the registered agents (pure logic).
+
+Every requested role and rank ends up either as a target or in ``ignored`` with the reason:
+role absent, role governed by another block (colocated), rank out of range, no agent for the
+rank, tool unavailable on the agent. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from profd.actors.selection import (
+    WILDCARD,
+    Ignored,
+    RankSelection,
+    match_role_block,
+    role_components,
+    select_ranks,
+)
+from profd.core.protocol import AgentInfo
+from profd.core.request import RoleProfilerConfig, SessionRequest
+
+__all__ = ["Target", "Targeting", "resolve_targets"]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    agent: AgentInfo
+    block_key: str
+    block: RoleProfilerConfig
+    #: Rollout replicas: global ranks whose engine files come up (``None`` = all).
+    keep_global_ranks: frozenset[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Targeting:
+    targets: tuple[Target, ...]
+    ignored: tuple[Ignored, ...]
+
+
+def _matches(info: AgentInfo, topology: dict[str, int]) -> bool:
+    return all(info.topology.get(k) == v for k, v in topology.items())
+
+
+def _by_topology(
+    role: str, block: RoleProfilerConfig, ranks: dict[int, AgentInfo], world: int | None
+) -> tuple[dict[int, AgentInfo], RankSelection]:
+    """Filter by parallel coordinates, then apply the rank rule; without ranks / all_ranks
+    every matching agent is selected (a filter like ``tp=0`` means all of them)."""
+    keep = {r: i for r, i in ranks.items() if _matches(i, block.topology)}
+    want = " ".join(f"{k}={v}" for k, v in block.topology.items())
+    if not block.enable:
+        return keep, select_ranks(role, block, keep.keys(), world)
+    if not block.ranks:
+        if not keep:
+            return keep, RankSelection((), (Ignored(role, None, f"no agent has {want}"),))
+        return keep, RankSelection(tuple(sorted(keep)))
+    sel = select_ranks(role, block, keep.keys(), world)
+    ignored = []
+    for item in sel.ignored:
+        info = ranks.get(item.rank) if item.rank is not None else None
+        if info is not None:
+            have = " ".join(f"{k}={info.topology.get(k)}" for k in block.topology)
+            item = Ignored(role, item.rank, f"rank {item.rank} has {have}, not {want}")
+        ignored.append(item)
+    return keep, RankSelection(sel.selected, tuple(ignored))
+
+
+def _tool_refused(req: SessionRequest, info: AgentInfo) -> Ignored | None:
+    """The agent cannot run the session's tool: say so, with its own reason."""
+    reason = info.capabilities.get(req.tool.value, "the agent did not report this tool")
+    if reason is None:
+        return None
+    return Ignored(info.role, info.rank, f"tool {req.tool.value} unavailable: {reason}")
+
+
+def _is_rollout(ranks: dict[int, AgentInfo]) -> bool:
+    return any("replica_world_size" in i.topology for i in ranks.values())
+
+
+def _replicas(
+    req: SessionRequest,
+    role: str,
+    key: str,
+    block: RoleProfilerConfig,
+    agents: dict[int, AgentInfo],
+) -> tuple[list[Target], list[Ignored]]:
+    """Rollout agents (rank = replica index): requested *global GPU ranks* select replicas."""
+    from profd.rollout.replicas import ReplicaMap, select_replicas
+
+    width = max(int(i.topology.get("replica_world_size", 1)) for i in agents.values())
+    count = max([i.world_size or 0 for i in agents.values()] + [max(agents) + 1])
+    sel = select_replicas(block, ReplicaMap(width, count), available=agents.keys(), role=role)
+    out, skipped = [], list(sel.ignored)
+    if block.topology:
+        skipped.append(
+            Ignored(
+                role,
+                None,
+                "topology does not apply to rollout replicas (select them by global GPU rank "
+                "with `ranks`); it was not used",
+            )
+        )
+    for replica in sel.replicas:
+        info = agents[replica]
+        refused = _tool_refused(req, info)
+        if refused is not None:
+            skipped.append(refused)
+            continue
+        out.append(Target(info, key, block, sel.keep_global_ranks))
+    return out, skipped
+
+
+def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeting:
+    by_role: dict[str, dict[int, AgentInfo]] = {}
+    for info in agents:
+        # Several agents on one (role, rank) happen after a worker restart: the last wins.
+        by_role.setdefault(info.role, {})[info.rank] = info
+    targets: list[Target] = []
+    ignored: list[Ignored] = []
+    used_keys: set[str] = set()
+    for role in sorted(by_role):
+        ranks = by_role[role]
+        matched = match_role_block(role, req.roles)
+        if matched is None:
+            continue
+        key, block = matched
+        used_keys.add(key)
+        worlds = [i.world_size for i in ranks.values() if i.world_size]
+        world = max(worlds) if worlds else None
+        if _is_rollout(ranks):
+            found, skipped = _replicas(req, role, key, block, ranks)
+            targets.extend(found)
+            ignored.extend(skipped)
+            continue
+        if block.topology:
+            ranks, sel = _by_topology(role, block, ranks, world)
+        else:
+            sel = select_ranks(role, block, ranks.keys(), world)
+        ignored.extend(sel.ignored)
+        for rank in sel.selected:
+            refused = _tool_refused(req, ranks[rank])
+            if refused is not None:
+                ignored.append(refused)
+                continue
+            targets.append(Target(ranks[rank], key, block))
+    for key in req.roles:
+        if key in used_keys or key == WILDCARD:
+            continue
+        hosts = [r for r in by_role if key in role_components(r)]
+        if hosts:
+            reason = f"role {key} runs inside {', '.join(hosts)}, governed by another block"
+        else:
+            known = ", ".join(sorted(by_role)) or "none"
+            reason = f"no registered agent has role {key} (registered roles: {known})"
+        ignored.append(Ignored(key, None, reason))
+    return Targeting(tuple(targets), tuple(ignored))

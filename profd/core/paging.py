@@ -1,0 +1,111 @@
+"""Cursor paging of the newest-first listings (sessions, traces). Pure: no Ray, no FastAPI.
+
+A listing is ordered by a sort key ``(created_at, id)``, descending. A cursor is the key of
+the last item a page held, wrapped in an opaque string; the next page holds the items whose
+key sorts after it. Items created meanwhile are newer, so they sort before the cursor and
+never shift or repeat the pages that follow (an offset would).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import heapq
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from profd.core.errors import RequestInvalid
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "MAX_LIMIT",
+    "Page",
+    "SortKey",
+    "decode_cursor",
+    "encode_cursor",
+    "page_of",
+]
+
+T = TypeVar("T")
+SortKey = tuple[float, str]
+
+#: Items per page when the caller names none, and the most one HTTP page holds.
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 500
+#: A cursor is short; anything much longer is not one of ours.
+MAX_CURSOR_CHARS = 512
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a listing: its items, the cursor of the next page (None on the last) and
+    how many items match in all pages; ``bytes`` is the size of every matching trace (trace
+    listings only, 0 otherwise)."""
+
+    items: list[T]
+    next_cursor: str | None
+    total: int
+    bytes: int = field(default=0)
+
+
+def encode_cursor(kind: str, key: SortKey) -> str:
+    """An opaque, URL-safe cursor for the item with sort key ``key`` of listing ``kind``."""
+    raw = json.dumps([kind, key[0], key[1]], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(kind: str, cursor: str) -> SortKey:
+    """The sort key in ``cursor``; :class:`RequestInvalid` naming ``cursor`` if it is not a
+    cursor of listing ``kind``."""
+    bad = RequestInvalid.at(
+        "cursor", f"not a cursor of the {kind} listing: pass the next_cursor of a previous page"
+    )
+    if not isinstance(cursor, str) or not cursor or len(cursor) > MAX_CURSOR_CHARS:
+        raise bad
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        value = json.loads(raw)
+    except (binascii.Error, ValueError):
+        raise bad from None
+    if not (isinstance(value, list) and len(value) == 3 and value[0] == kind):
+        raise bad
+    _, created, ident = value
+    if isinstance(created, bool) or not isinstance(created, int | float):
+        raise bad
+    if not math.isfinite(created) or not isinstance(ident, str):
+        raise bad
+    return float(created), ident
+
+
+def check_limit(limit: object) -> int:
+    """``limit`` as a positive int; :class:`RequestInvalid` naming ``limit`` otherwise."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise RequestInvalid.at("limit", f"must be an integer >= 1, got {limit!r}")
+    return limit
+
+
+def page_of(
+    items: Iterable[T],
+    key: Callable[[T], SortKey],
+    kind: str,
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> tuple[list[T], str | None, int]:
+    """The page of ``items`` (newest first by ``key``) after ``cursor``: the page's items,
+    the next page's cursor (None when nothing follows) and how many items there are in all.
+
+    Costs one pass plus a heap of ``limit`` items, not a sort of everything."""
+    size = DEFAULT_LIMIT if limit is None else check_limit(limit)
+    after = decode_cursor(kind, cursor) if cursor is not None else None
+    pool = list(items)
+    total = len(pool)
+    if after is not None:
+        pool = [x for x in pool if key(x) < after]
+    chosen = heapq.nlargest(size + 1, pool, key=key)
+    more = len(chosen) > size
+    chosen = chosen[:size]
+    next_cursor = encode_cursor(kind, key(chosen[-1])) if more else None
+    return chosen, next_cursor, total

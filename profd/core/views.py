@@ -1,0 +1,222 @@
+"""What the coordinator reports: response models shared by the HTTP API, the CLI and Python.
+
+Request models live in :mod:`profd.core.request`; these are separate, read-only views.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "AgentView",
+    "HookView",
+    "IgnoredView",
+    "PartState",
+    "PartView",
+    "SessionState",
+    "SessionView",
+    "StatusView",
+    "TraceView",
+    "UploadView",
+]
+
+
+class SessionState(StrEnum):
+    PENDING = "pending"
+    ARMED = "armed"
+    RECORDING = "recording"
+    COLLECTING = "collecting"
+    DONE = "done"
+    PARTIAL = "partial"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL_SESSION
+
+
+_TERMINAL_SESSION = {
+    SessionState.DONE,
+    SessionState.PARTIAL,
+    SessionState.FAILED,
+    SessionState.CANCELLED,
+    SessionState.EXPIRED,
+}
+
+
+class PartState(StrEnum):
+    """One target agent's share of a session."""
+
+    PENDING = "pending"  # plan not yet delivered
+    ARMED = "armed"  # agent holds the plan, waiting for the first step
+    RECORDING = "recording"
+    COLLECTING = "collecting"  # recording over, files being written
+    DONE = "done"  # every step recorded and written
+    PARTIAL = "partial"  # some steps recorded, some missed
+    MISSED = "missed"  # nothing could be recorded
+    FAILED = "failed"  # a backend or export failure
+    LOST = "lost"  # the agent vanished
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL_PART
+
+
+_TERMINAL_PART = {
+    PartState.DONE,
+    PartState.PARTIAL,
+    PartState.MISSED,
+    PartState.FAILED,
+    PartState.LOST,
+    PartState.CANCELLED,
+    PartState.EXPIRED,
+}
+
+
+class _View(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class AgentView(_View):
+    agent_id: str = Field(description="Unique id of the agent (one per worker process and role).")
+    role: str = Field(description="Role the agent registered with, e.g. actor_rollout_ref.")
+    rank: int = Field(description="Rank within the role.")
+    world_size: int | None = Field(description="Number of ranks of the role, when known.")
+    topology: dict[str, int] = Field(description="Parallel coordinates (tp, pp, dp, cp, ...).")
+    hostname: str = Field(description="Host the worker runs on.")
+    node_id: str | None = Field(description="Ray node id of the worker.")
+    node_ip: str | None = Field(description="Ray node address of the worker.")
+    pid: int = Field(description="Worker process id.")
+    state: str = Field(description="alive, lost (no heartbeat) or closed.")
+    current_step: int | None = Field(
+        description="The job's step on this agent: the last one it marked (SPMD loops), or, "
+        "for a worker of a single-controller job, the step its driver announced last."
+    )
+    step_source: str | None = Field(
+        None,
+        description="Where current_step comes from: 'agent' (marked by the worker) or "
+        "'driver' (announced by profd.controller()); null when no step is known.",
+    )
+    last_seen_s: float = Field(description="Seconds since the agent was last heard from.")
+    capabilities: dict[str, str | None] = Field(
+        description="Tool → null when usable on this agent, else the reason it is not."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="What else the agent said about itself: a rollout replica's engine "
+        "(engine_kind, engine_flavor), endpoint and trace_dir.",
+    )
+
+
+class IgnoredView(_View):
+    role: str = Field(description="Role named in the request.")
+    rank: int | None = Field(description="Rank named in the request, when the reason is a rank.")
+    reason: str = Field(description="Why this target was not used.")
+
+
+class TraceView(_View):
+    trace_id: str = Field(description="Stable id of the trace file.")
+    session_id: str = Field(description="Session that produced it.")
+    agent_id: str = Field(description="Agent that wrote it.")
+    role: str = Field(description="Role of the agent.")
+    rank: int = Field(description="Rank of the agent.")
+    tool: str = Field(description="Backend that recorded it.")
+    scope: str = Field(description="train (one trace per step or group) or the stage label.")
+    steps: list[int] = Field(description="Steps covered by the trace.")
+    path: str = Field(description="Absolute path on the node that wrote it.")
+    file_name: str = Field(description="Base name of the file.")
+    bytes: int = Field(description="Size on disk.")
+    node_id: str | None = Field(description="Ray node holding the file.")
+    node_ip: str | None = Field(description="Address of that node.")
+    hostname: str = Field(description="Host name of that node.")
+    created_at: float = Field(description="Unix time the file was written.")
+
+
+class PartView(_View):
+    agent_id: str = Field(description="Target agent.")
+    role: str = Field(description="Role of the target.")
+    rank: int = Field(description="Rank of the target.")
+    role_block: str = Field(description="Request key that selected it (role, component or '*').")
+    state: PartState = Field(description="Progress of this target.")
+    reason: str = Field(description="Why the target is in this state, when not obvious.")
+    recorded_steps: list[int] = Field(description="Steps recorded so far.")
+    missed_steps: list[int] = Field(description="Steps that could not be recorded.")
+    traces: list[str] = Field(description="Ids of the traces this target wrote.")
+    armed_at: float | None = Field(None, description="Unix time the agent received its plan.")
+
+
+class SessionView(_View):
+    session_id: str = Field(description="Session id, also the name of its directory.")
+    state: SessionState = Field(description="Where the session is in its life cycle.")
+    reason: str = Field(description="Why the session is in this state.")
+    tool: str = Field(description="Backend used.")
+    steps: list[int] | None = Field(description="Profiled steps (resolved for next_steps).")
+    groups: list[list[int]] = Field(description="Steps grouped into collections.")
+    discrete_roles: list[str] = Field(description="Role blocks recording one trace per stage.")
+    save_dir: str = Field(description="Directory the traces are written to, on every node.")
+    created_at: float = Field(description="Unix time the session was created.")
+    finished_at: float | None = Field(description="Unix time it reached a terminal state.")
+    deadline: float | None = Field(
+        None, description="Unix time after which parts still unfinished expire."
+    )
+    targets: list[PartView] = Field(description="Every matched agent and its progress.")
+    ignored: list[IgnoredView] = Field(description="Requested targets that were not used, why.")
+    traces: list[TraceView] = Field(description="Traces written so far.")
+    warnings: list[str] = Field(description="Problems that did not stop the session.")
+    hooks: list[HookView] = Field(description="Finish-hook runs, one per hook agent.")
+    uploads: list[UploadView] = Field(description="Uploads to upload_uri, one per trace.")
+    request: dict = Field(description="The request as validated (defaults filled in).")
+
+
+class StatusView(_View):
+    version: str = Field(description="profd version of the coordinator.")
+    agents: int = Field(description="Agents currently alive.")
+    agents_by_role: dict[str, int] = Field(description="Alive agents per role.")
+    sessions_by_state: dict[str, int] = Field(description="Sessions per state.")
+    live_sessions: list[str] = Field(description="Sessions not yet terminal.")
+    traces: int = Field(description="Trace files known.")
+    trace_bytes: int = Field(description="Total size of those files.")
+    save_root: str = Field(description="Default directory sessions are saved under.")
+    uptime_s: float = Field(description="Seconds since the coordinator started.")
+    state_write_failures: int = Field(
+        0, description="Writes to the state directory that failed (0 when persistence is healthy)."
+    )
+    state_last_error: str | None = Field(None, description="The last such failure, if any.")
+    driver_step: int | None = Field(
+        None,
+        description="The step a single-controller driver (profd.controller()) announced last, "
+        "while it announces (null when no driver was heard from within the heartbeat timeout).",
+    )
+    driver_seen_s: float | None = Field(
+        None, description="Seconds since that driver's last announcement."
+    )
+
+
+class HookView(_View):
+    agent_id: str = Field(description="Agent whose node ran the hook.")
+    role: str = Field(description="Role of that agent.")
+    rank: int = Field(description="Rank of that agent.")
+    node: str = Field(description="Node the hook ran on.")
+    state: str = Field(description="pending, running, done, failed or timed_out.")
+    exit_code: int | None = Field(description="Exit code of the command.")
+    output: str = Field(description="Last 64 KB of the command's output.")
+    duration_s: float | None = Field(description="How long the command ran.")
+    error: str = Field(description="Why it could not run, if it could not.")
+
+
+class UploadView(_View):
+    trace_id: str = Field(description="Trace uploaded.")
+    state: str = Field(description="pending, done or failed.")
+    path: str = Field(description="Source path on its node.")
+    dest: str = Field(description="Destination URL.")
+    error: str = Field(description="Why the upload failed, if it did.")
+    node_id: str | None = Field(None, description="Node that holds the file and uploads it.")
+
+
+SessionView.model_rebuild()

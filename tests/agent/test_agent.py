@@ -1,0 +1,389 @@
+"""The agent against an in-process coordinator, recording real torch.profiler traces."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from profd.agent import ProfilerAgent
+from profd.backends import NULL_RANGE
+from profd.backends.torch_backend import read_trace
+from profd.core.naming import parse_trace_name
+
+from helpers import start_agents, user_ranges, wait_armed, wait_terminal, wait_until
+
+MODEL = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def train_step(agent: ProfilerAgent, step: int, pause: float = 0.0) -> None:
+    with agent.step(step):
+        with agent.stage("compute_log_prob"), torch.no_grad():
+            MODEL(torch.randn(8, 16))
+        with agent.stage("update", role="actor", update_loop=True):
+            for i in range(2):
+                with agent.mini_batch(i):
+                    for j in range(2):
+                        with agent.micro_batch(j):
+                            MODEL(torch.randn(4, 16)).sum().backward()
+        if pause:
+            time.sleep(pause)
+
+
+def test_idle_marks_share_one_noop_and_make_no_files(tmp_path: Path) -> None:
+    agent = ProfilerAgent("actor", 0, 1, find_link=lambda: None)  # never started: inert
+    assert agent.stage("x") is NULL_RANGE
+    assert agent.mini_batch(0) is NULL_RANGE and agent.micro_batch(0) is NULL_RANGE
+    assert agent.step(1) is agent.step(2)  # the same object every step
+    for s in range(3):
+        train_step(agent, s)
+    assert agent.current_step == 2 and not agent.recording
+    assert agent.close() is True
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inert_agent_without_a_coordinator_lets_training_finish() -> None:
+    lookups = []
+
+    def absent() -> None:
+        lookups.append(1)
+        return None
+
+    agent = ProfilerAgent("actor", 0, 1, find_link=absent, poll_timeout_s=0.1).start()
+    for s in range(5):
+        train_step(agent, s)
+    assert not agent.connected and agent.current_step == 4
+    assert agent.close(timeout=5) is True
+    assert lookups  # it kept looking in the background
+
+
+def test_continuous_session_records_one_trace_per_step_with_contents(local_coordinator) -> None:
+    owner = local_coordinator
+    agents = start_agents(owner, 2)
+    for a in agents:
+        train_step(a, 0)
+    view = owner.call("create_session", {"next_steps": 2, "roles": {"actor": {"all_ranks": True}}})
+    assert view.steps == [2, 3]  # current step 0, +1 to be reachable, +1 lead
+    assert [(t.role, t.rank) for t in view.targets] == [("actor", 0), ("actor", 1)]
+    for a in agents:
+        wait_armed(a, view.session_id)
+    for s in range(1, 5):
+        for a in agents:
+            train_step(a, s)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    assert len(view.traces) == 4
+    for t in view.traces:
+        path = Path(t.path)
+        assert path.parent == Path(view.save_dir) and path.is_file()
+        parts = parse_trace_name(path.name)
+        assert parts is not None and parts.head == ("actor", "train")
+        assert parts.step == str(t.steps[0]) and parts.rank == t.rank and parts.world_size == 2
+        assert parts.pid == os.getpid()
+        trace = read_trace(path)
+        names = user_ranges(trace)
+        for expected in (
+            "compute_log_prob",
+            "actor_update",
+            "mini_batch0",
+            "mini_batch1",
+            "micro_batch0",
+            "micro_batch1",
+            f"step{t.steps[0]}",
+        ):
+            assert expected in names, (expected, sorted(set(names)))
+        assert names.count("mini_batch0") == 1 and names.count("micro_batch1") == 2
+        assert not any("ProfilerStep" in e.get("name", "") for e in trace["traceEvents"])
+        assert trace["distributedInfo"] == {"rank": t.rank, "world_size": 2}
+        meta = trace["profd"]
+        assert meta["session_id"] == view.session_id and meta["role"] == "actor"
+        assert meta["step"] == t.steps[0] and meta["scope"] == "train"
+        ops = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "cpu_op"}
+        assert "aten::addmm" in ops  # real operator events, not just our ranges
+    for a in agents:
+        a.close()
+
+
+def test_continuous_steps_group_into_one_trace_named_by_the_first(local_coordinator) -> None:
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [2, 3, 5], "profile_continuous_steps": True})
+    assert view.groups == [[2, 3], [5]]
+    wait_armed(agent, view.session_id)
+    for s in range(1, 7):
+        train_step(agent, s)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    by_first = {t.steps[0]: t for t in view.traces}
+    assert sorted(by_first) == [2, 5] and by_first[2].steps == [2, 3]
+    names = user_ranges(read_trace(by_first[2].path))
+    assert "step2" in names and "step3" in names and "step4" not in names
+    assert "_step2_" in by_first[2].file_name
+    agent.close()
+
+
+def test_discrete_mode_writes_one_trace_per_stage(local_coordinator) -> None:
+    owner = local_coordinator
+    (agent,) = start_agents(owner, role="actor_rollout_ref")
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [2], "roles": {"actor": {"discrete": True}}})
+    assert view.discrete_roles == ["actor"]
+    wait_armed(agent, view.session_id)
+    for s in range(1, 4):
+        train_step(agent, s)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    scopes = sorted(t.scope for t in view.traces)
+    assert scopes == ["actor_update", "compute_log_prob"]
+    for t in view.traces:
+        parts = parse_trace_name(t.file_name)
+        assert parts.head == ("actor-rollout-ref", t.scope.replace("_", "-"))
+        names = user_ranges(read_trace(t.path))
+        assert t.scope in names
+        if t.scope == "actor_update":
+            assert "mini_batch1" in names and "micro_batch0" in names
+    agent.close()
+
+
+def test_plan_arriving_late_reports_the_missed_step(local_coordinator) -> None:
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    train_step(agent, 1)
+    # Step 2 is requested while the agent sits at step 1; it then skips straight to step 3.
+    view = owner.call("create_session", {"steps": [2, 3]})
+    wait_armed(agent, view.session_id)
+    for s in (3, 4):
+        train_step(agent, s)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "partial"
+    part = view.targets[0]
+    assert part.recorded_steps == [3] and part.missed_steps == [2]
+    assert "never entered" in part.reason
+    agent.close()
+
+
+def test_job_ending_before_the_window_closes_cleanly(local_coordinator) -> None:
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1, 2, 3], "profile_continuous_steps": True})
+    wait_armed(agent, view.session_id)
+    train_step(agent, 1)
+    train_step(agent, 2)
+    assert agent.close(timeout=20)  # the open group (1-3) is flushed, not lost
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "partial"
+    (trace,) = view.traces
+    assert trace.steps == [1, 2] and Path(trace.path).is_file()
+    assert view.targets[0].missed_steps == [3]
+    assert "job ended" in view.targets[0].reason
+
+
+def test_cancel_keeps_what_was_recorded(local_coordinator) -> None:
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1, 2, 3], "profile_continuous_steps": True})
+    wait_armed(agent, view.session_id)
+    train_step(agent, 1)
+    cancelled = owner.call("cancel_session", view.session_id)
+    assert cancelled.state.value == "cancelled"
+    wait_until(lambda: not agent.plan.windows, 10, what="window withdrawn")
+    train_step(agent, 2)
+    wait_until(lambda: owner.call("list_traces", view.session_id), 10, what="trace indexed")
+    (trace,) = owner.call("list_traces", view.session_id)
+    assert trace.steps == [1] and Path(trace.path).is_file()
+    agent.close()
+
+
+def test_unwritable_save_path_is_reported_and_training_goes_on(local_coordinator, tmp_path) -> None:
+    owner = local_coordinator
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where a directory should be")
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1], "save_path": str(blocker)})
+    wait_armed(agent, view.session_id)
+    for s in range(1, 4):
+        train_step(agent, s)  # never raises
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "failed"
+    assert "export failed" in view.targets[0].reason
+    assert agent.current_step == 3
+    agent.close()
+
+
+def test_user_exceptions_propagate_and_recording_recovers(local_coordinator) -> None:
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1, 2]})
+    wait_armed(agent, view.session_id)
+    with pytest.raises(ZeroDivisionError), agent.step(1), agent.stage("boom"):
+        _ = 1 / 0
+    train_step(agent, 2)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    assert "boom" in user_ranges(read_trace(view.traces[0].path))
+    agent.close()
+
+
+def test_agent_registers_when_the_coordinator_comes_up_later(local_coordinator) -> None:
+    owner = local_coordinator
+    owner.down = True
+    agent = ProfilerAgent("critic", 0, 1, find_link=owner.link).start()
+    for s in range(3):
+        train_step(agent, s)
+    assert not agent.connected
+    owner.down = False
+    wait_until(lambda: agent.connected, 15, what="late registration")
+    agents = owner.call("list_agents")
+    assert [(a.role, a.current_step) for a in agents] == [("critic", 2)]
+    agent.close()
+
+
+def test_second_session_on_busy_targets_is_refused(local_coordinator) -> None:
+    from profd.core.errors import ConflictError
+
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    first = owner.call("create_session", {"steps": [5]})
+    with pytest.raises(ConflictError, match=first.session_id):
+        owner.call("create_session", {"steps": [6]})
+    agent.close()
+
+
+def test_colocated_roles_share_one_collection_named_by_the_combined_role(
+    local_coordinator,
+) -> None:
+    import profd
+
+    owner = local_coordinator
+    actor = profd.attach("actor", 0, 2, find_link=owner.link)
+    ref = profd.attach("ref", 0, find_link=owner.link)
+    assert profd.attach("ref", 0) is ref and profd.attach("actor", 0) is actor
+    with pytest.raises(ValueError, match="rank: this process is already attached"):
+        profd.attach("critic", 1)
+    wait_until(
+        lambda: [a.role for a in owner.call("list_agents")] == ["actor_ref"], 15, what="re-reg"
+    )
+    with actor.step(0):
+        pass
+    view = owner.call("create_session", {"steps": [1], "roles": {"ref": {}}})
+    assert [(t.role, t.role_block) for t in view.targets] == [("actor_ref", "ref")]
+    wait_armed(actor, view.session_id)
+    for s in (1, 2):
+        with actor.step(s):
+            with actor.stage("compute_log_prob"):
+                MODEL(torch.randn(2, 16))
+            with ref.stage("compute_log_prob"):
+                MODEL(torch.randn(2, 16))
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    (trace,) = view.traces
+    assert trace.file_name.startswith("actor-ref_train_step1_rank0-of-2_")
+    names = user_ranges(read_trace(trace.path))
+    # every label names the role that marked it, the first role's too
+    assert "actor_compute_log_prob" in names and "ref_compute_log_prob" in names
+    assert "compute_log_prob" not in names
+    ref.close()
+    assert not actor.connected or actor._closed
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+def test_profiler_fault_mid_update_ends_the_window_not_the_loop(
+    monkeypatch, local_coordinator, discrete: bool
+) -> None:
+    """torch raising inside a mini-batch step: the window is given up once (never stopped
+    twice, which crashes Kineto), reported, and the loop runs on unprofiled."""
+    from profd.backends import torch_backend
+
+    real_step, calls = torch_backend._TorchCollection.step, []
+
+    def step_once_broken(self) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("kineto said no")
+        real_step(self)
+
+    monkeypatch.setattr(torch_backend._TorchCollection, "step", step_once_broken)
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1], "roles": {"*": {"discrete": discrete}}})
+    wait_armed(agent, view.session_id)
+    for s in (1, 2, 3):
+        with agent.step(s):
+            with agent.stage("update_actor", update_loop=True):
+                for i in range(2):
+                    with agent.mini_batch(i):
+                        torch.ones(8).sum()
+            with agent.stage("update_critic"):
+                torch.ones(8).sum()
+    view = wait_terminal(owner, view.session_id)
+    # what ran before the fault is kept; the part says why it is not complete
+    assert view.state.value == "partial"
+    assert "kineto said no" in view.targets[0].reason
+    assert agent.current_step == 3 and not agent.recording
+    # a later session on the same agent records normally
+    again = owner.call("create_session", {"steps": [5]})
+    wait_armed(agent, again.session_id)
+    for s in (4, 5, 6):
+        train_step(agent, s)
+    again = wait_terminal(owner, again.session_id)
+    assert again.state.value == "done", again.reason
+    assert "actor_update" in user_ranges(read_trace(again.traces[0].path))
+    agent.close()
+
+
+def test_next_steps_start_where_every_target_can_still_reach(local_coordinator) -> None:
+    """Targets at different steps: the window starts after the most advanced one, so the
+    laggard records the same steps later instead of the leader missing them."""
+    owner = local_coordinator
+    behind, ahead = start_agents(owner, 2)
+    for s in range(3):
+        train_step(behind, s)
+    for s in range(8):
+        train_step(ahead, s)
+    view = owner.call("create_session", {"next_steps": 2, "roles": {"actor": {"all_ranks": True}}})
+    first = view.steps[0]
+    assert first >= 8 and view.steps == [first, first + 1]
+    wait_armed(behind, view.session_id)
+    wait_armed(ahead, view.session_id)
+    for s in range(3, first + 3):
+        train_step(behind, s)
+    for s in range(8, first + 3):
+        train_step(ahead, s)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    assert sorted((t.rank, tuple(t.steps)) for t in view.traces) == [
+        (0, (first,)),
+        (0, (first + 1,)),
+        (1, (first,)),
+        (1, (first + 1,)),
+    ]
+    for a in (behind, ahead):
+        a.close()
+
+
+def test_group_joined_late_is_named_by_its_first_recorded_step(local_coordinator) -> None:
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    train_step(agent, 1)  # step 1 has begun (and ended) before the plan arrives
+    view = owner.call("create_session", {"steps": [1, 2, 3], "profile_continuous_steps": True})
+    wait_armed(agent, view.session_id)
+    for s in (2, 3, 4):
+        train_step(agent, s)
+    view = wait_terminal(owner, view.session_id)
+    (trace,) = view.traces
+    assert trace.steps == [2, 3]
+    assert parse_trace_name(trace.file_name).step == "2"  # not step1: it holds no step 1
+    assert view.targets[0].missed_steps == [1]
+    agent.close()

@@ -1,0 +1,110 @@
+"""Checks that need a CUDA device (marked ``gpu``; skipped where there is none).
+
+Run on a GPU machine with ``python -m pytest -m gpu tests/backends/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from profd.backends import capabilities
+from profd.backends.base import CollectionSpec
+from profd.backends.torch_backend import NO_DEVICE_EVENTS, read_trace
+from profd.backends.torch_memory import TorchMemoryBackend
+
+from helpers import start_agents, wait_armed, wait_terminal
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def gpu_step(agent, step: int, model: torch.nn.Module) -> None:
+    with agent.step(step):
+        with agent.stage("compute_log_prob"), torch.no_grad():
+            model(torch.randn(256, 1024, device="cuda"))
+        with agent.stage("update_actor", update_loop=True):
+            for i in range(2):
+                with agent.mini_batch(i):
+                    model(torch.randn(256, 1024, device="cuda")).sum().backward()
+        torch.cuda.synchronize()
+
+
+def keep(path: str) -> None:
+    """Copy an artefact to $OUT when the device runner collects one."""
+    out = os.environ.get("OUT")
+    if out:
+        shutil.copy(path, Path(out) / Path(path).name)
+
+
+def test_capabilities_on_a_gpu_machine() -> None:
+    caps = capabilities()
+    assert caps["torch"] is None and caps["torch_memory"] is None
+
+
+def test_cuda_window_records_device_events(local_coordinator) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU()).cuda()
+    (agent,) = start_agents(local_coordinator)
+    gpu_step(agent, 0, model)
+    view = local_coordinator.call("create_session", {"steps": [1]})
+    wait_armed(agent, view.session_id)
+    for s in (1, 2):
+        gpu_step(agent, s, model)
+    view = wait_terminal(local_coordinator, view.session_id, timeout=60)
+    agent.close()
+    assert view.state.value == "done", view.reason
+    assert not any(NO_DEVICE_EVENTS in w for w in view.warnings), view.warnings
+    (trace,) = view.traces
+    keep(trace.path)
+    data = read_trace(trace.path)
+    cats = {e.get("cat") for e in data["traceEvents"]}
+    assert "kernel" in cats and "cuda_runtime" in cats
+    names = {e["name"] for e in data["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert {"step1", "compute_log_prob", "update_actor", "mini_batch1"} <= names
+    assert data["distributedInfo"]["rank"] == 0
+
+
+def test_torch_memory_snapshot_per_step(local_coordinator) -> None:
+    (agent,) = start_agents(local_coordinator)
+    with agent.step(0):
+        pass
+    view = local_coordinator.call(
+        "create_session",
+        {
+            "tool": "torch_memory",
+            "steps": [1, 2],
+            "roles": {"*": {"tool_config": {"torch_memory": {"trace_alloc_max_entries": 1000}}}},
+        },
+    )
+    wait_armed(agent, view.session_id)
+    held = []
+    for s in (1, 2, 3):
+        with agent.step(s), agent.stage("alloc"):
+            held.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+    view = wait_terminal(local_coordinator, view.session_id, timeout=60)
+    agent.close()
+    assert view.state.value == "done", view.reason
+    assert sorted(t.steps[0] for t in view.traces) == [1, 2]
+    for t in view.traces:
+        keep(t.path)
+        snap = pickle.loads(Path(t.path).read_bytes())
+        assert snap["segments"], "the snapshot holds the allocator's segments"
+        events = [e for trace in snap["device_traces"] for e in trace]
+        assert any(e.get("action") == "alloc" for e in events)
+
+
+def test_out_of_memory_dumps_a_snapshot(tmp_path) -> None:
+    spec = CollectionSpec(tmp_path, "actor_train_step1_rank0_pid1_20260101000000000", {})
+    coll = TorchMemoryBackend({"trace_alloc_max_entries": 1000}).open(spec)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    coll.close()
+    ooms = list(tmp_path.glob("*_oom1.pickle"))
+    assert len(ooms) == 1 and pickle.loads(ooms[0].read_bytes())["segments"] is not None

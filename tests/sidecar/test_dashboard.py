@@ -1,0 +1,395 @@
+"""The dashboard in a real headless Chromium (Debian ``chromium`` + ``chromium-driver``,
+driven by selenium), against a real uvicorn sidecar whose agents recorded a real session.
+
+Missing browser: in CI (``CI`` set) the test fails, since ``.ci/run`` installs the browser;
+elsewhere it is skipped with the command that installs it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import httpx
+import pytest
+import torch
+
+from profd.api import create_app
+from profd.core.settings import SidecarConfig
+
+from helpers import LoopClient, UvicornThread, start_agents, wait_terminal, wait_until
+
+TOKEN = "dashboard-token"
+LATE_S = 0.05  # rank 1's extra time in stage "update"
+STAGES = ["work", "update"]
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1100",
+)
+
+
+def _browser() -> tuple[str, str]:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        driver = None
+    if browser and driver:
+        return browser, driver
+    why = "needs Debian chromium + chromium-driver and selenium (.ci/run installs them)"
+    if os.environ.get("CI"):
+        pytest.fail(f"dashboard test {why}; found browser={browser} driver={driver}")
+    pytest.skip(f"{why}: apt-get install -y chromium chromium-driver")
+
+
+@pytest.fixture
+def chrome() -> Iterator[Any]:
+    browser, driver = _browser()
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium download a driver
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for flag in FLAGS:
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # to see uncaught errors
+    drv = webdriver.Chrome(service=Service(driver), options=opts)
+    drv.set_page_load_timeout(30)
+    yield drv
+    drv.quit()
+
+
+@pytest.fixture
+def recorded(local_coordinator) -> Iterator[tuple[str, Any, str]]:
+    """A sidecar whose two actors recorded step 1 (two traces); a critic idles.
+
+    Each actor step runs stage ``work`` then stage ``update``; rank 1's ``update`` sleeps
+    ``LATE_S``, so the summary calls actor rank 1 a straggler of ``update``.
+    """
+    app = create_app(SidecarConfig(token=TOKEN), client=LoopClient(local_coordinator))
+    actors = start_agents(local_coordinator, 2, "actor")
+    critic = start_agents(local_coordinator, 1, "critic")[0]
+    try:
+        with UvicornThread(app) as srv:
+            body = {"steps": [1], "roles": {"actor": {"all_ranks": True}}}
+            r = httpx.post(f"{srv.url}/api/v1/sessions", json=body, headers=AUTH)
+            sid = r.json()["session_id"]
+            wait_until(lambda: all(a.plan.windows for a in actors), 10, what="plans")
+            for rank, a in enumerate(actors):
+                for n in (1, 2):
+                    with a.step(n):
+                        with a.stage("work"):
+                            torch.ones(4) @ torch.ones(4)
+                        with a.stage("update"):
+                            time.sleep(LATE_S if rank == 1 else 0)
+            with critic.step(2):
+                pass
+            assert wait_terminal(local_coordinator, sid).state.value == "done"
+            yield srv.url, local_coordinator, sid
+    finally:
+        for a in [*actors, critic]:
+            a.close(timeout=10)
+
+
+def rows(drv: Any, table: str) -> list[list[str]]:
+    """The table's cells, read in one script call (the page re-renders as it polls)."""
+    return drv.execute_script(
+        "return [...document.querySelectorAll(`#${arguments[0]} tbody tr:not(.empty)`)]"
+        ".map(tr => [...tr.cells].map(td => td.innerText.trim()));",
+        table,
+    )
+
+
+def links(drv: Any) -> list[tuple[str, str]]:
+    return [
+        tuple(x)
+        for x in drv.execute_script(
+            "return [...document.querySelectorAll('#traces tbody a')]"
+            ".map(a => [a.href, a.textContent]);"
+        )
+    ]
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def check_tables(chrome: Any, url: str, owner: Any, sid: str) -> None:
+    """Agents, the recorded session and its traces, with working download links."""
+    expected = [
+        ("actor", "0", "alive", "2"),
+        ("actor", "1", "alive", "2"),
+        ("critic", "0", "alive", "2"),
+    ]
+
+    def agents_shown() -> list[list[str]] | None:
+        shown = rows(chrome, "agents")
+        return shown if [(r[0], r[1], r[5], r[6]) for r in shown] == expected else None
+
+    agents = wait_until(agents_shown, 20, what=f"agents rendered as {expected}")
+    assert all(r[3] for r in agents)  # node column filled
+    (session,) = rows(chrome, "sessions")
+    assert session[0] == sid and session[1] == "done" and "2/2 targets" in session[4]
+    assert session[5] == "2"
+    assert sorted((r[1], r[2], r[3]) for r in rows(chrome, "traces")) == [
+        ("actor", "0", "1"),
+        ("actor", "1", "1"),
+    ]
+    by_id = {t.trace_id: t for t in owner.call("get_session", sid).traces}
+    shown = links(chrome)
+    assert len(shown) == 2
+    for href, text in shown:
+        trace_id = href.split("/")[-2]
+        assert href == f"{url}/api/v1/traces/{trace_id}/download"
+        assert text == by_id[trace_id].file_name
+    href = shown[0][0]
+    size = chrome.execute_async_script(
+        "const done = arguments[1];"
+        "fetch(arguments[0]).then(r => r.arrayBuffer()).then(b => done(b.byteLength));",
+        href,
+    )
+    assert size == by_id[href.split("/")[-2]].bytes
+
+
+def check_form(chrome: Any, owner: Any, sid: str) -> str:
+    """The form: refused without the token (the message shown), a session with it; its id."""
+    from selenium.webdriver.common.by import By
+
+    chrome.find_element(By.ID, "f-steps").send_keys("40")
+    chrome.find_element(By.ID, "f-role").send_keys("actor")
+    chrome.find_element(By.ID, "f-ranks").send_keys("1")
+    chrome.find_element(By.ID, "f-submit").click()
+    result = chrome.find_element(By.ID, "form-result")
+    wait_until(lambda: "HTTP 401" in result.text, 10, what="401 shown")
+    assert "bearer token" in result.text and len(owner.call("list_sessions")) == 1
+
+    # The token is typed into a password field and kept in sessionStorage only.
+    field = chrome.find_element(By.ID, "token")
+    assert field.get_attribute("type") == "password"
+    field.send_keys(TOKEN)
+    chrome.find_element(By.ID, "use-token").click()
+    assert chrome.execute_script("return sessionStorage.getItem('profd-token')") == TOKEN
+    assert field.get_attribute("value") == "" and TOKEN not in chrome.page_source
+    chrome.find_element(By.ID, "f-submit").click()
+    wait_until(lambda: "armed" in result.text, 10, what="session created")
+    new_sid = result.get_attribute("data-session-id")
+    assert new_sid and new_sid != sid
+    view = owner.call("get_session", new_sid)
+    assert view.steps == [40] and [(t.role, t.rank) for t in view.targets] == [("actor", 1)]
+    wait_until(
+        lambda: any(r[0] == new_sid and r[1] == "armed" for r in rows(chrome, "sessions")),
+        10,
+        what="new session listed",
+    )
+    return new_sid
+
+
+def ms_value(cell: str) -> float:
+    """A duration as the page prints it ('1.23 ms', '+4.56 ms', '1.20 s'), in ms."""
+    number, unit = cell.lstrip("+").split()
+    assert unit in ("ms", "s"), cell
+    return float(number) * (1000.0 if unit == "s" else 1.0)
+
+
+def near(cell: str, value: float) -> bool:
+    """``cell`` shows ``value`` (milliseconds) to the page's two decimals."""
+    return abs(ms_value(cell) - value) <= (5.0 if cell.endswith(" s") else 0.005) + 1e-9
+
+
+def panel_state(chrome: Any, sid: str, state: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    panel = chrome.find_element(By.ID, "session-summary")
+    wait_until(
+        lambda: (
+            panel.get_attribute("data-session-id") == sid
+            and panel.get_attribute("data-state") == state
+        ),
+        20,
+        what=f"summary panel of {sid!r} {state}",
+    )
+
+
+PLOT = """
+const svg = document.getElementById('sum-plot'), box = svg.getBoundingClientRect();
+const attr = (e, k) => e.getAttribute(k);
+return {
+  width: box.width, height: box.height,
+  labels: [...svg.querySelectorAll('g.rank-row')].map(g => g.querySelector('text').textContent),
+  legend: [...document.querySelectorAll('#sum-legend .legend-item')].map(e => e.textContent),
+  bars: [...svg.querySelectorAll('rect.bar')].map(r => [attr(r, 'data-track'),
+    attr(r, 'data-stage'), Number(attr(r, 'data-ms')), r.width.baseVal.value,
+    r.getBoundingClientRect().width, r.getBoundingClientRect().height]),
+};
+"""
+
+
+def check_summary(chrome: Any, url: str, sid: str, new_sid: str, tmp_path: Path) -> None:
+    """The summary panel of the finished session shows what the summary route computed."""
+    from selenium.webdriver.common.by import By
+
+    api = httpx.get(f"{url}/api/v1/sessions/{sid}/summary").json()
+    # What the fixture did, as the analysis read it back from the real traces.
+    assert api["stages"] == STAGES and api["steps"] == [1]
+    assert [(t["role"], t["rank"]) for t in api["tracks"]] == [("actor", 0), ("actor", 1)]
+    assert (1, "update") in [(s["rank"], s["stage"]) for s in api["stragglers"]]
+
+    # A summary button on sessions with traces only; it opens the panel.
+    by_sid = {r[0]: r for r in rows(chrome, "sessions")}
+    assert "summary" in by_sid[sid][7] and "summary" not in by_sid[new_sid][7]
+    clicked = chrome.execute_script(
+        "const tr = [...document.querySelectorAll('#sessions tbody tr')]"
+        ".find(tr => tr.dataset.sessionId === arguments[0]);"
+        "const b = tr && tr.querySelector('button.summary'); if (b) b.click(); return !!b;",
+        sid,
+    )
+    assert clicked
+    panel_state(chrome, sid, "ok")
+    assert chrome.find_element(By.ID, "sum-id").text == sid
+    assert f"summary={sid}" in chrome.current_url  # a link to this view
+
+    stats = rows(chrome, "sum-stages")
+    assert [r[:4] for r in stats] == [
+        [str(s["step"]), s["stage"], s["role"], str(s["ranks"])] for s in api["stage_stats"]
+    ]
+    assert sorted(r[1] for r in stats) == sorted(STAGES)
+    keys = ("wall_min_ms", "wall_median_ms", "wall_max_ms", "end_spread_ms")
+    for row, st in zip(stats, api["stage_stats"], strict=True):
+        assert all(near(c, st[k]) for c, k in zip(row[4:8], keys, strict=True)), (row, st)
+        assert row[8] == st["slowest"]
+
+    late = rows(chrome, "sum-stragglers")
+    assert len(late) == len(api["stragglers"])
+    for row, s in zip(late, api["stragglers"], strict=True):
+        assert row[:4] == [str(s["step"]), s["stage"], s["role"], str(s["rank"])]
+        assert row[4].startswith("+") and near(row[4], s["late_ms"]) and row[8] == s["track"]
+    (update,) = [r for r in late if r[1] == "update" and r[3] == "1"]
+    assert ms_value(update[4]) >= 0.9 * LATE_S * 1000
+
+    walls: dict[tuple[str, str], float] = {}
+    for st in api["stage_times"]:
+        key = (st["track"], st["stage"])
+        walls[key] = walls.get(key, 0.0) + st["wall_ms"]
+    head = chrome.execute_script(
+        "return [...document.querySelectorAll('#sum-ranks thead th')].map(th => th.innerText);"
+    )
+    assert head == ["role", "rank", "host", *STAGES, "in stages", "idle"]
+    per_rank = rows(chrome, "sum-ranks")
+    assert [r[:2] for r in per_rank] == [["actor", "0"], ["actor", "1"]]
+    for row, track in zip(per_rank, api["tracks"], strict=True):
+        for cell, stage in zip(row[3:], STAGES, strict=False):
+            assert near(cell, walls[track["track"], stage]), (row, stage)
+
+    plot = chrome.execute_script(PLOT)
+    assert plot["width"] > 300 and plot["height"] > 40
+    assert plot["labels"] == ["actor 0", "actor 1"] and plot["legend"] == STAGES
+    assert {(b[0], b[1]) for b in plot["bars"]} == set(walls) and len(plot["bars"]) == len(walls)
+    scale = plot["bars"][0][3] / plot["bars"][0][2]
+    for track, stage, value, width, shown_w, shown_h in plot["bars"]:
+        assert value == pytest.approx(walls[track, stage])
+        assert width == pytest.approx(value * scale, rel=1e-4)  # bar length ∝ wall time
+        assert shown_w > 0 and shown_h > 0
+    widest = max(plot["bars"], key=lambda b: b[4])
+    assert widest[:2] == [api["tracks"][1]["track"], "update"] and widest[4] > 100
+
+    panel = chrome.find_element(By.ID, "session-summary")
+    chrome.execute_script("arguments[0].scrollIntoView({block: 'start'});", panel)
+    shot = panel.screenshot_as_png
+    (ARTIFACTS / "dashboard-summary.png").write_bytes(shot)
+    (tmp_path / "dashboard-summary.png").write_bytes(shot)
+    width, height = png_size(shot)
+    assert width >= 1000 and height >= 600 and len(shot) > 30_000  # the whole panel
+
+    chrome.find_element(By.ID, "sum-close").click()
+    assert not chrome.find_element(By.ID, "session-summary").is_displayed()
+    assert "summary=" not in chrome.current_url
+
+
+def check_summary_errors(chrome: Any, url: str, new_sid: str) -> None:
+    """Unknown id, a session without traces, markup in the id: a message in the panel."""
+    from selenium.webdriver.common.by import By
+
+    odd = '<b id="injected">x</b>'
+    for sid, words in (
+        ("nope", "HTTP 404: no session 'nope'"),
+        (new_sid, "HTTP 409: session " + new_sid + " has no Chrome trace"),
+        (odd, "HTTP 4"),
+    ):
+        chrome.get(f"{url}/?interval=500&{urlencode({'summary': sid})}")
+        panel_state(chrome, sid, "error")
+        assert words in chrome.find_element(By.ID, "sum-msg").text
+        assert chrome.find_element(By.ID, "sum-id").text == sid
+        assert not chrome.find_element(By.ID, "sum-content").is_displayed()
+    assert not chrome.find_elements(By.ID, "injected")  # shown as text, never parsed
+
+
+def check_paging(chrome: Any, url: str, owner: Any, sid: str, new_sid: str) -> None:
+    """One row per page (``?page=1``): the newest session and trace, a "more" control that
+    fetches the next page, and refreshes that keep what was fetched."""
+    from selenium.webdriver.common.by import By
+
+    chrome.get(f"{url}/?interval=500&page=1")
+    traces = sorted(owner.call("get_session", sid).traces, key=lambda t: (t.created_at, t.trace_id))
+    newest_trace = traces[-1]
+    wait_until(lambda: [r[0] for r in rows(chrome, "sessions")] == [new_sid], 20, what="page 1")
+    wait_until(lambda: len(rows(chrome, "traces")) == 1, 20, what="one trace")
+    assert [href.split("/")[-2] for href, _ in links(chrome)] == [newest_trace.trace_id]
+    for table, total in (("sessions", 2), ("traces", 2)):
+        assert chrome.find_element(By.ID, f"{table}-shown").text == f"newest 1 of {total} {table}"
+        more = chrome.find_element(By.ID, f"{table}-more")
+        assert more.is_displayed() and more.text == "more (1 older)"
+        more.click()
+        wait_until(lambda t=table: len(rows(chrome, t)) == 2, 10, what=f"{table}: page 2")
+        wait_until(lambda m=more: not m.is_displayed(), 10, what=f"{table}: last page")
+        assert chrome.find_element(By.ID, f"{table}-shown").text == ""  # everything shown
+    assert [r[0] for r in rows(chrome, "sessions")] == [new_sid, sid]  # newest first
+    assert [href.split("/")[-2] for href, _ in links(chrome)] == [
+        t.trace_id for t in reversed(traces)
+    ]
+    seen = int(chrome.find_element(By.TAG_NAME, "body").get_attribute("data-refreshes"))
+    wait_until(
+        lambda: (
+            int(chrome.find_element(By.TAG_NAME, "body").get_attribute("data-refreshes")) > seen + 1
+        ),
+        10,
+        what="two more refreshes",
+    )
+    assert len(rows(chrome, "sessions")) == 2 and len(rows(chrome, "traces")) == 2
+
+
+def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
+    url, owner, sid = recorded
+    chrome.get(f"{url}/?interval=500")
+    assert chrome.title == "profd dashboard"
+    check_tables(chrome, url, owner, sid)
+    new_sid = check_form(chrome, owner, sid)
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = chrome.get_screenshot_as_png()
+    (ARTIFACTS / "dashboard.png").write_bytes(shot)
+    (tmp_path / "dashboard.png").write_bytes(shot)
+    width, height = png_size(shot)
+    assert width >= 1000 and height >= 700 and len(shot) > 30_000  # a rendered page, not blank
+
+    check_summary(chrome, url, sid, new_sid, tmp_path)
+    check_summary_errors(chrome, url, new_sid)
+    check_paging(chrome, url, owner, sid, new_sid)
+    uncaught = [e["message"] for e in chrome.get_log("browser") if "Uncaught" in e["message"]]
+    assert not uncaught
