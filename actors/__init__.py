@@ -69,7 +69,7 @@ def get_or_create_coordinator(settings: Any, *, detached: bool = True) -> tuple[
     if detached:
         opts["lifetime"] = "detached"
     handle = ray.remote(ProfileCoordinator).options(**opts).remote(settings.model_dump())
-    ray.get(handle.ping.remote())
+    ray.get(handle.start.remote())  # constructed, and housekeeping runs on its loop
     return handle, True
 
 

@@ -1,26 +1,40 @@
-"""Admitting a session: conflicts, reachability, ids and directories (no Ray)."""
+"""Admitting a session: conflicts, reachability, ids and directories (no Ray), and
+:class:`Admission`, which runs them for a new session or a late agent."""
 
 from __future__ import annotations
 
-import secrets
-import time
+import asyncio
+import logging
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from profd.actors.registry import AgentRecord, AgentRegistry
 from profd.actors.sessions import Part, Session
-from profd.actors.targeting import Target
+from profd.actors.targeting import Target, resolve_targets
 from profd.core.errors import ConflictError, RequestInvalid
 from profd.core.protocol import AgentInfo
-from profd.core.request import SessionRequest
-from profd.core.settings import CoordinatorSettings
+from profd.core.request import SessionRequest, field_errors
 
-__all__ = ["check_conflicts", "check_reachable", "new_session_id", "session_dir"]
+if TYPE_CHECKING:
+    from profd.actors.alignment import Alignment
+    from profd.actors.drivers import DriverTable
+    from profd.actors.session_book import SessionBook
+
+__all__ = [
+    "Admission",
+    "check_conflicts",
+    "check_reachable",
+]
+
+log = logging.getLogger(__name__)
 
 
-def _is_replica(info: AgentInfo) -> bool:
-    return "replica_world_size" in info.topology
+def _colocated_devices(info: AgentInfo) -> range:
+    """The global device ranks a colocated replica shares with training (else none)."""
+    r = info.replica
+    return range(r.global_rank_start, r.global_rank_stop) if r and r.colocated else range(0)
 
 
 def _domains(info: AgentInfo) -> set[tuple[Any, ...]]:
@@ -34,12 +48,10 @@ def _domains(info: AgentInfo) -> set[tuple[Any, ...]]:
       use too (a hybrid engine runs inside the training workers).
     """
     out: set[tuple[Any, ...]] = {("agent", info.agent_id)}
-    if not _is_replica(info):
+    if info.replica is None:
         return out | {("process", info.hostname, info.pid), ("device", info.rank)}
     out.add(("engine", info.agent_id))
-    if info.topology.get("colocated"):
-        start, stop = info.topology["global_rank_start"], info.topology["global_rank_stop"]
-        out.update(("device", g) for g in range(start, stop))
+    out.update(("device", g) for g in _colocated_devices(info))
     return out
 
 
@@ -47,7 +59,7 @@ def _conflict(domain: tuple[Any, ...], a: AgentInfo, b: AgentInfo) -> bool:
     """Whether ``a`` and ``b`` sharing ``domain`` means two profilers at once. An agent, a
     process or an engine always; a device only with a colocated replica on one side (actor
     rank 0 and critic rank 0 are different workers, not one device)."""
-    return domain[0] != "device" or _is_replica(a) or _is_replica(b)
+    return domain[0] != "device" or a.replica is not None or b.replica is not None
 
 
 def check_conflicts(
@@ -117,33 +129,75 @@ def check_reachable(
         )
 
 
-def waiting_note(steps: tuple[int, ...], current: list[int | None]) -> str | None:
-    """The reason an armed session gives when its first steps have already begun on every
-    target (at ``current``): it waits for the first step still ahead, never a past one."""
-    if not current or None in current:
-        return None
-    now_at = min(c for c in current if c is not None)
-    past = [x for x in steps if x <= now_at]
-    ahead = [x for x in steps if x > now_at]
-    if not (past and ahead):
-        return None
-    span = f"{past[0]}-{past[-1]}" if len(past) > 2 else ", ".join(map(str, past))
-    return (
-        f"waiting for step {ahead[0]}; step(s) {span} had already begun on every target "
-        f"(at step {now_at}) and will be missed"
-    )
+class Admission:
+    """Admits new sessions (validate, target, refuse conflicts, place the window) and late
+    agents into launch-time sessions; owns no state of its own."""
 
+    def __init__(
+        self,
+        registry: AgentRegistry,
+        book: SessionBook,
+        alignment: Alignment,
+        drivers: DriverTable,
+    ) -> None:
+        self._registry = registry
+        self._book = book
+        self._alignment = alignment
+        self._drivers = drivers
 
-def new_session_id(now: float, taken: Iterable[str]) -> str:
-    taken = set(taken)
-    while True:
-        sid = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + "-" + secrets.token_hex(2)
-        if sid not in taken:
-            return sid
+    async def admit(self, request: dict | SessionRequest) -> Session:
+        """A new session, its window placed and its plans published."""
+        try:
+            req = (
+                request
+                if isinstance(request, SessionRequest)
+                else SessionRequest.model_validate(request)
+            )
+        except ValidationError as exc:
+            raise RequestInvalid.from_fields(field_errors(exc)) from None
+        targeting = resolve_targets(req, [r.info for r in self._registry.alive()])
+        if not targeting.targets and not req.wait_for_agents:
+            detail = "; ".join(
+                f"{i.role}{'' if i.rank is None else f' rank {i.rank}'}: {i.reason}"
+                for i in targeting.ignored
+            )
+            raise RequestInvalid.at(
+                "roles", f"no registered agent matches the request ({detail or 'no agents'})"
+            )
+        check_conflicts(
+            self._book.live(), self._registry, targeting.targets, timed=req.duration_s is not None
+        )
+        if req.steps is not None:
+            check_reachable(req.steps, self._registry, targeting.targets, self._drivers.job_step)
+        session = self._book.new(req, targeting)
+        await self._alignment.place(session, req, targeting.targets)
+        self._book.advance(session)
+        self._alignment.say_what_is_past(session)
+        self._book.publish([*session.targets])
+        await asyncio.sleep(0)  # let parked long-polls answer before the (large) reply is built
+        log.info(
+            "session %s created: tool %s steps %s, %d target(s), %d ignored",
+            session.session_id,
+            req.tool.value,
+            session.steps,
+            len(session.targets),
+            len(session.ignored),
+        )
+        return session
 
-
-def session_dir(req: SessionRequest, settings: CoordinatorSettings, session_id: str) -> str:
-    root = Path(req.save_path) if req.save_path else Path(settings.save_root)
-    if not root.is_absolute():
-        root = Path(settings.base_dir) / root
-    return str(root / session_id)
+    def adopt(self, info: AgentInfo) -> None:
+        """Add a newly registered agent to launch-time sessions whose window has not begun."""
+        for s in self._book.live():
+            if not s.open_targeting or info.agent_id in s.targets:
+                continue
+            t = resolve_targets(s.request, [info])
+            if not t.targets:
+                continue
+            others = [o for o in self._book.live() if o is not s]  # not against itself
+            try:
+                check_conflicts(others, self._registry, t.targets)
+            except ConflictError as exc:
+                s.warnings.append(f"{info.role} rank {info.rank} not adopted: {exc.message}")
+                continue
+            self._book.adopt(s, t.targets[0])
+            log.info("session %s adopted %s rank %s", s.session_id, info.role, info.rank)

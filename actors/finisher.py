@@ -14,15 +14,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
-from types import SimpleNamespace
 from typing import Any
 
 from profd.actors.hook_upload import HookResult, UploadResult, hook_env, run_hook, upload_file
 from profd.actors.registry import AgentRecord
 from profd.actors.runner import NodeRunner, TraceLocator
-from profd.actors.sessions import Session
+from profd.actors.sessions import HookRecord, Session, UploadRecord
+from profd.core.ray_env import ray_node
+from profd.core.states import HookState, UploadState
 from profd.core.views import TraceView
 
 __all__ = ["Finisher", "hook_agents"]
@@ -74,27 +76,22 @@ class Finisher:
         uri = session.request.upload_uri
         if not uri or trace.trace_id in session.uploads:
             return
-        session.uploads[trace.trace_id] = {
-            "state": "pending",
-            "path": trace.path,
-            "dest": "",
-            "error": "",
-            "node_id": trace.node_id,
-            "node_ip": trace.node_ip,
-            "hostname": trace.hostname,
-            "bytes": trace.bytes,
-        }
+        session.uploads[trace.trace_id] = UploadRecord(
+            trace.path, trace.bytes, trace.node_id, trace.node_ip, trace.hostname
+        )
         self._spawn(self._upload(session, trace.trace_id))
 
     def resume(self, session: Session) -> None:
         """After a restart: run the uploads that were pending, and hooks that were running."""
         for trace_id, rec in session.uploads.items():
-            if rec["state"] == "pending":
+            if rec.state is UploadState.PENDING:
                 self._spawn(self._upload(session, trace_id))
-        for hook in session.hooks:
-            if hook["state"] in ("pending", "running"):
-                hook["state"] = "failed"
-                hook["error"] = "the coordinator restarted while the hook ran"
+        for agent_id, hook in session.hooks.items():
+            if not hook.state.is_terminal:
+                why = "the coordinator restarted while the hook ran"
+                session.hooks[agent_id] = dataclasses.replace(
+                    hook, state=HookState.FAILED, error=why
+                )
 
     async def _upload(self, session: Session, trace_id: str) -> None:
         rec = session.uploads[trace_id]
@@ -104,10 +101,10 @@ class Finisher:
                 self._runner.run(
                     node,
                     upload_file,
-                    rec["path"],
+                    rec.path,
                     session.request.upload_uri,
                     session.session_id,
-                    rec["bytes"],
+                    rec.bytes,
                 ),
                 UPLOAD_TIMEOUT_S,
             )
@@ -115,26 +112,24 @@ class Finisher:
             result = UploadResult("", 0, False, str(exc))
         except Exception as exc:
             result = UploadResult("", 0, False, f"{type(exc).__name__}: {exc}")
-        rec.update(state="done" if result.ok else "failed", dest=result.dest, error=result.error)
+        state = UploadState.DONE if result.ok else UploadState.FAILED
+        session.uploads[trace_id] = dataclasses.replace(
+            rec, state=state, dest=result.dest, error=result.error
+        )
         if not result.ok:
             log.warning(
-                "session %s: upload of %s failed: %s", session.session_id, rec["path"], result.error
+                "session %s: upload of %s failed: %s", session.session_id, rec.path, result.error
             )
         self._on_change(session)
 
-    async def _node_of(self, rec: dict[str, Any]) -> str | None:
+    async def _node_of(self, rec: UploadRecord) -> str | None:
         """Where the file of an upload record is read: by node id while that node lives, else
         by its address or host name (a coordinator restored on a new cluster: see
         :func:`profd.actors.runner.locate`)."""
-        from profd.core.ray_env import ray_node
-
         here = ray_node()[0]
-        where = SimpleNamespace(
-            node_id=rec["node_id"], node_ip=rec.get("node_ip"), hostname=rec.get("hostname")
-        )
-        place = await TraceLocator(self._runner, here).place(where)
+        place = await TraceLocator(self._runner, here).place(rec)
         if not place.found:
-            raise FileNotFoundError(f"cannot upload {rec['path']}: {place.reason}")
+            raise FileNotFoundError(f"cannot upload {rec.path}: {place.reason}")
         return here if place.local else place.node_id
 
     # -- hooks ------------------------------------------------------------------------------
@@ -157,18 +152,7 @@ class Finisher:
             info = rec.info
             node = info.node_id or info.hostname
             mine = [t.path for t in traces if (t.node_id or t.hostname) == node]
-            hook = {
-                "agent_id": info.agent_id,
-                "role": info.role,
-                "rank": info.rank,
-                "node": node,
-                "state": "pending",
-                "exit_code": None,
-                "output": "",
-                "duration_s": None,
-                "error": "",
-            }
-            session.hooks.append(hook)
+            session.hooks[info.agent_id] = HookRecord(info.agent_id, info.role, info.rank, node)
             env = hook_env(
                 session_id=session.session_id,
                 save_dir=session.save_dir,
@@ -179,16 +163,18 @@ class Finisher:
                 node=node,
                 traces=mine,
             )
-            self._spawn(self._hook(session, hook, info.node_id, env))
+            self._spawn(self._hook(session, info.agent_id, info.node_id, env))
         if not session.hooks:
             session.warnings.append("finish hook: no agent left to run it on")
         self._on_change(session)
 
     async def _hook(
-        self, session: Session, hook: dict[str, Any], node_id: str | None, env: dict[str, str]
+        self, session: Session, agent_id: str, node_id: str | None, env: dict[str, str]
     ) -> None:
         req = session.request
-        hook["state"] = "running"
+        hook = session.hooks[agent_id] = dataclasses.replace(
+            session.hooks[agent_id], state=HookState.RUNNING
+        )
         timeout = req.finish_hook_timeout_s
         try:
             result: HookResult = await asyncio.wait_for(
@@ -199,23 +185,22 @@ class Finisher:
             )
         except Exception as exc:
             result = HookResult(None, "", 0.0, error=f"{type(exc).__name__}: {exc}")
-        hook.update(
+        if result.timed_out:
+            state, msg = HookState.TIMED_OUT, f"timed out after {timeout:.0f} s"
+        elif result.ok:
+            state, msg = HookState.DONE, ""
+        else:
+            state, msg = HookState.FAILED, result.error or f"exited with {result.exit_code}"
+        session.hooks[agent_id] = dataclasses.replace(
+            hook,
+            state=state,
             exit_code=result.exit_code,
             output=result.output,
             duration_s=result.duration_s,
             error=result.error,
         )
-        if result.timed_out:
-            hook["state"] = "timed_out"
-            msg = f"timed out after {timeout:.0f} s"
-        elif result.ok:
-            hook["state"] = "done"
-            msg = ""
-        else:
-            hook["state"] = "failed"
-            msg = result.error or f"exited with {result.exit_code}"
         if msg:
-            session.warnings.append(f"finish hook on {hook['role']} rank {hook['rank']}: {msg}")
+            session.warnings.append(f"finish hook on {hook.role} rank {hook.rank}: {msg}")
         self._on_change(session)
 
     async def drain(self) -> None:

@@ -94,7 +94,8 @@ async def _live_node_ids(runner: Any, max_age_s: float | None = None) -> set[str
         return None
     try:
         found = await (nodes() if max_age_s is None else nodes(max_age_s=max_age_s))
-    except Exception:
+    except Exception as exc:  # unknown: no agent is declared gone on this pass
+        log.warning("liveness: could not list Ray's nodes: %r", exc)
         return None
     return None if found is None else {n.node_id for n in found}
 

@@ -163,8 +163,3 @@ class PlanBook:
                         e.acked.remove(event)
                         if not e.acked:
                             e.acked = None
-
-    def forget(self, agent_id: str) -> None:
-        entry = self._entries.pop(agent_id, None)
-        if entry is not None:
-            _signal(entry.waiters)

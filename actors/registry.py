@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
 from profd.core.protocol import AgentInfo
-from profd.core.views import AgentView
+from profd.core.states import AgentState
+from profd.core.views import AgentView, ReplicaView
 
 __all__ = ["AgentRecord", "AgentRegistry"]
-
-ALIVE, LOST, CLOSED = "alive", "lost", "closed"
 
 
 @dataclass
@@ -19,18 +19,18 @@ class AgentRecord:
     registered_at: float
     last_seen: float
     current_step: int | None = None
-    state: str = ALIVE
+    state: AgentState = AgentState.ALIVE
 
     def touch(self, now: float, step: int | None, revive: bool = True) -> None:
         """Heard from now. ``revive=False`` for the end of a long-poll parked before the
         agent was found dead: only a new call from the agent brings a lost agent back."""
-        if self.state == LOST and not revive:
+        if self.state is AgentState.LOST and not revive:
             return
         self.last_seen = now
         if step is not None:
             self.current_step = step
-        if self.state == LOST:
-            self.state = ALIVE
+        if self.state is AgentState.LOST:
+            self.state = AgentState.ALIVE
 
     def step(self, driver_step: int | None) -> int | None:
         """The job's step on this agent: its own, else its driver's."""
@@ -56,6 +56,7 @@ class AgentRecord:
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             capabilities=dict(i.capabilities),
             labels=dict(i.labels),
+            replica=ReplicaView(**dataclasses.asdict(i.replica)) if i.replica else None,
         )
 
 
@@ -76,12 +77,12 @@ class AgentRegistry:
             self._agents[info.agent_id] = rec
         else:
             rec.info = info
-            rec.state = ALIVE
+            rec.state = AgentState.ALIVE
             rec.touch(now, step)
         return rec
 
     def alive(self) -> list[AgentRecord]:
-        return [r for r in self._agents.values() if r.state == ALIVE]
+        return [r for r in self._agents.values() if r.state is AgentState.ALIVE]
 
     def all(self) -> list[AgentRecord]:
         return list(self._agents.values())
@@ -101,20 +102,20 @@ class AgentRegistry:
         """Mark agents unheard of for ``timeout_s`` as lost; return the newly lost ones."""
         lost = []
         for rec in self._agents.values():
-            if rec.state == ALIVE and now - rec.last_seen > timeout_s:
-                rec.state = LOST
+            if rec.state is AgentState.ALIVE and now - rec.last_seen > timeout_s:
+                rec.state = AgentState.LOST
                 lost.append(rec)
         return lost
 
     def lose(self, agent_id: str) -> AgentRecord | None:
         """Mark an alive agent lost now (its process is known dead); the record if it was."""
         rec = self._agents.get(agent_id)
-        if rec is None or rec.state != ALIVE:
+        if rec is None or rec.state is not AgentState.ALIVE:
             return None
-        rec.state = LOST
+        rec.state = AgentState.LOST
         return rec
 
     def close(self, agent_id: str) -> None:
         rec = self._agents.get(agent_id)
         if rec is not None:
-            rec.state = CLOSED
+            rec.state = AgentState.CLOSED

@@ -47,15 +47,15 @@ def session_view(
         ignored=[IgnoredView(role=i.role, rank=i.rank, reason=i.reason) for i in s.ignored],
         traces=[t for t in traces if t.session_id == s.session_id],
         warnings=list(s.warnings),
-        hooks=[HookView.model_validate(h) for h in s.hooks],
+        hooks=[HookView.model_validate(h.to_dict()) for h in s.hooks.values()],
         uploads=[
             UploadView(
                 trace_id=tid,
-                state=u["state"],
-                path=u["path"],
-                dest=u["dest"],
-                error=u["error"],
-                node_id=u.get("node_id"),
+                state=u.state,
+                path=u.path,
+                dest=u.dest,
+                error=u.error,
+                node_id=u.node_id,
             )
             for tid, u in s.uploads.items()
         ],
@@ -68,18 +68,22 @@ def metrics_snapshot(
     sessions: Iterable[Session],
     traces: Iterable[TraceView],
     stalls: dict[str, list[float]],
-    counters: dict[str, float],
+    *,
+    events: int,
+    reports: int,
     uptime_s: float,
 ) -> dict[str, Any]:
-    """A snapshot for the sidecar's Prometheus endpoint."""
-    agents = Counter(f"{r.info.role}|{r.state}" for r in registry.all())
+    """A snapshot for the sidecar's Prometheus endpoint (``stalls``: tool -> ``[count, sum,
+    max]``; ``events`` and ``reports``: agent events and reports since the coordinator
+    started)."""
+    agents = Counter(f"{r.info.role}|{r.state.value}" for r in registry.all())
     by_state: Counter[str] = Counter()
     hooks: Counter[str] = Counter()
     uploads: Counter[str] = Counter()
     for s in sessions:
         by_state[s.state.value] += 1
-        hooks.update(h["state"] for h in s.hooks)
-        uploads.update(u["state"] for u in s.uploads.values())
+        hooks.update(h.state.value for h in s.hooks.values())
+        uploads.update(u.state.value for u in s.uploads.values())
     written: dict[str, list[float]] = {}
     for t in traces:
         acc = written.setdefault(t.tool, [0, 0])
@@ -92,7 +96,7 @@ def metrics_snapshot(
         "stalls": {k: list(v) for k, v in stalls.items()},
         "hooks": dict(hooks),
         "uploads": dict(uploads),
-        "events_total": counters["events"],
-        "reports_total": counters["reports"],
+        "events_total": events,
+        "reports_total": reports,
         "uptime_s": uptime_s,
     }

@@ -13,11 +13,14 @@ nodes (``ray.nodes()`` through the runner).
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from profd.core.ray_env import ray_up
 
 __all__ = [
     "LocalRunner",
@@ -29,6 +32,8 @@ __all__ = [
     "default_runner",
     "locate",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class NodeRunner(Protocol):
@@ -144,7 +149,8 @@ class RayNodeRunner:
             return self._nodes[1]
         try:
             found = await asyncio.to_thread(ray_nodes)
-        except Exception:
+        except Exception as exc:  # the GCS is busy or going away: "unknown", asked again later
+            log.warning("could not list Ray's nodes: %r", exc)
             return None
         self._nodes = (now, found)
         return found
@@ -199,11 +205,4 @@ class TraceLocator:
 
 def default_runner() -> NodeRunner:
     """Ray tasks when this process is part of a Ray cluster, else threads."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return RayNodeRunner()
-    except Exception:
-        pass
-    return LocalRunner()
+    return RayNodeRunner() if ray_up() else LocalRunner()

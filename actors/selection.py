@@ -2,7 +2,8 @@
 
 Rank rule of one role block: ``all_ranks`` → every rank; else a non-empty ``ranks`` → those
 ranks; else rank 0. Unlike verl, a requested rank that no agent has is *reported*, never
-silently dropped. The finish-hook rank rule has the same shape.
+silently dropped. The finish-hook rule is
+:func:`profd.actors.finisher.hook_agents` (it chooses agents, one per node by default).
 
 Role matching: an agent registered as ``actor_rollout_ref`` hosts the actor, rollout and ref
 roles in one process. A request block matches an agent when its key equals the agent's role,
@@ -15,16 +16,15 @@ No Ray or torch import; pure functions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from profd.core.protocol import Ignored
 from profd.core.request import RoleProfilerConfig
 
 __all__ = [
     "WILDCARD",
-    "Ignored",
     "RankSelection",
-    "hook_ranks",
     "match_role_block",
     "role_components",
     "select_ranks",
@@ -33,15 +33,6 @@ __all__ = [
 WILDCARD = "*"
 #: Role names verl uses; a registered role is split into these where it is a combination.
 KNOWN_ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model", "value_model")
-
-
-@dataclass(frozen=True, slots=True)
-class Ignored:
-    """A requested target that was not used, with the reason."""
-
-    role: str
-    rank: int | None
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,18 +62,6 @@ def select_ranks(
             reason = f"no agent registered for rank {r}"
         ignored.append(Ignored(role, r, reason))
     return RankSelection(tuple(chosen), tuple(ignored))
-
-
-def hook_ranks(
-    profiled: Sequence[int], all_ranks: bool, ranks: Sequence[int], available: Iterable[int]
-) -> tuple[int, ...]:
-    """Finish-hook rule: all ranks, else the listed ranks, else the profiled ranks."""
-    have = sorted(set(available))
-    if all_ranks:
-        return tuple(have)
-    if ranks:
-        return tuple(r for r in sorted(set(ranks)) if r in have)
-    return tuple(sorted(set(profiled)))
 
 
 def role_components(role: str) -> tuple[str, ...]:

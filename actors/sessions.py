@@ -9,16 +9,86 @@ the state is never spread across flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from profd.actors.selection import Ignored
-from profd.core.protocol import AgentEvent, EventKind
+from profd.core.protocol import (
+    AgentEvent,
+    EventKind,
+    Ignored,
+    PartDone,
+    PhaseDone,
+    StepsMissed,
+    TraceWritten,
+)
 from profd.core.request import SessionRequest
 from profd.core.schedule import group_steps
-from profd.core.views import PartState, SessionState
+from profd.core.settings import CoordinatorSettings
+from profd.core.states import HookState, PartState, SessionState, UploadState
 
-__all__ = ["Part", "Session"]
+__all__ = ["HookRecord", "Part", "Session", "UploadRecord", "new_session_id", "session_dir"]
+
+
+def new_session_id(now: float, taken: Iterable[str]) -> str:
+    taken = set(taken)
+    while True:
+        sid = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + "-" + secrets.token_hex(2)
+        if sid not in taken:
+            return sid
+
+
+def session_dir(req: SessionRequest, settings: CoordinatorSettings, session_id: str) -> str:
+    root = Path(req.save_path) if req.save_path else Path(settings.save_root)
+    if not root.is_absolute():
+        root = Path(settings.base_dir) / root
+    return str(root / session_id)
+
+
+@dataclass(frozen=True, slots=True)
+class UploadRecord:
+    """One trace's copy to ``upload_uri``; persisted, so a restarted coordinator resumes it."""
+
+    path: str
+    bytes: int
+    node_id: str | None
+    node_ip: str | None = None
+    hostname: str | None = None
+    state: UploadState = UploadState.PENDING
+    dest: str = ""
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "state": self.state.value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> UploadRecord:
+        return cls(**{**d, "state": UploadState(d["state"])})
+
+
+@dataclass(frozen=True, slots=True)
+class HookRecord:
+    """One finish-hook run, on the node of one hook agent."""
+
+    agent_id: str
+    role: str
+    rank: int
+    node: str
+    state: HookState = HookState.PENDING
+    exit_code: int | None = None
+    output: str = ""
+    duration_s: float | None = None
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "state": self.state.value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HookRecord:
+        return cls(**{**d, "state": HookState(d["state"])})
 
 
 @dataclass
@@ -96,21 +166,19 @@ class Session:
     warnings: list[str] = field(default_factory=list)
     #: Launch-time sessions adopt agents that register later, until recording starts.
     open_targeting: bool = False
-    #: trace id -> {"state": pending | done | failed, "path", "dest", "error"}
-    uploads: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: One record per finish-hook run (agent, node, state, exit code, output).
-    hooks: list[dict[str, Any]] = field(default_factory=list)
+    #: trace id -> its upload (records are frozen: a change replaces the record).
+    uploads: dict[str, UploadRecord] = field(default_factory=dict)
+    #: hook agent id -> its finish-hook run, in the order they were planned.
+    hooks: dict[str, HookRecord] = field(default_factory=dict)
     hooks_planned: bool = False
 
     def finish_pending(self) -> bool:
         """Uploads or finish hooks still to run before the session may end."""
-        if any(u["state"] == "pending" for u in self.uploads.values()):
+        if any(u.state is UploadState.PENDING for u in self.uploads.values()):
             return True
         if self.request.finish_hook_cmd is None:
             return False
-        return not self.hooks_planned or any(
-            h["state"] in ("pending", "running") for h in self.hooks
-        )
+        return not self.hooks_planned or any(not h.state.is_terminal for h in self.hooks.values())
 
     history: list[tuple[float, SessionState, str]] = field(default_factory=list)
     #: Parts changed since the coordinator last persisted them (not itself persisted).
@@ -159,9 +227,8 @@ class Session:
             "history": [[t, st.value, r] for t, st, r in self.history],
             "warnings": list(self.warnings),
             "open_targeting": self.open_targeting,
-            # copies: records change in place, and a saved header is compared with a new one
-            "uploads": {k: dict(v) for k, v in self.uploads.items()},
-            "hooks": [dict(h) for h in self.hooks],
+            "uploads": {k: u.to_dict() for k, u in self.uploads.items()},
+            "hooks": [h.to_dict() for h in self.hooks.values()],
             "hooks_planned": self.hooks_planned,
         }
 
@@ -182,8 +249,9 @@ class Session:
         s.history = [(t, SessionState(st), r) for t, st, r in d["history"]]
         s.warnings = list(d["warnings"])
         s.open_targeting = d["open_targeting"]
-        s.uploads = dict(d.get("uploads", {}))
-        s.hooks = list(d.get("hooks", []))
+        s.uploads = {k: UploadRecord.from_dict(u) for k, u in d.get("uploads", {}).items()}
+        hooks = (HookRecord.from_dict(h) for h in d.get("hooks", []))
+        s.hooks = {h.agent_id: h for h in hooks}
         s.hooks_planned = bool(d.get("hooks_planned", False))
         return s
 
@@ -208,6 +276,21 @@ class Session:
         if part is None or part.state.is_terminal:
             return
         self.dirty_parts.add(agent_id)
+        match event.payload:
+            case TraceWritten() as trace:
+                self._on_trace(part, trace)
+            case StepsMissed(steps=steps):
+                part.missed.update(steps)
+                part.notes.append(event.message)
+            case PhaseDone(step=step, phase=phase):
+                part.last_phase = [step, phase.value]
+            case PartDone() as done:
+                self._on_part_done(part, done)
+            case None:
+                self._on_progress(part, event)
+
+    def _on_progress(self, part: Part, event: AgentEvent) -> None:
+        """The events without a payload: the part's progress, errors, the agent's end."""
         kind = event.kind
         if kind is EventKind.ARMED:
             if part.armed_at is None:
@@ -218,36 +301,27 @@ class Session:
             part.state = PartState.RECORDING
         elif kind is EventKind.COLLECTING:
             part.state = PartState.COLLECTING
-        elif kind is EventKind.TRACE and event.data:
-            for w in event.data.get("warnings") or ():
-                name = str(event.data.get("path", "")).rsplit("/", 1)[-1]
-                self.warnings.append(f"{part.role} rank {part.rank} {name}: {w}")
-            part.recorded.update(int(s) for s in event.data.get("steps") or ())
-            trace_id = event.data.get("trace_id")
-            if trace_id and trace_id not in part.traces:
-                part.traces.append(trace_id)
-        elif kind is EventKind.MISSED:
-            part.missed.update(int(s) for s in (event.data or {}).get("steps") or ())
-            part.notes.append(event.message)
         elif kind is EventKind.ERROR:
             part.errors.append(event.message)
-        elif kind is EventKind.PHASE and event.data:
-            part.last_phase = [event.data.get("step"), event.data.get("phase")]
-        elif kind is EventKind.PART_DONE:
-            data = event.data or {}
-            part.recorded.update(int(s) for s in data.get("recorded") or ())
-            part.missed.update(int(s) for s in data.get("missed") or ())
-            part.missed -= part.recorded
-            who = f"{part.role} replica {data.get('replica', part.rank)}"
-            self.warnings.extend(f"{who}: {w}" for w in data.get("warnings") or ())
-            self.warnings.extend(
-                f"{who}: incomplete {i.get('path')}: {i.get('reason')}"
-                for i in data.get("incomplete") or ()
-            )
-            self._close_part(part)
         elif kind is EventKind.CLOSED:
             # An agent that shut down before finishing its window cannot finish it later.
             self._close_part(part, unresolved_reason="the job ended before these steps")
+
+    def _on_trace(self, part: Part, trace: TraceWritten) -> None:
+        name = trace.path.rsplit("/", 1)[-1]
+        self.warnings.extend(f"{part.role} rank {part.rank} {name}: {w}" for w in trace.warnings)
+        part.recorded.update(trace.steps)
+        if trace.trace_id not in part.traces:
+            part.traces.append(trace.trace_id)
+
+    def _on_part_done(self, part: Part, done: PartDone) -> None:
+        part.recorded.update(done.recorded)
+        part.missed.update(done.missed)
+        part.missed -= part.recorded
+        who = f"{part.role} replica {done.replica if done.replica is not None else part.rank}"
+        self.warnings.extend(f"{who}: {w}" for w in done.warnings)
+        self.warnings.extend(f"{who}: incomplete {i.path}: {i.reason}" for i in done.incomplete)
+        self._close_part(part)
 
     def _close_part(self, part: Part, unresolved_reason: str = "not reached") -> None:
         unresolved = set(self.steps or ()) - part.recorded - part.missed
@@ -325,10 +399,10 @@ class Session:
         return None
 
     def _finish(self, parts: list[Part], now: float) -> SessionState:
-        failed = [u for u in self.uploads.values() if u["state"] == "failed"]
+        failed = [u for u in self.uploads.values() if u.state is UploadState.FAILED]
         done = [p for p in parts if p.state is PartState.DONE]
         if failed:
-            detail = "; ".join(f"upload of {u['path']} failed: {u['error']}" for u in failed)
+            detail = "; ".join(f"upload of {u.path} failed: {u.error}" for u in failed)
             return self._to(SessionState.PARTIAL, detail, now)
         if len(done) == len(parts):
             n = sum(len(p.traces) for p in parts)

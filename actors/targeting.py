@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 from profd.actors.selection import (
     WILDCARD,
-    Ignored,
     RankSelection,
     match_role_block,
     role_components,
     select_ranks,
 )
-from profd.core.protocol import AgentInfo
+from profd.core.protocol import AgentInfo, Ignored
 from profd.core.request import RoleProfilerConfig, SessionRequest
+from profd.rollout.replicas import ReplicaMap, select_replicas
 
 __all__ = ["Target", "Targeting", "resolve_targets"]
 
@@ -76,7 +76,7 @@ def _tool_refused(req: SessionRequest, info: AgentInfo) -> Ignored | None:
 
 
 def _is_rollout(ranks: dict[int, AgentInfo]) -> bool:
-    return any("replica_world_size" in i.topology for i in ranks.values())
+    return any(i.replica is not None for i in ranks.values())
 
 
 def _replicas(
@@ -87,9 +87,7 @@ def _replicas(
     agents: dict[int, AgentInfo],
 ) -> tuple[list[Target], list[Ignored]]:
     """Rollout agents (rank = replica index): requested *global GPU ranks* select replicas."""
-    from profd.rollout.replicas import ReplicaMap, select_replicas
-
-    width = max(int(i.topology.get("replica_world_size", 1)) for i in agents.values())
+    width = max(i.replica.world_size if i.replica else 1 for i in agents.values())
     count = max([i.world_size or 0 for i in agents.values()] + [max(agents) + 1])
     sel = select_replicas(block, ReplicaMap(width, count), available=agents.keys(), role=role)
     out, skipped = [], list(sel.ignored)

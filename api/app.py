@@ -20,29 +20,16 @@ from profd.api.client import CoordinatorClient, RayCoordinatorClient, SharedRead
 from profd.api.deps import ReadTokenDep
 from profd.api.routes import agents, dashboard, sessions, status, traces
 from profd.api.security import BodyLimit, HostCheck, allowed_host_names
+from profd.api.summaries import SummaryCache
 from profd.core.constants import __version__
 from profd.core.errors import ProfdError, RequestInvalid
+from profd.core.ray_env import connect_ray, ray_context
 from profd.core.request import field_errors
 from profd.core.settings import SidecarConfig
 
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
-
-
-def _connect_ray(config: SidecarConfig) -> None:
-    import ray
-
-    from profd.core.constants import NAMESPACE
-
-    if not ray.is_initialized():
-        ray.init(address=config.ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
-
-
-def _local_node_id() -> str | None:
-    from profd.core.ray_env import ray_context
-
-    return ray_context().node_id
 
 
 def create_app(
@@ -54,12 +41,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if client is None:
-            _connect_ray(config)
+            connect_ray(config.ray_address)  # a no-op in the sidecar actor: Ray is up
             app.state.client = SharedReads(RayCoordinatorClient(), config.read_cache_s)
         else:
             app.state.client = client
         app.state.runner = default_runner()
-        app.state.node_id = _local_node_id()
+        app.state.node_id = ray_context().node_id
+        app.state.summaries = SummaryCache()  # its lock belongs to this loop
         if config.freeze_gc:
             gc.collect()
             gc.freeze()
@@ -76,6 +64,7 @@ def create_app(
     app.state.runner = None
     app.state.node_id = None
     app.state.metrics = metrics.new_registry()
+    app.state.summaries = SummaryCache()
     # /healthz (in status.router) stays open for liveness probes; /api/v1/status guards itself.
     app.include_router(status.router)
     for router in (agents.router, sessions.router, traces.router):

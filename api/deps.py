@@ -15,6 +15,7 @@ from pydantic import BeforeValidator
 
 from profd.actors.runner import NodeRunner, TraceLocator
 from profd.api.client import CoordinatorClient
+from profd.api.summaries import SummaryCache
 from profd.core.paging import DEFAULT_LIMIT, MAX_CURSOR_CHARS, MAX_LIMIT
 from profd.core.request import MAX_INT
 from profd.core.settings import SidecarConfig
@@ -29,6 +30,7 @@ __all__ = [
     "RankQuery",
     "ReadTokenDep",
     "RunnerDep",
+    "SummariesDep",
     "TokenDep",
     "digits",
     "get_client",
@@ -57,10 +59,15 @@ async def get_node_id(request: Request) -> str | None:
     return request.app.state.node_id
 
 
+async def get_summaries(request: Request) -> SummaryCache:
+    return request.app.state.summaries
+
+
 ClientDep = Annotated[CoordinatorClient, Depends(get_client)]
 ConfigDep = Annotated[SidecarConfig, Depends(get_config)]
 RunnerDep = Annotated[NodeRunner, Depends(get_runner)]
 NodeIdDep = Annotated[str | None, Depends(get_node_id)]
+SummariesDep = Annotated[SummaryCache, Depends(get_summaries)]
 
 
 async def get_locator(runner: RunnerDep, node_id: NodeIdDep) -> TraceLocator:

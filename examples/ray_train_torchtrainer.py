@@ -13,7 +13,7 @@ Run it on a cluster where ``profd up --address auto`` ran on the head::
 
 or declare the window when the job starts (no ``profd up`` needed: the job then owns a
 coordinator for its lifetime); without ``--address`` the script starts a private Ray on
-127.0.0.1 (see :func:`profd.core.ray_env.join_or_start_ray`)::
+127.0.0.1 (see :func:`profd.join_or_start_ray`)::
 
     python examples/ray_train_torchtrainer.py --profile-steps 3,4
 
@@ -28,7 +28,7 @@ import json
 import time
 from typing import Any
 
-from profd.core.ray_env import join_or_start_ray
+import profd
 
 ROLE = "trainer"
 FEATURES = 32
@@ -43,7 +43,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
-    import profd
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
@@ -94,11 +93,10 @@ def main(
     storage_path: str | None = None,
 ) -> dict[str, Any]:
     """Train with ``num_workers`` CPU workers; return the session and its trace files."""
-    join_or_start_ray(address, num_cpus=max(4, num_workers))
+    profd.join_or_start_ray(address, num_cpus=max(4, num_workers))
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    import profd
 
     session_id = None
     if profile_steps:

@@ -12,7 +12,7 @@ verl's shape, in miniature:
 
 A verl config (``global_profiler`` + ``<role>.profiler``) is given to profd unchanged (here
 on a private Ray on 127.0.0.1, since no ``--address`` is given; see
-:func:`profd.core.ray_env.join_or_start_ray`)::
+:func:`profd.join_or_start_ray`)::
 
     python examples/single_controller.py --config examples/verl_config.yaml
 
@@ -30,7 +30,7 @@ import json
 import time
 from typing import Any
 
-from profd.core.ray_env import join_or_start_ray
+import profd
 
 VOCAB = 32
 HIDDEN = 48
@@ -58,7 +58,6 @@ class ActorRolloutRefWorker:
     def __init__(self, rank: int, world_size: int) -> None:
         import torch
 
-        import profd
 
         torch.set_num_threads(1)
         torch.manual_seed(rank)
@@ -114,7 +113,6 @@ class CriticWorker:
     def __init__(self, rank: int, world_size: int) -> None:
         import torch
 
-        import profd
 
         torch.set_num_threads(1)
         self.torch = torch
@@ -202,7 +200,6 @@ def fit(
     """The driver loop: one RL step = rollout, scoring, advantages, updates."""
     import torch
 
-    import profd
 
     ctl = profd.controller()
     history = []
@@ -240,10 +237,9 @@ def main(
     actor_world_size: int = 2,
     progress: bool = False,
 ) -> dict[str, Any]:
-    join_or_start_ray(address, num_cpus=4)
+    profd.join_or_start_ray(address, num_cpus=4)
     import ray
 
-    import profd
 
     session_id = None
     if config is not None:  # verl's own profiler config, unchanged (before the workers start)

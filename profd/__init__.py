@@ -25,6 +25,7 @@ __all__ = [
     "attach",
     "attach_rollout",
     "controller",
+    "join_or_start_ray",
     "start_session",
     "wait_session",
 ]
@@ -66,6 +67,15 @@ def start_session(config: Any, **kwargs: Any) -> Any:
     from profd.driver.launch import start_session as _start
 
     return _start(config, **kwargs)
+
+
+def join_or_start_ray(address: str | None = None, num_cpus: int = 4) -> None:
+    """For a job script, before its first ``import ray``: join the cluster at ``address`` (or
+    ``$RAY_ADDRESS``), else start a private Ray on 127.0.0.1; see
+    :func:`profd.core.ray_env.join_or_start_ray`."""
+    from profd.core.ray_env import join_or_start_ray as _join
+
+    _join(address, num_cpus)
 
 
 def wait_session(session_id: str, timeout: float = 120.0) -> Any:

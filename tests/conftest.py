@@ -1,16 +1,20 @@
 """Shared fixtures: one real local Ray per test session (on 127.0.0.1), a fresh coordinator
-per test, a real uvicorn sidecar, and an in-process coordinator for fast agent tests."""
+per test, an in-process coordinator for fast agent tests, and real uvicorn sidecars around it.
+
+The suite's one bearer token is :data:`helpers.TOKEN` (``from helpers import TOKEN, AUTH``):
+it lives in ``helpers`` because this module is not meant to be imported by tests."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers import coordinator_settings, wait_until
+from helpers import Sidecar, coordinator_settings, start_sidecar, wait_until
 
 for _k, _v in {
     "RAY_AUTH_MODE": "disabled",
@@ -88,3 +92,29 @@ def local_coordinator(tmp_path: Path) -> Iterator[Any]:
     owner = InProcessCoordinator(ProfileCoordinator(coordinator_settings(tmp_path)))
     yield owner
     owner.close()
+
+
+@pytest.fixture
+def make_sidecar(local_coordinator: Any) -> Iterator[Callable[..., Sidecar]]:
+    """``make_sidecar(**overrides)``: a real uvicorn sidecar on 127.0.0.1 (a free port, started
+    and ready) around :func:`local_coordinator`, as a frozen :class:`helpers.Sidecar` (``url``,
+    ``token``, ``owner``, ``app``, ``headers``, ``client()``).
+
+    By default it has the suite's token (:data:`helpers.TOKEN`) and :class:`SidecarConfig`'s
+    defaults; ``overrides`` are those of :func:`helpers.start_sidecar` (``token=None``, any
+    config field such as ``host``, ``allowed_hosts``, ``allow_hook_commands``,
+    ``upload_prefixes``, ``base_dir``, ``read_cache_s``; ``dependency_overrides``). Any number
+    may run at once; every one still running is stopped at tear-down, before the coordinator
+    closes (``with make_sidecar(...) as sc:`` stops one earlier)."""
+    with ExitStack() as stack:
+
+        def make(**overrides: Any) -> Sidecar:
+            return stack.enter_context(start_sidecar(local_coordinator, **overrides))
+
+        yield make
+
+
+@pytest.fixture
+def sidecar(make_sidecar: Callable[..., Sidecar]) -> Sidecar:
+    """The default sidecar of :func:`make_sidecar`: loopback, the suite's token."""
+    return make_sidecar()

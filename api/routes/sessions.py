@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, status
 from fastapi.responses import Response
@@ -13,7 +12,15 @@ from pydantic import BaseModel, Field
 from profd.analysis.models import SessionSummary, SkippedFile
 from profd.analysis.summary import summarize_files
 from profd.api.client import CoordinatorClient
-from profd.api.deps import ClientDep, ConfigDep, CursorQuery, LimitQuery, LocatorDep, TokenDep
+from profd.api.deps import (
+    ClientDep,
+    ConfigDep,
+    CursorQuery,
+    LimitQuery,
+    LocatorDep,
+    SummariesDep,
+    TokenDep,
+)
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
 from profd.api.security import confine_save_path, confine_upload_uri
@@ -145,7 +152,10 @@ async def get_session(client: ClientDep, session_id: str = SessionId) -> Respons
     responses=error_responses(404, 409, 422),
 )
 async def session_summary(
-    client: ClientDep, locator: LocatorDep, session_id: str = SessionId
+    client: ClientDep,
+    locator: LocatorDep,
+    summaries: SummariesDep,
+    session_id: str = SessionId,
 ) -> SessionSummary:
     """Per step x stage x rank wall time, mini-batches, idle gaps, top operators, stragglers.
 
@@ -177,12 +187,12 @@ async def session_summary(
         nodes = [p.node_id if not p.local else locator.here_id for _, p in found]
     paths = [t.path for t, _ in found]
     key = (session_id, tuple(t.trace_id for t in traces), tuple(p.node_id for p in places))
-    cached = _SUMMARIES.get(key)
+    cached = summaries.get(key)
     if cached is None:
         # One summary at a time: a burst of requests (reads are open on loopback) queues
         # instead of parsing the same gigabytes in parallel; the cache then answers them.
-        async with _summary_lock():
-            cached = _SUMMARIES.get(key)
+        async with summaries.lock:
+            cached = summaries.get(key)
             if cached is None:
                 cached = await asyncio.to_thread(
                     summarize_files, paths, source=view.save_dir, nodes=nodes, workers=1
@@ -190,39 +200,8 @@ async def session_summary(
                 if lost:
                     cached = cached.model_copy(update={"skipped": [*cached.skipped, *lost]})
                 if view.state.is_terminal and not lost:
-                    _SUMMARIES.put(key, cached)
+                    summaries.put(key, cached)
     return cached
-
-
-class _Lru:
-    """Summaries of finished sessions (their traces no longer change), the newest few."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._items: OrderedDict[tuple[Any, ...], SessionSummary] = OrderedDict()
-
-    def get(self, key: tuple[Any, ...]) -> SessionSummary | None:
-        if key in self._items:
-            self._items.move_to_end(key)
-        return self._items.get(key)
-
-    def put(self, key: tuple[Any, ...], value: SessionSummary) -> None:
-        self._items[key] = value
-        self._items.move_to_end(key)
-        while len(self._items) > self._size:
-            self._items.popitem(last=False)
-
-
-_SUMMARIES = _Lru(32)
-_LOCKS: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
-
-
-def _summary_lock() -> asyncio.Lock:
-    """The lock of the running loop (tests run several apps, each on its own loop)."""
-    loop = asyncio.get_running_loop()
-    for other in [lp for lp in _LOCKS if lp.is_closed()]:
-        del _LOCKS[other]
-    return _LOCKS.setdefault(loop, asyncio.Lock())
 
 
 @router.post(

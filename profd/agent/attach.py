@@ -12,6 +12,7 @@ role (``role="actor_rollout_ref"``) works the same way without prefixes.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -22,6 +23,8 @@ from profd.agent.agent import ProfilerAgent
 from profd.core.protocol import AgentPlan
 
 __all__ = ["RoleAgent", "attach", "attached_agents"]
+
+log = logging.getLogger(__name__)
 
 _PROCESS_AGENT: ProfilerAgent | None = None
 _ROLE_AGENTS: dict[str, RoleAgent] = {}
@@ -122,5 +125,5 @@ def _close_at_exit() -> None:
     for agent in attached_agents():
         try:
             agent.close(timeout=30.0)
-        except Exception:
-            pass
+        except Exception:  # never-break-training boundary: the process exits regardless
+            log.warning("profd: closing agent %s at exit failed", agent.agent_id, exc_info=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -12,16 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from profd.backends.base import PendingOutput, WrittenFile
-from profd.core.protocol import AgentEvent, EventKind
+from profd.core.naming import trace_id_for
+from profd.core.protocol import AgentEvent, EventKind, TraceWritten
 
-__all__ = ["ExportJob", "Exporter", "trace_event", "trace_id_for"]
+__all__ = ["ExportJob", "Exporter", "trace_event"]
 
 log = logging.getLogger(__name__)
-
-
-def trace_id_for(node: str | None, path: str) -> str:
-    """Stable id of a file: the same file always gets the same id, on any process."""
-    return hashlib.sha1(f"{node or ''}:{path}".encode()).hexdigest()[:16]
 
 
 def trace_event(
@@ -35,21 +30,17 @@ def trace_event(
 ) -> AgentEvent:
     """The ``trace`` event announcing one written file."""
     path = str(written.path)
-    return AgentEvent(
-        EventKind.TRACE,
-        session_id,
-        steps[0] if steps else None,
-        data={
-            "trace_id": trace_id_for(node_id, path),
-            "path": path,
-            "bytes": written.bytes,
-            "steps": list(steps),
-            "scope": scope,
-            "tool": tool,
-            "warnings": list(written.warnings),
-            "stall_s": round(stall_s, 6),
-        },
+    written_at = TraceWritten(
+        trace_id=trace_id_for(node_id, path),
+        path=path,
+        bytes=written.bytes,
+        steps=tuple(steps),
+        scope=scope,
+        tool=tool,
+        warnings=tuple(written.warnings),
+        stall_s=round(stall_s, 6),
     )
+    return AgentEvent(EventKind.TRACE, session_id, steps[0] if steps else None, payload=written_at)
 
 
 @dataclass(frozen=True, slots=True)

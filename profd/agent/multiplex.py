@@ -74,7 +74,7 @@ class Multiplexer:
             raise LinkDown("no coordinator")
         try:
             return caller.call(method, *args, timeout=timeout)
-        except Exception as exc:
+        except Exception as exc:  # a caller may raise anything when unreachable (its contract)
             self._caller = None
             raise LinkDown(f"{method}: {type(exc).__name__}") from exc
 

@@ -35,7 +35,7 @@ from profd.agent.specs import build_spec
 from profd.agent.timed import is_timed_thread_free
 from profd.agent.window_state import IDLE, ArmedPlan, Ticket, WindowState
 from profd.backends.base import Backend, Collection, WrittenFile
-from profd.core.protocol import AgentEvent, AgentInfo, EventKind
+from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PartDone, StepsMissed
 from profd.core.schedule import continuous_schedule, discrete_schedule
 
 __all__ = ["Recorder"]
@@ -196,7 +196,7 @@ class Recorder:
             ws.missed.update(steps)
         self._emit(
             AgentEvent(
-                EventKind.MISSED, ws.window.session_id, steps[0], reason, {"steps": list(steps)}
+                EventKind.MISSED, ws.window.session_id, steps[0], reason, StepsMissed(tuple(steps))
             )
         )
 
@@ -283,7 +283,7 @@ class Recorder:
         ticket: Ticket = job.context
         if error is not None:
             self._emit(
-                AgentEvent(EventKind.ERROR, job.session_id, None, error, {"steps": list(job.steps)})
+                AgentEvent(EventKind.ERROR, job.session_id, None, error)
             )
         for f in files:
             self._emit(
@@ -321,7 +321,7 @@ class Recorder:
                     ws.window.session_id,
                     ticket.steps[0],
                     f"{ticket.label}: the schedule saved no window in these steps",
-                    {"steps": list(ticket.steps)},
+                    StepsMissed(tuple(ticket.steps)),
                 )
             )
         self._maybe_done(ws)
@@ -339,12 +339,9 @@ class Recorder:
             sid = ws.window.session_id
             self._finished.add(sid)
             self._windows.pop(sid, None)
-            missed = sorted(set(ws.window.steps) - ws.recorded)
-        self._emit(
-            AgentEvent(
-                EventKind.PART_DONE, sid, data={"recorded": sorted(ws.recorded), "missed": missed}
-            )
-        )
+            missed = set(ws.window.steps) - ws.recorded
+            done = PartDone(tuple(sorted(ws.recorded)), tuple(sorted(missed)))
+        self._emit(AgentEvent(EventKind.PART_DONE, sid, payload=done))
 
     # -- faults and shutdown --------------------------------------------------------------
     def fault(self, ws: WindowState, exc: BaseException) -> None:
@@ -369,8 +366,8 @@ class Recorder:
             if collection is not None and ticket is not None and not ticket.closed:
                 try:
                     self.close_ticket(ticket, collection)
-                except Exception:
-                    pass
+                except Exception:  # already failing: the window is given up just below
+                    log.debug("profd: closing the failed window's collection", exc_info=True)
         self._emit(
             AgentEvent(
                 EventKind.ERROR,
@@ -394,6 +391,7 @@ class Recorder:
                         None,
                         "no mark reached the agent during the timed window (a stalled loop "
                         "can be profiled with py_spy)",
+                        StepsMissed(),
                     )
                 )
             self.close_timed(ws)

@@ -18,7 +18,7 @@ from profd.agent.export import trace_event
 from profd.agent.specs import build_spec
 from profd.backends import backend_class
 from profd.backends.base import Backend
-from profd.core.protocol import AgentEvent, AgentInfo, EventKind, WindowPlan
+from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PartDone, WindowPlan
 
 __all__ = ["TimedWindows", "is_timed_thread_free"]
 
@@ -95,4 +95,4 @@ class TimedWindows:
             self._emit(trace_event(info.node_id, sid, [], TIMED_SCOPE, window.tool, f))
         for e in errors:
             self._emit(AgentEvent(EventKind.ERROR, sid, None, e))
-        self._emit(AgentEvent(EventKind.PART_DONE, sid, data={"recorded": [], "missed": []}))
+        self._emit(AgentEvent(EventKind.PART_DONE, sid, payload=PartDone()))

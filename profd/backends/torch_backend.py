@@ -61,7 +61,7 @@ def _distributed_info_present() -> bool:
         import torch.distributed as dist
 
         return dist.is_available() and dist.is_initialized()
-    except Exception:
+    except (ImportError, RuntimeError):  # a torch built without distributed support
         return False
 
 

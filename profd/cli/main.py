@@ -22,6 +22,7 @@ from profd.cli import analysis, service
 from profd.cli.client import EXIT_UNREACHABLE, ApiClient, CliError
 from profd.core.paging import DEFAULT_LIMIT, MAX_LIMIT
 from profd.core.settings import ProfdSettings
+from profd.core.states import PartState
 
 __all__ = ["app", "main"]
 
@@ -421,12 +422,7 @@ def _wait_session(
                 raise CliError(f"session {sid} still {view['state']} after {timeout:.0f} s")
             time.sleep(0.5)
             view = api.get(f"/api/v1/sessions/{sid}")
-            done = sum(
-                1
-                for t in view["targets"]
-                if t["state"]
-                in ("done", "partial", "missed", "failed", "lost", "cancelled", "expired")
-            )
+            done = sum(1 for t in view["targets"] if PartState(t["state"]).is_terminal)
             bar.update(task, completed=done, state=view["state"])
     return view
 

@@ -18,6 +18,7 @@ No Ray or torch import; pure functions.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ __all__ = [
     "parse_trace_name",
     "part_suffix",
     "sanitize",
+    "trace_id_for",
     "trace_stem",
 ]
 
@@ -138,3 +140,8 @@ def parse_trace_name(name: str) -> StemParts | None:
         timestamp=m.group("ts"),
         suffix=m.group("suffix") or "",
     )
+
+
+def trace_id_for(node: str | None, path: str) -> str:
+    """Stable id of a file: the same file always gets the same id, on any process."""
+    return hashlib.sha1(f"{node or ''}:{path}".encode()).hexdigest()[:16]

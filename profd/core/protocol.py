@@ -11,15 +11,41 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from profd.core.states import ControllerPhase
+
 __all__ = [
     "EMPTY_PLAN",
     "AgentEvent",
     "AgentInfo",
     "AgentPlan",
+    "DriverAck",
     "EventKind",
+    "EventPayload",
+    "Ignored",
+    "IncompleteFile",
+    "PartDone",
+    "PhaseDone",
     "PollReply",
+    "ReplicaInfo",
+    "StepsMissed",
+    "TraceWritten",
     "WindowPlan",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """What a rollout replica's agent says about its replica (``None`` on training agents)."""
+
+    #: GPUs of the replica (its tp × pp × dp ...).
+    world_size: int
+    #: The global GPU ranks it owns: ``range(global_rank_start, global_rank_stop)``.
+    global_rank_start: int
+    global_rank_stop: int
+    #: It shares its GPUs with training: its windows close before training stages run.
+    colocated: bool = False
+    #: Seconds it may take after a window to hand in its files (engine stop, then flush).
+    collect_budget_s: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +71,8 @@ class AgentInfo:
     #: The Ray job the process belongs to: its single-controller driver's steps are its steps
     #: (two jobs on one cluster each have their own driver).
     job_id: str | None = None
+    #: Set by rollout replicas' agents only.
+    replica: ReplicaInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +104,8 @@ class AgentPlan:
     #: The step a single-controller driver announced (``profd.controller().step(n)``);
     #: agents whose workers never call ``step()`` follow it.
     controller_step: int | None = None
-    #: Where the driver is inside that step, for rollout agents: ``step_begin``,
-    #: ``rollout_begin``, ``rollout_end`` or ``step_end``.
-    controller_phase: str | None = None
+    #: Where the driver is inside that step, for rollout agents.
+    controller_phase: ControllerPhase | None = None
 
 
 EMPTY_PLAN = AgentPlan(version=0)
@@ -88,12 +115,79 @@ class EventKind(StrEnum):
     ARMED = "armed"  # the agent holds a plan containing the window
     RECORDING = "recording"  # a collection of the window started
     COLLECTING = "collecting"  # the window's recording is over, files are being written
-    TRACE = "trace"  # a file was written (data: path, bytes, steps, scope)
-    MISSED = "missed"  # steps that could not be recorded (message says why)
+    TRACE = "trace"  # a file was written (payload: TraceWritten)
+    MISSED = "missed"  # steps that could not be recorded (payload: StepsMissed; message: why)
     ERROR = "error"  # a backend / export failure (message says what)
-    PART_DONE = "part_done"  # every step of the window is resolved and every file written
+    PART_DONE = "part_done"  # every step resolved, every file written (payload: PartDone)
     CLOSED = "closed"  # the agent shut down
-    PHASE = "phase"  # a rollout agent handled a controller phase (data: step, phase)
+    PHASE = "phase"  # a rollout agent handled a controller phase (payload: PhaseDone)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceWritten:
+    """One file an agent wrote for a session."""
+
+    trace_id: str
+    path: str
+    bytes: int
+    steps: tuple[int, ...]
+    #: ``train`` (one trace per step or group), a stage label, or ``rollout``.
+    scope: str
+    tool: str
+    warnings: tuple[str, ...] = ()
+    #: Seconds the training thread spent stopping the collection (the export stall).
+    stall_s: float = 0.0
+    #: Rollout replicas: the replica and the global GPU rank the engine file came from.
+    replica: int | None = None
+    global_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepsMissed:
+    """Steps that could not be recorded (empty for a timed window that never saw a mark)."""
+
+    steps: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class IncompleteFile:
+    """An engine file still being written when collection ended; left where it is."""
+
+    path: str
+    reason: str
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PartDone:
+    """The agent's share of the window is over: what it recorded and what it missed."""
+
+    recorded: tuple[int, ...] = ()
+    missed: tuple[int, ...] = ()
+    #: Rollout replicas: which replica, engine files kept in a subdirectory, files that
+    #: were still incomplete when collection ended, and what else the user should know.
+    replica: int | None = None
+    kept_in_subdir: tuple[str, ...] = ()
+    incomplete: tuple[IncompleteFile, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseDone:
+    """A rollout agent handled the driver's phase ``phase`` of step ``step``."""
+
+    step: int
+    phase: ControllerPhase
+
+
+EventPayload = TraceWritten | StepsMissed | PartDone | PhaseDone
+#: The payload each kind carries; the kinds not listed carry none.
+_PAYLOAD_OF: dict[EventKind, type] = {
+    EventKind.TRACE: TraceWritten,
+    EventKind.MISSED: StepsMissed,
+    EventKind.PART_DONE: PartDone,
+    EventKind.PHASE: PhaseDone,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +196,29 @@ class AgentEvent:
     session_id: str | None = None
     step: int | None = None
     message: str = ""
-    data: dict[str, Any] | None = None
+    payload: EventPayload | None = None
     time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        want = _PAYLOAD_OF.get(self.kind)
+        if (want is None) != (self.payload is None) or (
+            want is not None and not isinstance(self.payload, want)
+        ):
+            needs = want.__name__ if want is not None else "no payload"
+            got = type(self.payload).__name__
+            raise TypeError(f"a {self.kind.value} event carries {needs}, not {got}")
+
+
+@dataclass(frozen=True, slots=True)
+class DriverAck:
+    """The coordinator's answer to a driver's step or phase: how many agents follow the job,
+    which did not confirm in time, whether any is a rollout replica."""
+
+    step: int
+    agents: int = 0
+    slow: tuple[str, ...] = ()
+    rollout: bool = False
+    phase: ControllerPhase | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +228,12 @@ class PollReply:
 
     plan: AgentPlan | None
     known: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """A requested target that was not used, with the reason."""
+
+    role: str
+    rank: int | None
+    reason: str

@@ -180,12 +180,7 @@ def connect_ray(address: str | None) -> None:
 
 def current_address() -> str | None:
     """The resolved GCS address of the cluster this process joined (never ``auto``)."""
-    import ray
-
-    try:
-        return ray.get_runtime_context().gcs_address
-    except Exception:
-        return None
+    return ray_context().gcs_address
 
 
 

@@ -5,17 +5,16 @@ Request models live in :mod:`profd.core.request`; these are separate, read-only 
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 from pydantic import BaseModel, ConfigDict, Field
+
+from profd.core.states import AgentState, HookState, PartState, SessionState, UploadState
 
 __all__ = [
     "AgentView",
     "HookView",
     "IgnoredView",
-    "PartState",
     "PartView",
-    "SessionState",
+    "ReplicaView",
     "SessionView",
     "StatusView",
     "TraceView",
@@ -23,64 +22,16 @@ __all__ = [
 ]
 
 
-class SessionState(StrEnum):
-    PENDING = "pending"
-    ARMED = "armed"
-    RECORDING = "recording"
-    COLLECTING = "collecting"
-    DONE = "done"
-    PARTIAL = "partial"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in _TERMINAL_SESSION
-
-
-_TERMINAL_SESSION = {
-    SessionState.DONE,
-    SessionState.PARTIAL,
-    SessionState.FAILED,
-    SessionState.CANCELLED,
-    SessionState.EXPIRED,
-}
-
-
-class PartState(StrEnum):
-    """One target agent's share of a session."""
-
-    PENDING = "pending"  # plan not yet delivered
-    ARMED = "armed"  # agent holds the plan, waiting for the first step
-    RECORDING = "recording"
-    COLLECTING = "collecting"  # recording over, files being written
-    DONE = "done"  # every step recorded and written
-    PARTIAL = "partial"  # some steps recorded, some missed
-    MISSED = "missed"  # nothing could be recorded
-    FAILED = "failed"  # a backend or export failure
-    LOST = "lost"  # the agent vanished
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in _TERMINAL_PART
-
-
-_TERMINAL_PART = {
-    PartState.DONE,
-    PartState.PARTIAL,
-    PartState.MISSED,
-    PartState.FAILED,
-    PartState.LOST,
-    PartState.CANCELLED,
-    PartState.EXPIRED,
-}
-
-
 class _View(BaseModel):
     model_config = ConfigDict(frozen=True)
+
+
+class ReplicaView(_View):
+    world_size: int = Field(description="GPUs of the replica.")
+    global_rank_start: int = Field(description="First global GPU rank it owns.")
+    global_rank_stop: int = Field(description="One past the last global GPU rank it owns.")
+    colocated: bool = Field(description="It shares its GPUs with training.")
+    collect_budget_s: int = Field(description="Seconds it may take to hand in its files.")
 
 
 class AgentView(_View):
@@ -93,7 +44,7 @@ class AgentView(_View):
     node_id: str | None = Field(description="Ray node id of the worker.")
     node_ip: str | None = Field(description="Ray node address of the worker.")
     pid: int = Field(description="Worker process id.")
-    state: str = Field(description="alive, lost (no heartbeat) or closed.")
+    state: AgentState = Field(description="alive, lost (its process is gone or silent) or closed.")
     current_step: int | None = Field(
         description="The job's step on this agent: the last one it marked (SPMD loops), or, "
         "for a worker of a single-controller job, the step its driver announced last."
@@ -111,6 +62,9 @@ class AgentView(_View):
         default_factory=dict,
         description="What else the agent said about itself: a rollout replica's engine "
         "(engine_kind, engine_flavor), endpoint and trace_dir.",
+    )
+    replica: ReplicaView | None = Field(
+        None, description="A rollout replica's size, global GPU ranks and timing (else null)."
     )
 
 
@@ -203,7 +157,7 @@ class HookView(_View):
     role: str = Field(description="Role of that agent.")
     rank: int = Field(description="Rank of that agent.")
     node: str = Field(description="Node the hook ran on.")
-    state: str = Field(description="pending, running, done, failed or timed_out.")
+    state: HookState = Field(description="pending, running, done, failed or timed_out.")
     exit_code: int | None = Field(description="Exit code of the command.")
     output: str = Field(description="Last 64 KB of the command's output.")
     duration_s: float | None = Field(description="How long the command ran.")
@@ -212,7 +166,7 @@ class HookView(_View):
 
 class UploadView(_View):
     trace_id: str = Field(description="Trace uploaded.")
-    state: str = Field(description="pending, done or failed.")
+    state: UploadState = Field(description="pending, done or failed.")
     path: str = Field(description="Source path on its node.")
     dest: str = Field(description="Destination URL.")
     error: str = Field(description="Why the upload failed, if it did.")

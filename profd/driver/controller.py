@@ -47,7 +47,9 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from profd.core.protocol import DriverAck
 from profd.core.ray_env import call_coordinator, find_coordinator, gcs_probe, ray_context
+from profd.core.states import ControllerPhase
 
 __all__ = ["Controller", "ControllerConfig", "Link", "LinkChange", "controller"]
 
@@ -210,7 +212,7 @@ class Controller:
         self._backoff = self.config.backoff_initial_s
         self.link = Link.CLOSED
         self.history: list[LinkChange] = []
-        self.last_reply: dict[str, Any] | None = None
+        self.last_reply: DriverAck | None = None
 
     # -- the driver's surface ------------------------------------------------------------
     def step(self, step: int) -> _ControllerStep:
@@ -224,12 +226,12 @@ class Controller:
     def rollout(self) -> Iterator[None]:
         """Mark generation inside the current step (colocated replicas record only here)."""
         if self._rollout:
-            self._phase("rollout_begin")
+            self._phase(ControllerPhase.ROLLOUT_BEGIN)
         try:
             yield
         finally:
             if self._rollout:
-                self._phase("rollout_end")
+                self._phase(ControllerPhase.ROLLOUT_END)
 
     # -- internals (never raise: without a coordinator the driver simply goes on) ----------------
     def _announce(self) -> None:
@@ -238,19 +240,19 @@ class Controller:
             "controller_step", self._step, cfg.delivery_timeout_s, budget=cfg.step_budget_s
         )
         self.last_reply = reply
-        self._rollout = bool(reply and reply.get("rollout"))
-        slow = reply.get("slow") if reply else None
+        self._rollout = bool(reply and reply.rollout)
+        slow = reply.slow if reply else None
         if slow and "slow" not in self._warned:
             self._warned.add("slow")
             log.warning("profd: step %s reached %d agent(s) late: %s", self._step, len(slow), slow)
 
-    def _phase(self, phase: str) -> None:
+    def _phase(self, phase: ControllerPhase) -> None:
         timeout = self.config.rollout_timeout_s
         self._call("controller_phase", self._step, phase, timeout, budget=timeout + 30)
 
     def _end_step(self) -> None:
         if self._rollout:
-            self._phase("step_end")
+            self._phase(ControllerPhase.STEP_END)
 
     def _call(self, method: str, *args: Any, budget: float) -> Any | None:
         """Ask the coordinator on the background thread; wait at most ``budget``."""

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
+from profd.core.protocol import IncompleteFile
 from profd.rollout.replicas import ReplicaParallelism
 
 __all__ = [
@@ -111,13 +112,6 @@ class LocalRank:
 
     rank: int | None
     reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class IncompleteFile:
-    path: str
-    reason: str
-    bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from typing import Annotated, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from profd.actors.selection import Ignored
+from profd.core.protocol import Ignored
 
 __all__ = [
     "ROLLOUT_ROLE",

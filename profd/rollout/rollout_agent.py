@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from profd.core.request import ToolKind
-from profd.core.views import PartState
+from profd.core.states import PartState
 from profd.rollout.engine_args import (
     EngineProfileOptions,
     VllmLaunchSettings,

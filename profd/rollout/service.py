@@ -30,8 +30,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
-from profd.core.protocol import AgentEvent, AgentPlan, EventKind, WindowPlan
+from profd.core.protocol import (
+    AgentEvent,
+    AgentPlan,
+    EventKind,
+    IncompleteFile,
+    PartDone,
+    PhaseDone,
+    StepsMissed,
+    WindowPlan,
+)
 from profd.core.ray_env import process_start, ray_context
+from profd.core.states import ControllerPhase
 from profd.rollout.engine_args import EngineProfileOptions
 from profd.rollout.rollout_agent import RolloutAgent
 from profd.rollout.windows import WindowMode, WindowOutcome
@@ -48,9 +58,10 @@ class _Window:
     recorded: set[int] = field(default_factory=set)
     missed: dict[int, str] = field(default_factory=dict)
     open_group: tuple[int, ...] | None = None
-    summary: dict[str, Any] = field(
-        default_factory=lambda: {"kept_in_subdir": [], "incomplete": [], "warnings": []}
-    )
+    #: Gathered from each collection's outcome for the window's ``part_done``.
+    kept_in_subdir: list[str] = field(default_factory=list)
+    incomplete: list[IncompleteFile] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     done: bool = False
 
     @property
@@ -73,6 +84,9 @@ class RolloutService:
         self.agent = agent
         self.colocated = colocated
         ray = ray_context()
+        # How long this replica may take after a window to hand in its files (engine stop,
+        # then the flush wait): a timed session's deadline leaves at least this much.
+        stop_s = getattr(getattr(agent.engine, "timeouts", None), "stop_s", 0.0)
         info = agent.describe().to_agent_info(
             agent_id=f"rollout-{agent.replica_index}-{uuid.uuid4().hex[:8]}",
             hostname=socket.gethostname(),
@@ -80,17 +94,14 @@ class RolloutService:
             node_id=ray.node_id,
             node_ip=ray.node_ip,
             replicas=replicas,
+            colocated=colocated,
+            collect_budget_s=int(stop_s + agent.flush.timeout_s) + 1,
         )
-        info.topology["colocated"] = int(colocated)
-        # How long this replica may take after a window to hand in its files (engine stop,
-        # then the flush wait): a timed session's deadline leaves at least this much.
-        stop_s = getattr(getattr(agent.engine, "timeouts", None), "stop_s", 0.0)
-        info.topology["collect_budget_s"] = int(stop_s + agent.flush.timeout_s) + 1
         # the process hosting this replica's agent: a dead host is lost within seconds
         self.info = replace(info, pid_start=process_start(os.getpid()), job_id=ray.job_id)
         self._windows: dict[str, _Window] = {}
         self._finished: set[str] = set()
-        self._phase: tuple[int | None, str | None] = (None, None)
+        self._phase: tuple[int | None, ControllerPhase | None] = (None, None)
         self._work: queue.Queue[AgentPlan | None] = queue.Queue()
         self._timed: list[threading.Thread] = []
         self._timed_stop: dict[str, threading.Event] = {}
@@ -166,20 +177,15 @@ class RolloutService:
         if phase != self._phase and phase[0] is not None and phase[1] is not None:
             self._phase = phase
             for w in list(self._windows.values()):
-                self._on_phase(w, int(phase[0]), str(phase[1]))
-                self._emit(
-                    AgentEvent(
-                        EventKind.PHASE,
-                        w.plan.session_id,
-                        phase[0],
-                        data={"step": phase[0], "phase": phase[1]},
-                    )
-                )
+                self._on_phase(w, int(phase[0]), ControllerPhase(phase[1]))
+                done = PhaseDone(int(phase[0]), ControllerPhase(phase[1]))
+                self._emit(AgentEvent(EventKind.PHASE, w.plan.session_id, phase[0], payload=done))
 
     # -- step windows ------------------------------------------------------------------------
-    def _on_phase(self, w: _Window, step: int, phase: str) -> None:
-        starts = phase == ("rollout_begin" if self.colocated else "step_begin")
-        ends = phase == ("rollout_end" if self.colocated else "step_end")
+    def _on_phase(self, w: _Window, step: int, phase: ControllerPhase) -> None:
+        P = ControllerPhase
+        starts = phase is (P.ROLLOUT_BEGIN if self.colocated else P.STEP_BEGIN)
+        ends = phase is (P.ROLLOUT_END if self.colocated else P.STEP_END)
         for s in w.plan.steps:
             if (
                 s < step
@@ -194,7 +200,7 @@ class RolloutService:
             if step == w.open_group[-1] or step + 1 not in w.plan.steps:
                 self._finish(w)
         elif (
-            phase == "step_end"
+            phase is P.STEP_END
             and self.colocated
             and step in w.group_of
             and w.open_group is None
@@ -227,7 +233,7 @@ class RolloutService:
         if started is not None and started.ok:
             group = w.group_of[step]
             w.open_group = tuple(s for s in group if s >= step)
-            w.summary["warnings"].extend(started.warnings)
+            w.warnings.extend(started.warnings)
             self._emit(AgentEvent(EventKind.RECORDING, window.session_id, step))
             return
         reason = started.reason if started is not None else reason
@@ -249,10 +255,10 @@ class RolloutService:
     def _report(self, w: _Window, outcome: WindowOutcome, steps: tuple[int, ...]) -> bool:
         """Send the outcome's trace / error events; keep its summary for ``part_done``."""
         for ev in outcome.events(w.plan.tool, list(steps), self.info.node_id):
-            if ev.kind is EventKind.PART_DONE:
-                data = ev.data or {}
-                for key in ("kept_in_subdir", "incomplete", "warnings"):
-                    w.summary[key].extend(data.get(key, []))
+            if isinstance(ev.payload, PartDone):
+                w.kept_in_subdir.extend(ev.payload.kept_in_subdir)
+                w.incomplete.extend(ev.payload.incomplete)
+                w.warnings.extend(ev.payload.warnings)
                 continue
             self._emit(ev)
         return bool(outcome.traces)
@@ -274,9 +280,16 @@ class RolloutService:
         self._finished.add(sid)
         for reason in sorted(set(w.missed.values())):
             steps = sorted(s for s, r in w.missed.items() if r == reason)
-            self._emit(AgentEvent(EventKind.MISSED, sid, steps[0], reason, {"steps": steps}))
-        data = {"recorded": sorted(w.recorded), "missed": sorted(w.missed), **w.summary}
-        self._emit(AgentEvent(EventKind.PART_DONE, sid, data=data))
+            missed = StepsMissed(tuple(steps))
+            self._emit(AgentEvent(EventKind.MISSED, sid, steps[0], reason, missed))
+        done = PartDone(
+            recorded=tuple(sorted(w.recorded)),
+            missed=tuple(sorted(w.missed)),
+            kept_in_subdir=tuple(w.kept_in_subdir),
+            incomplete=tuple(w.incomplete),
+            warnings=tuple(w.warnings),
+        )
+        self._emit(AgentEvent(EventKind.PART_DONE, sid, payload=done))
 
     # -- timed windows -------------------------------------------------------------------------
     def _timed_window(self, window: WindowPlan) -> None:
@@ -296,7 +309,7 @@ class RolloutService:
         except Exception as exc:
             events = [
                 AgentEvent(EventKind.ERROR, sid, None, f"{type(exc).__name__}: {exc}"),
-                AgentEvent(EventKind.PART_DONE, sid, data={}),
+                AgentEvent(EventKind.PART_DONE, sid, payload=PartDone()),
             ]
         finally:
             self._timed_stop.pop(sid, None)  # the window is over: nothing left to stop

@@ -9,11 +9,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
-from profd.core.protocol import AgentEvent, AgentInfo, EventKind
-from profd.core.views import PartState
-from profd.rollout.relocate import IncompleteFile, RelocatedFile
+from profd.core.naming import trace_id_for
+from profd.core.protocol import (
+    AgentEvent,
+    AgentInfo,
+    EventKind,
+    IncompleteFile,
+    PartDone,
+    ReplicaInfo,
+    TraceWritten,
+)
+from profd.core.states import PartState
+from profd.rollout.relocate import RelocatedFile
 from profd.rollout.replicas import ROLLOUT_ROLE
 
 __all__ = ["RolloutAgentInfo", "WindowMode", "WindowOutcome", "WindowStart"]
@@ -51,21 +59,26 @@ class RolloutAgentInfo:
         node_id: str | None = None,
         node_ip: str | None = None,
         replicas: int | None = None,
+        colocated: bool = False,
+        collect_budget_s: int = 0,
     ) -> AgentInfo:
         """As the coordinator's :class:`AgentInfo`: rank = replica index, world size = the
-        number of replicas (when known); the layout and rank range go into ``topology``."""
-        topology = {
-            **self.parallelism,
-            "replica_world_size": self.world_size,
-            "global_rank_start": self.global_ranks[0],
-            "global_rank_stop": self.global_ranks[1],
-        }
+        number of replicas (when known); the layout goes into ``topology``, the replica's size,
+        rank range and timing into ``replica``."""
+        replica = ReplicaInfo(
+            world_size=self.world_size,
+            global_rank_start=self.global_ranks[0],
+            global_rank_stop=self.global_ranks[1],
+            colocated=colocated,
+            collect_budget_s=collect_budget_s,
+        )
         return AgentInfo(
             agent_id=agent_id,
             role=self.role,
             rank=self.replica_index,
             world_size=replicas,
-            topology=topology,
+            topology=dict(self.parallelism),
+            replica=replica,
             hostname=hostname,
             pid=pid,
             node_id=node_id,
@@ -116,34 +129,32 @@ class WindowOutcome:
         """The outcome as coordinator events: one ``trace`` per surfaced file, an ``error``
         with the reason when partial, then ``part_done`` carrying peers, incomplete files and
         warnings."""
-        from profd.agent.export import trace_id_for  # the same ids as training traces
-
         first = steps[0] if steps else None
         out = [
             AgentEvent(
                 EventKind.TRACE,
                 self.session_id,
                 first,
-                data={
-                    "trace_id": trace_id_for(node_id, f.path),
-                    "path": f.path,
-                    "bytes": f.bytes,
-                    "steps": list(steps),
-                    "scope": ROLLOUT_ROLE,
-                    "tool": tool,
-                    "replica": f.replica,
-                    "global_rank": f.global_rank,
-                },
+                payload=TraceWritten(
+                    trace_id=trace_id_for(node_id, f.path),
+                    path=f.path,
+                    bytes=f.bytes,
+                    steps=tuple(steps),
+                    scope=ROLLOUT_ROLE,
+                    tool=tool,
+                    replica=f.replica,
+                    global_rank=f.global_rank,
+                ),
             )
             for f in self.traces
         ]
         if self.state is not PartState.DONE:
             out.append(AgentEvent(EventKind.ERROR, self.session_id, first, self.reason))
-        summary: dict[str, Any] = {
-            "replica": self.replica_index,
-            "kept_in_subdir": [f.path for f in self.kept_in_subdir],
-            "incomplete": [{"path": i.path, "reason": i.reason} for i in self.incomplete],
-            "warnings": list(self.warnings),
-        }
-        out.append(AgentEvent(EventKind.PART_DONE, self.session_id, first, data=summary))
+        summary = PartDone(
+            replica=self.replica_index,
+            kept_in_subdir=tuple(f.path for f in self.kept_in_subdir),
+            incomplete=self.incomplete,
+            warnings=self.warnings,
+        )
+        out.append(AgentEvent(EventKind.PART_DONE, self.session_id, first, payload=summary))
         return out

@@ -26,6 +26,9 @@ class InProcessCoordinator:
         )
         self._thread.start()
         self.down = False  # tests flip this to simulate an outage
+        start = getattr(coordinator, "start", None)
+        if start is not None:  # housekeeping runs on the loop thread, as in the Ray actor
+            asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
 
     def call(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
         fut = asyncio.run_coroutine_threadsafe(getattr(self.coordinator, method)(*args), self.loop)

@@ -45,7 +45,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from profd.demo.server import UvicornThread
+from profd.testing.server import UvicornThread
 
 __all__ = ["FakeSglangServer", "FakeVllmServer", "chrome_trace_bytes", "read_trace"]
 

@@ -18,11 +18,9 @@ from typer.testing import CliRunner
 
 from profd.agent import ProfilerAgent
 from profd.analysis.models import SessionSummary
-from profd.api import create_app
 from profd.cli.main import app
-from profd.core.settings import SidecarConfig
 
-from helpers import LoopClient, UvicornThread, wait_until
+from helpers import wait_until
 
 MODEL = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 PROFD = [sys.executable, "-m", "profd.cli.main"]
@@ -138,11 +136,10 @@ def test_bad_input_exits_2_naming_the_option(session, tmp_path: Path) -> None:
         assert "Traceback" not in r.output
 
 
-def test_session_id_resolves_through_the_sidecar(session, tmp_path: Path) -> None:
-    view, owner = session
-    server = UvicornThread(create_app(SidecarConfig(token="t"), client=LoopClient(owner)))
+def test_session_id_resolves_through_the_sidecar(session, make_sidecar, tmp_path: Path) -> None:
+    view, _ = session
     env = dict(os.environ, HOME=str(tmp_path), PROFD_STATE_DIR=str(tmp_path / "state"))
-    with server:
+    with make_sidecar() as server:
         r = subprocess.run(
             [*PROFD, "summarize", view.session_id, "--url", server.url, "--json"],
             env=env,
@@ -159,16 +156,18 @@ def test_session_id_resolves_through_the_sidecar(session, tmp_path: Path) -> Non
     assert r.exit_code == 3 and "cannot reach the profd sidecar" in r.output
 
 
-def test_traces_held_elsewhere_are_fetched_never_left_out(session, tmp_path, monkeypatch) -> None:
+def test_traces_held_elsewhere_are_fetched_never_left_out(
+    session, make_sidecar, tmp_path, monkeypatch
+) -> None:
     """A session id whose traces are partly on other nodes (no shared filesystem): those are
     downloaded through the sidecar, the local ones linked, and every rank is in the result."""
     from profd.cli import analysis
 
-    view, owner = session
+    view, _ = session
     elsewhere = {t.path for t in view.traces if t.rank == 1}
     monkeypatch.setattr(analysis, "_here", lambda t: t["path"] not in elsewhere)
     monkeypatch.setenv("PROFD_STATE_DIR", str(tmp_path / "state"))
-    with UvicornThread(create_app(SidecarConfig(token="t"), client=LoopClient(owner))) as srv:
+    with make_sidecar() as srv:
         r = run("summarize", view.session_id, "--url", srv.url, "--json")
         assert r.exit_code == 0, r.output
         again = run("merge", view.session_id, "--url", srv.url, "-o", str(tmp_path / "m.json"))

@@ -14,13 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from profd.api import create_app
-from profd.core.settings import SidecarConfig
-
-from helpers import LoopClient, UvicornThread, wait_until
+from helpers import TOKEN, wait_until
 
 PROFD = [sys.executable, "-m", "profd.cli.main"]
-TOKEN = "cli-token"
 
 
 def cli(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -38,12 +34,10 @@ def env_for(tmp_path: Path, token: str | None) -> dict[str, str]:
 
 
 @pytest.fixture
-def remote_sidecar(local_coordinator) -> Iterator[str]:
+def remote_sidecar(make_sidecar) -> str:
     """A sidecar configured as bound beyond loopback (every route needs the token),
     served on 127.0.0.1."""
-    config = SidecarConfig(host="0.0.0.0", token=TOKEN)
-    with UvicornThread(create_app(config, client=LoopClient(local_coordinator))) as srv:
-        yield srv.url
+    return make_sidecar(host="0.0.0.0").url
 
 
 def test_missing_token_says_where_it_should_be(remote_sidecar: str, tmp_path: Path) -> None:

@@ -20,18 +20,9 @@ import pytest
 import torch
 
 from profd.actors.runner import NodeAddress, Placement, locate
-from profd.api import create_app
 from profd.api.deps import get_node_id, get_runner
-from profd.core.settings import SidecarConfig
 
-from helpers import (
-    LoopClient,
-    UvicornThread,
-    coordinator_settings,
-    start_agents,
-    wait_terminal,
-    wait_until,
-)
+from helpers import coordinator_settings, start_agents, start_sidecar, wait_terminal, wait_until
 
 PROFD = [sys.executable, "-m", "profd.cli.main"]
 GONE_ID = "0f" * 28  # a node id of a cluster that no longer exists
@@ -141,12 +132,10 @@ def restarted(tmp_path: Path, **overrides: Callable[[], Any]) -> Iterator[str]:
     from profd.testing.coordinator import InProcessCoordinator
 
     owner = InProcessCoordinator(ProfileCoordinator(coordinator_settings(tmp_path)))
-    app = create_app(SidecarConfig(), client=LoopClient(owner))
-    for dep, value in overrides.items():
-        app.dependency_overrides[{"runner": get_runner, "node_id": get_node_id}[dep]] = value
+    deps = {{"runner": get_runner, "node_id": get_node_id}[k]: v for k, v in overrides.items()}
     try:
-        with UvicornThread(app) as srv:
-            yield srv.url
+        with start_sidecar(owner, token=None, dependency_overrides=deps) as sidecar:
+            yield sidecar.url
     finally:
         stop(owner)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,6 +34,40 @@ def session(owner, agents, request: dict, steps=range(1, 4)):
     for a in agents:
         a.close()
     return view
+
+
+# -- the hook-agent rule (pure) ----------------------------------------------------------------
+def _record(role: str, rank: int, node: str):
+    from profd.actors.registry import AgentRecord
+    from profd.core.protocol import AgentInfo
+
+    info = AgentInfo(f"{role}-{rank}", role, rank, 4, {}, node, 100 + rank, node_id=node)
+    return AgentRecord(info, 0.0, 0.0)
+
+
+def _hook_session(targets: list, **request):
+    from profd.actors.sessions import Part, Session
+
+    req = SessionRequest.model_validate({"steps": [1], "finish_hook_cmd": "true", **request})
+    parts = {r.info.agent_id: Part(r.info.agent_id, r.info.role, r.info.rank, "*") for r in targets}
+    return Session("s1", req, "/tmp/s1", 0.0, parts, [], 100.0)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "chosen"),
+    [
+        ({}, [("actor", 0), ("actor", 2)]),  # one profiled agent per node, lowest (role, rank)
+        ({"finish_hook_ranks": [1, 3, 9]}, [("actor", 1), ("actor", 3)]),  # listed, any node
+        ({"finish_hook_all_ranks": True}, [("actor", r) for r in range(4)]),  # the roles' ranks
+    ],
+)
+def test_hook_agents_rule(request_fields, chosen) -> None:
+    from profd.actors.finisher import hook_agents
+
+    agents = [_record("actor", r, f"node{r // 2}") for r in range(4)] + [_record("critic", 0, "n")]
+    profiled = [agents[0], agents[1], agents[2]]  # ranks 0, 1 on node0; rank 2 on node1
+    got = hook_agents(_hook_session(profiled, **request_fields), agents)
+    assert [(r.info.role, r.info.rank) for r in got] == chosen
 
 
 # -- the work functions ------------------------------------------------------------------------
@@ -186,22 +221,11 @@ def test_every_trace_is_uploaded_once(local_coordinator, tmp_path) -> None:
         copy = bucket / view.session_id / t.file_name
         assert copy.stat().st_size == t.bytes == Path(t.path).stat().st_size
     # the same TRACE event again (an agent retrying after an outage): no second upload
-    from profd.core.protocol import AgentEvent, EventKind
+    from profd.core.protocol import AgentEvent, EventKind, TraceWritten
 
     t = view.traces[0]
-    again = AgentEvent(
-        EventKind.TRACE,
-        view.session_id,
-        1,
-        data={
-            "trace_id": t.trace_id,
-            "path": t.path,
-            "bytes": t.bytes,
-            "steps": t.steps,
-            "scope": t.scope,
-            "tool": t.tool,
-        },
-    )
+    written = TraceWritten(t.trace_id, t.path, t.bytes, tuple(t.steps), t.scope, t.tool)
+    again = AgentEvent(EventKind.TRACE, view.session_id, 1, payload=written)
     assert local_coordinator.call("report", t.agent_id, [again]) is True
     assert len(local_coordinator.call("get_session", view.session_id).uploads) == 4
     assert sorted(p.name for p in (bucket / view.session_id).iterdir()) == sorted(
@@ -269,8 +293,9 @@ def test_an_upload_resumed_on_a_new_cluster_is_read_by_node_address(tmp_path, mo
 
     from profd.actors.finisher import Finisher
     from profd.actors.runner import NodeAddress
+    from profd.actors.sessions import UploadRecord
 
-    monkeypatch.setattr("profd.core.ray_env.ray_node", lambda: ("head", "10.0.0.1"))
+    monkeypatch.setattr("profd.actors.finisher.ray_node", lambda: ("head", "10.0.0.1"))
 
     class Runner:
         async def nodes(self) -> list[NodeAddress]:
@@ -280,10 +305,10 @@ def test_an_upload_resumed_on_a_new_cluster_is_read_by_node_address(tmp_path, mo
             raise AssertionError("not called here")
 
     fin = Finisher(Runner(), lambda s: None, str(tmp_path))
-    moved = {"path": "/x.json.gz", "node_id": "b-old", "node_ip": "10.0.0.2", "hostname": "b"}
+    moved = UploadRecord("/x.json.gz", 10, node_id="b-old", node_ip="10.0.0.2", hostname="b")
     assert asyncio.run(fin._node_of(moved)) == "b-new"
-    gone = {**moved, "node_ip": "10.9.9.9", "hostname": "gone"}
+    gone = dataclasses.replace(moved, node_ip="10.9.9.9", hostname="gone")
     with pytest.raises(FileNotFoundError, match="not in this Ray cluster"):
         asyncio.run(fin._node_of(gone))
-    here = {**moved, "node_id": "old-head", "node_ip": "10.0.0.1"}
+    here = dataclasses.replace(moved, node_id="old-head", node_ip="10.0.0.1")
     assert asyncio.run(fin._node_of(here)) == "head"

@@ -9,7 +9,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from profd.actors.admission import waiting_note
 from profd.actors.liveness import ProcessProbe, exited, find_gone
 from profd.actors.runner import LocalRunner, NodeAddress
 from profd.core.protocol import AgentInfo
@@ -74,13 +73,3 @@ def test_a_node_that_cannot_answer_says_nothing() -> None:
 
     agents = [rec("a", 2**22 + 1, 5)]
     assert asyncio.run(find_gone(agents, Broken(live=None))) == []
-
-
-def test_waiting_note_names_the_first_step_ahead() -> None:
-    assert waiting_note((10, 300), [230, 231]) == (
-        "waiting for step 300; step(s) 10 had already begun on every target (at step 230) "
-        "and will be missed"
-    )
-    assert "step(s) 1-5 had" in (waiting_note((1, 2, 3, 4, 5, 9), [6]) or "")
-    assert waiting_note((300,), [230]) is None  # nothing past
-    assert waiting_note((10, 300), [230, None]) is None  # a target's step is unknown

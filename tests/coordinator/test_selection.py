@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from profd.actors.selection import hook_ranks, match_role_block, role_components, select_ranks
+from profd.actors.selection import match_role_block, role_components, select_ranks
 from profd.actors.targeting import resolve_targets
-from profd.core.protocol import AgentInfo
+from profd.core.protocol import AgentInfo, ReplicaInfo
 from profd.core.request import RoleProfilerConfig, SessionRequest, ToolKind
 from profd.core.schedule import group_steps
 
@@ -31,12 +31,6 @@ def test_missing_ranks_are_reported_with_a_reason() -> None:
 def test_disabled_block_selects_nothing_and_says_so() -> None:
     sel = select_ranks("critic", block(enable=False, all_ranks=True), [0, 1])
     assert sel.selected == () and "enable=false" in sel.ignored[0].reason
-
-
-def test_hook_rank_rule() -> None:
-    assert hook_ranks([0, 2], False, [], [0, 1, 2]) == (0, 2)
-    assert hook_ranks([0, 2], False, [1, 5], [0, 1, 2]) == (1,)
-    assert hook_ranks([0], True, [], [0, 1, 2]) == (0, 1, 2)
 
 
 def test_role_components() -> None:
@@ -152,10 +146,11 @@ def test_topology_on_a_rollout_block_is_reported_not_silently_dropped() -> None:
         "rollout",
         0,
         1,
-        {"replica_world_size": 2, "global_rank_start": 0, "global_rank_stop": 2, "tp": 2},
+        {"tp": 2},
         "h",
         1,
         capabilities={"torch": None},
+        replica=ReplicaInfo(world_size=2, global_rank_start=0, global_rank_stop=2),
     )
     req = SessionRequest.model_validate(
         {"duration_s": 1, "roles": {"rollout": {"all_ranks": True, "topology": {"tp": 0}}}}

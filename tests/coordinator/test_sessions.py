@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from profd.actors.sessions import Part, Session
-from profd.core.protocol import AgentEvent, EventKind
+from profd.core.protocol import AgentEvent, EventKind, PartDone, StepsMissed, TraceWritten
 from profd.core.request import SessionRequest
-from profd.core.views import PartState, SessionState
+from profd.core.states import PartState, SessionState
 
 
 def make(agents=("a", "b"), steps=(3, 4), deadline=1000.0) -> Session:
@@ -26,7 +26,8 @@ def ev(kind: EventKind, **kw) -> AgentEvent:
 
 
 def trace(trace_id: str, steps: list[int]) -> AgentEvent:
-    return ev(EventKind.TRACE, data={"trace_id": trace_id, "steps": steps, "path": "/p"})
+    written = TraceWritten(trace_id, "/p", 1, tuple(steps), "train", "torch")
+    return ev(EventKind.TRACE, payload=written)
 
 
 def run(s: Session, now: float = 1.0) -> list[SessionState]:
@@ -53,7 +54,7 @@ def test_happy_path_walks_every_state() -> None:
     for a in ("a", "b"):
         s.apply(a, trace(f"t-{a}-3", [3]))
         s.apply(a, trace(f"t-{a}-4", [4]))
-        s.apply(a, ev(EventKind.PART_DONE))
+        s.apply(a, ev(EventKind.PART_DONE, payload=PartDone()))
     assert run(s) == [SessionState.DONE]
     assert s.finished_at == 1.0 and "4 trace(s) from 2 target(s)" in s.reason
     assert all(p.state is PartState.DONE for p in s.targets.values())
@@ -65,10 +66,10 @@ def test_missed_step_makes_the_part_and_session_partial() -> None:
     s.resolve_steps((3, 4))
     s.apply("a", trace("t1", [3]))
     s.apply("a", trace("t2", [4]))
-    s.apply("a", ev(EventKind.PART_DONE))
-    s.apply("b", ev(EventKind.MISSED, message="plan arrived late", data={"steps": [3]}))
+    s.apply("a", ev(EventKind.PART_DONE, payload=PartDone()))
+    s.apply("b", ev(EventKind.MISSED, message="plan arrived late", payload=StepsMissed((3,))))
     s.apply("b", trace("t3", [4]))
-    s.apply("b", ev(EventKind.PART_DONE))
+    s.apply("b", ev(EventKind.PART_DONE, payload=PartDone()))
     run(s)
     assert s.state is SessionState.PARTIAL
     b = s.targets["b"]
@@ -80,7 +81,7 @@ def test_nothing_recorded_anywhere_fails() -> None:
     s = make(agents=("a",))
     s.resolve_steps((3, 4))
     s.apply("a", ev(EventKind.ERROR, message="export failed: disk full"))
-    s.apply("a", ev(EventKind.PART_DONE))
+    s.apply("a", ev(EventKind.PART_DONE, payload=PartDone()))
     run(s)
     assert s.state is SessionState.FAILED
     assert s.targets["a"].state is PartState.FAILED and "disk full" in s.reason

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+from profd.core.protocol import DriverAck
 from profd.driver.controller import Controller, ControllerConfig, Link
 
 from helpers import wait_until
@@ -38,7 +39,7 @@ class Caller:
             time.sleep(min(self.delay, timeout))
             if self.delay > timeout:
                 raise TimeoutError("no answer")
-        return {"step": args[0], "agents": 0, "slow": [], "rollout": False}
+        return DriverAck(args[0])
 
 
 def timed_step(ctl: Controller, n: int) -> float:
@@ -54,7 +55,7 @@ def test_healthy_calls_go_through_on_the_background_thread() -> None:
     for n in range(5):
         timed_step(ctl, n)
     assert [a[0] for _, a in caller.calls] == [0, 1, 2, 3, 4]
-    assert ctl.link is Link.CLOSED and ctl.last_reply["step"] == 4
+    assert ctl.link is Link.CLOSED and ctl.last_reply.step == 4
     ctl.close()
 
 

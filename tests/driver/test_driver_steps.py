@@ -38,8 +38,8 @@ def test_two_drivers_on_one_cluster_keep_their_own_steps(tmp_path: Path) -> None
         view = await coord.create_session({"next_steps": 1, "roles": {"critic": {}}})
         assert view.steps == [5 + 1 + coord.settings.align_lead_steps]
         # job A's driver announcing a step does not push it to job B's agent
-        assert coord._controller_targets("01000000") == set()
-        assert coord._controller_targets("02000000") == {"b"}
+        assert coord._drivers.targets("01000000") == set()
+        assert coord._drivers.targets("02000000") == {"b"}
         await coord.cancel_session(view.session_id)
         status = await coord.status()
         assert status.driver_step == 5  # the driver heard from last

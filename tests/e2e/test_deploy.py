@@ -31,7 +31,7 @@ from deploy_files import (
     markdown_lines,
 )
 
-from helpers import wait_until
+from helpers import AUTH, TOKEN, wait_until
 
 KUBERAY = DEPLOY / "kuberay"
 LAUNCHER = DEPLOY / "cluster-launcher" / "profd.yaml"
@@ -423,8 +423,7 @@ def test_kuberay_head_script_starts_profd_for_a_running_job(ray_session: Any, tm
     wait_until(lambda: find_coordinator() is None and find_sidecar() is None, 30, what="no profd")
     token = tmp_path / "secret" / "token"
     token.parent.mkdir()
-    token.write_text("s3cret-from-the-secret")  # as a Secret volume: no trailing newline
-    auth = {"Authorization": "Bearer s3cret-from-the-secret"}
+    token.write_text(TOKEN)  # as a Secret volume: no trailing newline
     script = runnable_head_script(tmp_path, token)
     address = ray_session.address_info["address"]
     # the job started before profd: its workers (on the second node) attached, found nothing
@@ -441,7 +440,7 @@ def test_kuberay_head_script_starts_profd_for_a_running_job(ray_session: Any, tm
         log = run_head_script(script, tmp_path, address, up_args)
         assert "profd is up: sidecar http://127.0.0.1:" in log, log
         state = tmp_path / "state"
-        assert (state / "token").read_text() == "s3cret-from-the-secret"
+        assert (state / "token").read_text() == TOKEN
         assert oct((state / "token").stat().st_mode & 0o777) == "0o600"
         url = yaml.safe_load((state / "sidecar.json").read_text())["url"]
         # the `profd up` process has exited: the services outlive it, on the head, detached
@@ -452,38 +451,38 @@ def test_kuberay_head_script_starts_profd_for_a_running_job(ray_session: Any, tm
             assert info["Address"]["NodeID"] == ray_session.node_id
         # requests naming the Service are answered, other names refused (DNS rebinding)
         for host in ("profd", "profd.team-a.svc.cluster.local:8470", "localhost"):
-            r = httpx.get(f"{url}/api/v1/agents", headers={**auth, "Host": host}, timeout=10)
+            r = httpx.get(f"{url}/api/v1/agents", headers={**AUTH, "Host": host}, timeout=10)
             assert r.status_code == 200, (host, r.text)
-        r = httpx.get(f"{url}/api/v1/agents", headers={**auth, "Host": "attacker.example"})
+        r = httpx.get(f"{url}/api/v1/agents", headers={**AUTH, "Host": "attacker.example"})
         assert r.status_code == 400 and r.json()["error"] == "host_not_allowed", r.text
         # the sidecar takes the Secret's token, and only it
         bad = httpx.post(f"{url}/api/v1/sessions", json={}, headers={"Authorization": "Bearer x"})
         assert bad.status_code == 403
 
         def stepping() -> bool:
-            agents = httpx.get(f"{url}/api/v1/agents", headers=auth, timeout=10).json()["data"]
+            agents = httpx.get(f"{url}/api/v1/agents", headers=AUTH, timeout=10).json()["data"]
             return sum(a["current_step"] is not None for a in agents) == 2
 
         wait_until(stepping, 60, 0.2, what="the running job's agents")
         body: dict[str, Any] = {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}}
         # PROFD_UP_ARGS reached `profd up`: an upload_uri under the allowed prefix only
         outside = dict(body, upload_uri=f"file://{tmp_path / 'elsewhere'}")
-        r = httpx.post(f"{url}/api/v1/sessions", json=outside, headers=auth, timeout=30)
+        r = httpx.post(f"{url}/api/v1/sessions", json=outside, headers=AUTH, timeout=30)
         assert r.status_code == 422 and "upload_uri" in r.text, r.text
         body["upload_uri"] = f"file://{uploads}/team"
-        r = httpx.post(f"{url}/api/v1/sessions", json=body, headers=auth, timeout=30)
+        r = httpx.post(f"{url}/api/v1/sessions", json=body, headers=AUTH, timeout=30)
         assert r.status_code == 201, r.text
         sid = r.json()["session_id"]
 
         def ended() -> Any:
-            v = httpx.get(f"{url}/api/v1/sessions/{sid}", headers=auth, timeout=10).json()
+            v = httpx.get(f"{url}/api/v1/sessions/{sid}", headers=AUTH, timeout=10).json()
             return v if v["state"] not in ("pending", "armed", "recording", "collecting") else None
 
         view = wait_until(ended, 60, 0.2, what="session end")
         assert view["state"] == "done" and sorted(t["rank"] for t in view["traces"]) == [0, 1]
         trace = view["traces"][0]
         assert trace["node_id"] != ray_session.node_id  # written on the second node
-        got = httpx.get(f"{url}/api/v1/traces/{trace['trace_id']}/download", headers=auth)
+        got = httpx.get(f"{url}/api/v1/traces/{trace['trace_id']}/download", headers=AUTH)
         assert got.status_code == 200 and got.headers["X-Profd-Node"] == trace["node_id"]
         assert got.content == Path(trace["path"]).read_bytes()
         names = sorted(Path(t["path"]).name for t in view["traces"])

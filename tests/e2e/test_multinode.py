@@ -15,12 +15,9 @@ import pytest
 
 from profd.core.settings import SidecarConfig
 
-from helpers import coordinator_settings, wait_until
+from helpers import AUTH, TOKEN, coordinator_settings, wait_until
 
 pytestmark = pytest.mark.slow
-
-TOKEN = "tok"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def place(resource: str | None) -> dict[str, Any]:

@@ -13,11 +13,9 @@ from profd.backends.torch_backend import read_trace
 from profd.core.naming import parse_trace_name
 from profd.core.settings import SidecarConfig
 
-from helpers import wait_until
+from helpers import AUTH, TOKEN, wait_until
 
 pytestmark = pytest.mark.slow
-
-TOKEN = "tok"
 
 
 @pytest.fixture
@@ -64,7 +62,7 @@ def test_session_over_http_profiles_live_workers(services) -> None:
         r = httpx.post(
             f"{url}/api/v1/sessions",
             json={"next_steps": 2, "roles": {"actor": {"all_ranks": True}, "critic": {}}},
-            headers={"Authorization": f"Bearer {TOKEN}"},
+            headers=AUTH,
         )
         assert r.status_code == 201, r.text
         view = r.json()
@@ -117,7 +115,7 @@ def test_errors_cross_the_actor_boundary_with_their_status(services) -> None:
     ws = workers([("critic", 0, 1)])
     try:
         wait_until(lambda: httpx.get(f"{url}/api/v1/agents").json()["count"] == 1, 30, what="agent")
-        headers = {"Authorization": f"Bearer {TOKEN}"}
+        headers = AUTH
         first = httpx.post(f"{url}/api/v1/sessions", json={"steps": [50]}, headers=headers)
         assert first.status_code == 201
         r = httpx.post(f"{url}/api/v1/sessions", json={"steps": [51]}, headers=headers)
@@ -225,6 +223,7 @@ def test_single_controller_driver_announces_steps(ray_coordinator) -> None:
     import ray
 
     import profd
+    from profd.core.protocol import DriverAck
     from profd.driver.controller import Controller
 
     ws = workers([("actor_rollout_ref", 0, 2), ("actor_rollout_ref", 1, 2)])
@@ -233,7 +232,7 @@ def test_single_controller_driver_announces_steps(ray_coordinator) -> None:
         ctl = Controller()
         with ctl.step(1):
             ray.get([w.work.remote() for w in ws])
-        assert ctl.last_reply == {"step": 1, "agents": 0, "slow": [], "rollout": False}  # idle
+        assert ctl.last_reply == DriverAck(1)  # idle: no agent is contacted
         view = ray.get(
             ray_coordinator.create_session.remote(
                 {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}}
@@ -244,7 +243,7 @@ def test_single_controller_driver_announces_steps(ray_coordinator) -> None:
             with ctl.step(step):
                 ray.get([w.work.remote() for w in ws])
             if step in (3, 4):  # the window is open until step 4 begins on the workers
-                assert ctl.last_reply["agents"] == 2 and ctl.last_reply["slow"] == []
+                assert ctl.last_reply.agents == 2 and ctl.last_reply.slow == ()
         assert ray.get([w.close.remote() for w in ws]) == [True, True]
         view = wait_until(
             lambda: (

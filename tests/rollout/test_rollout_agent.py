@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from rollout_helpers import FAST, names, sglang_pair, vllm_pair
 
-from profd.core.protocol import EventKind
-from profd.core.views import PartState
+from profd.core.protocol import EventKind, PartDone, ReplicaInfo, TraceWritten
+from profd.core.states import PartState
 from profd.rollout import EngineProfileOptions, RolloutAgent, WindowMode, engine_trace_dir
 from profd.rollout.engines import InProcessEngine
 from profd.testing.fake_engines import read_trace
@@ -233,14 +233,8 @@ def test_describe_and_agent_info(tmp_path) -> None:
     assert info.capabilities["torch"] is None and info.capabilities["nsys"]
     ai = info.to_agent_info("rollout-3-abc", "host", 42, replicas=8)
     assert (ai.role, ai.rank, ai.world_size) == ("rollout", 3, 8)
-    assert ai.topology == {
-        "tp": 2,
-        "dp": 2,
-        "pp": 1,
-        "replica_world_size": 4,
-        "global_rank_start": 12,
-        "global_rank_stop": 16,
-    }
+    assert ai.topology == {"tp": 2, "dp": 2, "pp": 1}
+    assert ai.replica == ReplicaInfo(world_size=4, global_rank_start=12, global_rank_stop=16)
 
 
 def test_agent_provides_vllm_launch_settings(tmp_path) -> None:
@@ -270,11 +264,14 @@ def test_events_for_the_coordinator(tmp_path) -> None:
     events = out.events("torch", steps=[7, 8], node_id="n1")
     kinds = [e.kind for e in events]
     assert kinds == [EventKind.TRACE, EventKind.PART_DONE]
-    data = events[0].data
-    assert data["global_rank"] == 5 and data["replica"] == 2 and data["steps"] == [7, 8]
-    assert data["scope"] == "rollout" and data["bytes"] > 0 and len(data["trace_id"]) == 16
+    written = events[0].payload
+    assert isinstance(written, TraceWritten)
+    assert written.global_rank == 5 and written.replica == 2 and written.steps == (7, 8)
+    assert written.scope == "rollout" and written.bytes > 0 and len(written.trace_id) == 16
     assert events[0].session_id == "s1" and events[0].step == 7
-    assert events[1].data["kept_in_subdir"] == [out.kept_in_subdir[0].path]
+    done = events[1].payload
+    assert isinstance(done, PartDone) and done.replica == 2
+    assert done.kept_in_subdir == (out.kept_in_subdir[0].path,)
 
 
 def test_in_process_engine_window(tmp_path) -> None:

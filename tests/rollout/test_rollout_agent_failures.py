@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rollout_helpers import FAST, names, sglang_pair, vllm_pair
 
-from profd.core.views import PartState
+from profd.core.states import PartState
 from profd.rollout import (
     EngineProfileOptions,
     EngineTimeouts,

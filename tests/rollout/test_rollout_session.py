@@ -83,8 +83,8 @@ def test_replicas_register_with_their_global_rank_range(job_factory) -> None:
     agents = {(a.role, a.rank): a for a in job.owner.call("list_agents")}
     r1 = agents[("rollout", 1)]
     assert r1.world_size == 2
-    assert r1.topology["replica_world_size"] == 2
-    assert (r1.topology["global_rank_start"], r1.topology["global_rank_stop"]) == (2, 4)
+    assert r1.replica is not None and r1.replica.world_size == 2
+    assert (r1.replica.global_rank_start, r1.replica.global_rank_stop) == (2, 4)
     assert r1.capabilities["torch"] is None and r1.capabilities["py_spy"] is not None
     # no driver has announced a step yet: a step session on replicas says what they need
     view = job.owner.call("create_session", {"steps": [9], "roles": {"rollout": {"ranks": [0]}}})

@@ -15,10 +15,7 @@ from profd.api.deps import get_client
 from profd.core.errors import CoordinatorUnavailable
 from profd.core.settings import SidecarConfig
 
-from helpers import LoopClient, UvicornThread, start_agents, wait_terminal, wait_until
-
-TOKEN = "metrics-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+from helpers import AUTH, LoopClient, start_agents, wait_terminal, wait_until
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -60,15 +57,13 @@ def record(url: str, owner: Any, agents: list[Any]) -> Any:
     return view
 
 
-def test_metrics_after_a_recorded_session(local_coordinator) -> None:
-    config = SidecarConfig(
-        token=TOKEN, allow_hook_commands=True, upload_prefixes=("memory://profd-metrics",)
-    )
-    app = create_app(config, client=LoopClient(local_coordinator))
+def test_metrics_after_a_recorded_session(make_sidecar, local_coordinator) -> None:
     agents = start_agents(local_coordinator, 2, "actor")
     critic = start_agents(local_coordinator, 1, "critic")[0]
     try:
-        with UvicornThread(app) as srv:
+        with make_sidecar(
+            allow_hook_commands=True, upload_prefixes=("memory://profd-metrics",)
+        ) as srv:
             view = record(srv.url, local_coordinator, agents)
             live = httpx.post(f"{srv.url}/api/v1/sessions", json={"steps": [50]}, headers=AUTH)
             assert live.status_code == 201  # a live session: rank 0 of every role
@@ -98,14 +93,12 @@ def test_metrics_after_a_recorded_session(local_coordinator) -> None:
     assert value(m, "profd_coordinator_event_rate") == pytest.approx(events / uptime, rel=0.5)
 
 
-def test_metrics_without_a_coordinator_say_so(local_coordinator) -> None:
+def test_metrics_without_a_coordinator_say_so(make_sidecar) -> None:
     class Down:
         async def call(self, method: str, *args: Any) -> Any:
             raise CoordinatorUnavailable("the profd coordinator is not running")
 
-    app = create_app(SidecarConfig(), client=LoopClient(local_coordinator))
-    app.dependency_overrides[get_client] = lambda: Down()
-    with UvicornThread(app) as srv:
+    with make_sidecar(token=None, dependency_overrides={get_client: lambda: Down()}) as srv:
         r = httpx.get(f"{srv.url}/metrics")
     assert r.status_code == 200
     m = samples(r.text)

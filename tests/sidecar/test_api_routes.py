@@ -3,7 +3,6 @@ schema that describes every field, parameter and error response."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,17 +11,12 @@ import pytest
 from profd.api import create_app
 from profd.core.settings import SidecarConfig
 
-from helpers import LoopClient, UvicornThread, start_agents
-
-TOKEN = "routes-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+from helpers import AUTH, TOKEN, LoopClient, Sidecar, start_agents
 
 
 @pytest.fixture
-def url(local_coordinator) -> Iterator[str]:
-    app = create_app(SidecarConfig(token=TOKEN), client=LoopClient(local_coordinator))
-    with UvicornThread(app) as srv:
-        yield srv.url
+def url(sidecar: Sidecar) -> str:
+    return sidecar.url
 
 
 CASES = [
@@ -135,11 +129,10 @@ def test_oversized_integers_are_refused_whole_and_hold_nothing(url: str, local_c
             a.close()
 
 
-def test_without_a_configured_token_changes_are_open(local_coordinator) -> None:
-    app = create_app(SidecarConfig(), client=LoopClient(local_coordinator))
+def test_without_a_configured_token_changes_are_open(make_sidecar, local_coordinator) -> None:
     (agent,) = start_agents(local_coordinator, 1, "actor")
     try:
-        with UvicornThread(app) as srv:
+        with make_sidecar(token=None) as srv:
             r = httpx.post(f"{srv.url}/api/v1/sessions", json={"steps": [3]})
             assert r.status_code == 201, r.text
             sid = r.json()["session_id"]
@@ -176,7 +169,7 @@ def _described(spec: dict, schema: dict) -> bool:
 
 
 def test_openapi_describes_every_field_parameter_and_error(local_coordinator) -> None:
-    spec = create_app(SidecarConfig(token="t"), client=LoopClient(local_coordinator)).openapi()
+    spec = create_app(SidecarConfig(token=TOKEN), client=LoopClient(local_coordinator)).openapi()
     missing = []
     for name, schema in spec["components"]["schemas"].items():
         for prop, ps in schema.get("properties", {}).items():
@@ -221,13 +214,12 @@ def test_openapi_describes_every_field_parameter_and_error(local_coordinator) ->
     }
 
 
-def test_freeze_gc_moves_the_startup_heap_out_of_collections(local_coordinator) -> None:
+def test_freeze_gc_moves_the_startup_heap_out_of_collections(make_sidecar) -> None:
     import gc
 
     gc.unfreeze()
-    app = create_app(SidecarConfig(freeze_gc=True), client=LoopClient(local_coordinator))
     try:
-        with UvicornThread(app) as srv:
+        with make_sidecar(token=None, freeze_gc=True) as srv:
             assert httpx.get(f"{srv.url}/healthz").status_code == 200
             assert gc.get_freeze_count() > 10_000  # imports and the app, frozen at start
     finally:
@@ -235,9 +227,9 @@ def test_freeze_gc_moves_the_startup_heap_out_of_collections(local_coordinator) 
 
 
 def test_summary_cache_is_bounded_and_keeps_what_was_used_last() -> None:
-    from profd.api.routes.sessions import _Lru
+    from profd.api.summaries import SummaryCache
 
-    cache = _Lru(2)
+    cache = SummaryCache(2)
     a, b, c = (("a", ()), ("b", ()), ("c", ()))
     cache.put(a, "A")  # type: ignore[arg-type]
     cache.put(b, "B")  # type: ignore[arg-type]

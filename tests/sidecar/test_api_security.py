@@ -5,35 +5,16 @@ the Host header rule (DNS rebinding)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from profd.api import create_app
 from profd.core.settings import SidecarConfig
 
-from helpers import LoopClient, UvicornThread, start_agents
-
-TOKEN = "s3cret-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def serve(local_coordinator) -> Callable[..., Any]:
-    """``with serve(**config) as url:`` a real uvicorn on 127.0.0.1 for that config."""
-
-    @contextmanager
-    def run(**config: Any) -> Iterator[str]:
-        config.setdefault("token", TOKEN)
-        app = create_app(SidecarConfig(**config), client=LoopClient(local_coordinator))
-        with UvicornThread(app) as srv:
-            yield srv.url
-
-    return run
+from helpers import AUTH, TOKEN, start_agents
 
 
 @pytest.fixture
@@ -69,9 +50,10 @@ READS = [
 ]
 
 
-def test_beyond_loopback_every_route_needs_the_token(serve) -> None:
+def test_beyond_loopback_every_route_needs_the_token(make_sidecar) -> None:
     # Configured as if bound to every interface; served on 127.0.0.1 (tests stay on loopback).
-    with serve(host="0.0.0.0") as url:
+    with make_sidecar(host="0.0.0.0") as sidecar:
+        url = sidecar.url
         for path in READS:
             r = httpx.get(url + path)
             assert r.status_code == 401, (path, r.text)
@@ -87,14 +69,15 @@ def test_beyond_loopback_every_route_needs_the_token(serve) -> None:
         assert post_session(url, {"steps": [1]}, headers={}).status_code == 401
 
 
-def test_on_loopback_reads_are_open_and_changes_are_not(serve, local_coordinator) -> None:
-    with serve() as url:
+def test_on_loopback_reads_are_open_and_changes_are_not(make_sidecar, local_coordinator) -> None:
+    with make_sidecar() as sidecar:
+        url = sidecar.url
         for path in READS:
             assert httpx.get(url + path).status_code in (200, 404), path
         r = httpx.post(f"{url}/api/v1/sessions/s1/cancel")
         assert r.status_code == 401
         assert post_session(url, {"steps": [1]}, headers={}).status_code == 401
-        for bad in ("Bearer s3cret", f"Bearer {TOKEN}x", f"Basic {TOKEN}", "Bearer", TOKEN):
+        for bad in (f"Bearer {TOKEN[:6]}", f"Bearer {TOKEN}x", f"Basic {TOKEN}", "Bearer", TOKEN):
             r = post_session(url, {"steps": [1]}, headers={"Authorization": bad})
             assert r.status_code in (401, 403), bad
         # The scheme is case-insensitive; a 422 shows the token was accepted.
@@ -111,13 +94,16 @@ def test_binding_beyond_loopback_without_a_token_is_refused() -> None:
 
 
 # -- save_path --------------------------------------------------------------------------------
-def test_save_path_must_stay_under_the_save_root(serve, actor, local_coordinator, tmp_path) -> None:
+def test_save_path_must_stay_under_the_save_root(
+    make_sidecar, actor, local_coordinator, tmp_path
+) -> None:
     root = Path(local_coordinator.coordinator.settings.save_root)
     root.mkdir(parents=True, exist_ok=True)
     outside = tmp_path / "outside"
     outside.mkdir()
     os.symlink(outside, root / "escape")
-    with serve() as url:
+    with make_sidecar() as sidecar:
+        url = sidecar.url
         for bad in ("/etc", f"{root}/../outside", f"{root}/escape/x", f"{root}x"):
             msg = field_error(post_session(url, {"steps": [5], "save_path": bad}), "save_path")
             assert "allowed save root" in msg and str(root) in msg, msg
@@ -129,9 +115,10 @@ def test_save_path_must_stay_under_the_save_root(serve, actor, local_coordinator
         assert r.json()["save_dir"].startswith(f"{root}/mine/")
 
 
-def test_operator_allowed_save_roots_and_relative_paths(serve, actor, tmp_path) -> None:
+def test_operator_allowed_save_roots_and_relative_paths(make_sidecar, actor, tmp_path) -> None:
     extra = tmp_path / "team"
-    with serve(save_roots=(str(extra),), base_dir=str(tmp_path)) as url:
+    with make_sidecar(save_roots=(str(extra),), base_dir=str(tmp_path)) as sidecar:
+        url = sidecar.url
         r = post_session(url, {"steps": [5], "save_path": "team/run1"})
         assert r.status_code == 201, r.text
         assert r.json()["save_dir"].startswith(f"{extra}/run1/")
@@ -140,17 +127,19 @@ def test_operator_allowed_save_roots_and_relative_paths(serve, actor, tmp_path) 
 
 
 # -- upload_uri -------------------------------------------------------------------------------
-def test_upload_uri_is_refused_unless_a_prefix_is_allowed(serve, local_coordinator) -> None:
-    with serve() as url:
+def test_upload_uri_is_refused_unless_a_prefix_is_allowed(make_sidecar, local_coordinator) -> None:
+    with make_sidecar() as sidecar:
+        url = sidecar.url
         r = post_session(url, {"steps": [5], "upload_uri": "memory://bucket/traces"})
         assert "uploads over HTTP are disabled" in field_error(r, "upload_uri")
     assert local_coordinator.call("list_sessions") == []
 
 
-def test_upload_uri_must_start_with_an_allowed_prefix(serve, actor, tmp_path) -> None:
+def test_upload_uri_must_start_with_an_allowed_prefix(make_sidecar, actor, tmp_path) -> None:
     bucket = tmp_path / "bucket"
     prefixes = ("memory://bucket/traces", f"file://{bucket}")
-    with serve(upload_prefixes=prefixes) as url:
+    with make_sidecar(upload_prefixes=prefixes) as sidecar:
+        url = sidecar.url
         for bad, rule in [
             ("memory://bucket/tracesX", "allowed upload prefix"),
             ("memory://bucket/traces/../other", "'..' segments"),
@@ -170,18 +159,21 @@ def test_upload_uri_must_start_with_an_allowed_prefix(serve, actor, tmp_path) ->
 
 
 # -- hooks ------------------------------------------------------------------------------------
-def test_hook_commands_only_when_allowed(serve, actor) -> None:
+def test_hook_commands_only_when_allowed(make_sidecar, actor) -> None:
     body = {"steps": [5], "finish_hook_cmd": "echo done"}
-    with serve() as url:
+    with make_sidecar() as sidecar:
+        url = sidecar.url
         assert "--allow-hook-commands" in field_error(post_session(url, body), "finish_hook_cmd")
-    with serve(allow_hook_commands=True) as url:
+    with make_sidecar(allow_hook_commands=True) as sidecar:
+        url = sidecar.url
         r = post_session(url, body)
         assert r.status_code == 201 and r.json()["request"]["finish_hook_cmd"] == "echo done"
 
 
 # -- request size -----------------------------------------------------------------------------
-def test_windows_are_bounded(serve, local_coordinator) -> None:
-    with serve(max_window_steps=100) as url:
+def test_windows_are_bounded(make_sidecar, local_coordinator) -> None:
+    with make_sidecar(max_window_steps=100) as sidecar:
+        url = sidecar.url
         msg = field_error(post_session(url, {"next_steps": 500}), "next_steps")
         assert "at most 100 steps" in msg  # the operator's cap
         msg = field_error(post_session(url, {"next_steps": 2**63 - 1}), "next_steps")
@@ -191,9 +183,10 @@ def test_windows_are_bounded(serve, local_coordinator) -> None:
     assert local_coordinator.call("list_sessions") == []
 
 
-def test_oversized_bodies_get_413(serve, local_coordinator) -> None:
+def test_oversized_bodies_get_413(make_sidecar, local_coordinator) -> None:
     big = {"steps": [1], "roles": {"actor": {"ranks": list(range(300_000))}}}  # about 2 MB
-    with serve(max_body_bytes=64 * 1024) as url:
+    with make_sidecar(max_body_bytes=64 * 1024) as sidecar:
+        url = sidecar.url
         r = post_session(url, big)
         assert r.status_code == 413, r.text
         body = r.json()
@@ -218,16 +211,17 @@ def test_oversized_bodies_get_413(serve, local_coordinator) -> None:
 
 
 def test_only_files_inside_the_session_directory_are_indexed_or_served(
-    serve, actor, local_coordinator, tmp_path
+    make_sidecar, actor, local_coordinator, tmp_path
 ) -> None:
     """Downloads serve indexed traces only, and an agent cannot get a file outside its
     session's directory indexed — not by an absolute path, not through ``..``."""
-    from profd.agent.export import trace_id_for
-    from profd.core.protocol import AgentEvent, EventKind
+    from profd.core.naming import trace_id_for
+    from profd.core.protocol import AgentEvent, EventKind, PartDone, TraceWritten
 
     secret = tmp_path / "secret.txt"
     secret.write_text("not a trace")
-    with serve() as url:
+    with make_sidecar() as sidecar:
+        url = sidecar.url
         sid = post_session(url, {"steps": [10**6]}).json()["session_id"]
         save_dir = local_coordinator.call("get_session", sid).save_dir
         inside = Path(save_dir) / "actor_train_step1_rank0.json.gz"
@@ -239,7 +233,7 @@ def test_only_files_inside_the_session_directory_are_indexed_or_served(
                 EventKind.TRACE,
                 sid,
                 1,
-                data={"trace_id": trace_id_for(None, p), "path": p, "bytes": 1, "steps": [1]},
+                payload=TraceWritten(trace_id_for(None, p), p, 1, (1,), "train", "torch"),
             )
             for p in [*escapes, str(inside)]
         ]
@@ -252,7 +246,7 @@ def test_only_files_inside_the_session_directory_are_indexed_or_served(
         warnings = local_coordinator.call("get_session", sid).warnings
         assert sum("outside the session directory" in w for w in warnings) == 3
         # a refused file never counts as recorded: the part ends partial, saying why
-        done = AgentEvent(EventKind.PART_DONE, sid, 1, data={"recorded": [1]})
+        done = AgentEvent(EventKind.PART_DONE, sid, 1, payload=PartDone(recorded=(1,)))
         assert local_coordinator.call("report", actor.agent_id, [done])
         view = local_coordinator.call("get_session", sid)
         (part,) = view.targets
@@ -274,7 +268,7 @@ def test_reused_token_file_is_made_owner_only_again(tmp_path) -> None:
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
 
 
-def test_the_token_is_compared_in_constant_time(serve, monkeypatch) -> None:
+def test_the_token_is_compared_in_constant_time(make_sidecar, monkeypatch) -> None:
     import secrets
 
     seen: list[tuple[bytes, bytes]] = []
@@ -285,7 +279,8 @@ def test_the_token_is_compared_in_constant_time(serve, monkeypatch) -> None:
         return real(a, b)
 
     monkeypatch.setattr(secrets, "compare_digest", spy)
-    with serve() as url:
+    with make_sidecar() as sidecar:
+        url = sidecar.url
         wrong = {"Authorization": "Bearer wrong-token"}
         assert httpx.post(f"{url}/api/v1/sessions/x/cancel", headers=wrong).status_code == 403
     assert seen == [(b"wrong-token", TOKEN.encode())]
@@ -324,20 +319,21 @@ def assert_host_refused(r: httpx.Response, host: str) -> None:
 
 
 @pytest.fixture
-def indexed_trace(serve, actor, local_coordinator) -> Iterator[tuple[str, str]]:
+def indexed_trace(make_sidecar, actor, local_coordinator) -> Iterator[tuple[str, str]]:
     """A sidecar on loopback holding one indexed trace: ``(url, trace_id)``."""
-    from profd.agent.export import trace_id_for
-    from profd.core.protocol import AgentEvent, EventKind
+    from profd.core.naming import trace_id_for
+    from profd.core.protocol import AgentEvent, EventKind, TraceWritten
 
-    with serve() as url:
+    with make_sidecar() as sidecar:
+        url = sidecar.url
         sid = post_session(url, {"steps": [10**6]}).json()["session_id"]
         save_dir = local_coordinator.call("get_session", sid).save_dir
         path = Path(save_dir) / "actor_train_step1_rank0.json.gz"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"\x1f\x8b trace bytes")
         tid = trace_id_for(None, str(path))
-        data = {"trace_id": tid, "path": str(path), "bytes": 1, "steps": [1]}
-        event = AgentEvent(EventKind.TRACE, sid, 1, data=data)
+        written = TraceWritten(tid, str(path), 1, (1,), "train", "torch")
+        event = AgentEvent(EventKind.TRACE, sid, 1, payload=written)
         assert local_coordinator.call("report", actor.agent_id, [event])
         yield url, tid
 
@@ -403,8 +399,9 @@ def test_loopback_names_are_answered(indexed_trace) -> None:
     assert r.status_code in (201, 422), r.text
 
 
-def test_a_missing_or_repeated_host_header_is_refused(serve) -> None:
-    with serve() as url:
+def test_a_missing_or_repeated_host_header_is_refused(make_sidecar) -> None:
+    with make_sidecar() as sidecar:
+        url = sidecar.url
         status, body = raw_request(url, "GET /api/v1/traces HTTP/1.0")
         assert status == 400 and body["error"] == "host_not_allowed"
         assert "no Host header" in body["message"] and "--allow-host" in body["message"]
@@ -422,9 +419,10 @@ def test_a_missing_or_repeated_host_header_is_refused(serve) -> None:
         assert status == 200 and body["data"] == []
 
 
-def test_operator_allowed_host_names_are_answered(serve) -> None:
+def test_operator_allowed_host_names_are_answered(make_sidecar) -> None:
     names = ("profd.internal", "Profd.Example.COM", "10.20.30.40", "[fd00::5]")
-    with serve(allowed_hosts=names) as url:
+    with make_sidecar(allowed_hosts=names) as sidecar:
+        url = sidecar.url
         port = port_of(url)
         for host in (
             "profd.internal",
@@ -442,24 +440,27 @@ def test_operator_allowed_host_names_are_answered(serve) -> None:
             assert "profd.internal" in r.json()["message"]
 
 
-def test_a_star_turns_the_host_check_off(serve) -> None:
-    with serve(allowed_hosts=("*",)) as url:
+def test_a_star_turns_the_host_check_off(make_sidecar) -> None:
+    with make_sidecar(allowed_hosts=("*",)) as sidecar:
+        url = sidecar.url
         r = httpx.get(f"{url}/api/v1/traces", headers={"Host": "attacker.example"})
         assert r.status_code == 200, r.text
         status, _ = raw_request(url, "GET /api/v1/traces HTTP/1.0")
         assert status == 200
 
 
-def test_bind_address_and_wildcard_defaults(serve) -> None:
+def test_bind_address_and_wildcard_defaults(make_sidecar) -> None:
     import socket
 
     # Configured as bound to one address (served on 127.0.0.1): that address and loopback.
-    with serve(host="10.1.2.3") as url:
+    with make_sidecar(host="10.1.2.3") as sidecar:
+        url = sidecar.url
         for host, ok in [("10.1.2.3:8470", True), ("localhost", True), ("10.1.2.4", False)]:
             r = httpx.get(f"{url}/healthz", headers={"Host": host})
             assert (r.status_code == 200) is ok, (host, r.text)
     # Every interface: loopback, this machine's names and any address literal, no other name.
-    with serve(host="0.0.0.0") as url:
+    with make_sidecar(host="0.0.0.0") as sidecar:
+        url = sidecar.url
         port = port_of(url)
         accepted = [
             socket.gethostname(),

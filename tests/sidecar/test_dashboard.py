@@ -20,15 +20,10 @@ import httpx
 import pytest
 import torch
 
-from profd.api import create_app
-from profd.core.settings import SidecarConfig
+from helpers import AUTH, TOKEN, start_agents, wait_terminal, wait_until
 
-from helpers import LoopClient, UvicornThread, start_agents, wait_terminal, wait_until
-
-TOKEN = "dashboard-token"
 LATE_S = 0.05  # rank 1's extra time in stage "update"
 STAGES = ["work", "update"]
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 FLAGS = (
     "--headless",
@@ -76,17 +71,16 @@ def chrome() -> Iterator[Any]:
 
 
 @pytest.fixture
-def recorded(local_coordinator) -> Iterator[tuple[str, Any, str]]:
+def recorded(make_sidecar, local_coordinator) -> Iterator[tuple[str, Any, str]]:
     """A sidecar whose two actors recorded step 1 (two traces); a critic idles.
 
     Each actor step runs stage ``work`` then stage ``update``; rank 1's ``update`` sleeps
     ``LATE_S``, so the summary calls actor rank 1 a straggler of ``update``.
     """
-    app = create_app(SidecarConfig(token=TOKEN), client=LoopClient(local_coordinator))
     actors = start_agents(local_coordinator, 2, "actor")
     critic = start_agents(local_coordinator, 1, "critic")[0]
     try:
-        with UvicornThread(app) as srv:
+        with make_sidecar() as srv:
             body = {"steps": [1], "roles": {"actor": {"all_ranks": True}}}
             r = httpx.post(f"{srv.url}/api/v1/sessions", json=body, headers=AUTH)
             sid = r.json()["session_id"]

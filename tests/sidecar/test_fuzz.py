@@ -30,12 +30,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from profd.api import create_app
-from profd.core.settings import SidecarConfig
+from helpers import AUTH, start_agents
 
-from helpers import LoopClient, UvicornThread, start_agents
-
-TOKEN = "fuzz-token"
 EXAMPLES = int(os.environ.get("PROFD_FUZZ_EXAMPLES", "80"))
 CHECKS = [
     not_a_server_error,
@@ -48,18 +44,14 @@ CHECKS = [
 
 
 @pytest.fixture
-def target(local_coordinator) -> Iterator[tuple[str, Any]]:
+def target(make_sidecar, local_coordinator) -> Iterator[tuple[str, Any]]:
     """A sidecar with two actor agents and a critic (all in this process: one live session
     holds them all, so an accepted session is cancelled at once to let the next one in)."""
     agents = start_agents(local_coordinator, 2, "actor") + start_agents(
         local_coordinator, 1, "critic"
     )
-    app = create_app(
-        SidecarConfig(token=TOKEN, upload_prefixes=("memory://fuzz",)),
-        client=LoopClient(local_coordinator),
-    )
     try:
-        with UvicornThread(app) as srv:
+        with make_sidecar(upload_prefixes=("memory://fuzz",)) as srv:
             yield srv.url, local_coordinator
     finally:
         for a in agents:
@@ -119,7 +111,7 @@ def fuzz(url: str, owner: Any, headers: dict[str, str]) -> dict[int, int]:
 @pytest.mark.slow
 def test_fuzz_with_the_token(target) -> None:
     url, owner = target
-    seen = fuzz(url, owner, {"Authorization": f"Bearer {TOKEN}"})
+    seen = fuzz(url, owner, {**AUTH})
     # The fuzzer got past validation: sessions were created, and refused with reasons.
     assert seen.get(201, 0) > 0 and seen.get(422, 0) > 0 and seen.get(200, 0) > 0
     assert not any(code >= 500 for code in seen)

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,10 @@ import httpx
 import pytest
 import torch
 
-from profd.api import create_app
-from profd.api.client import SharedReads
 from profd.core.errors import RequestInvalid
 from profd.core.paging import decode_cursor, encode_cursor, page_of
-from profd.core.settings import SidecarConfig
 
-from helpers import LoopClient, UvicornThread, start_agents, wait_terminal, wait_until
+from helpers import start_agents, wait_terminal, wait_until
 
 PROFD = [sys.executable, "-m", "profd.cli.main"]
 
@@ -75,11 +71,9 @@ def test_pages_are_newest_first_and_stable_under_inserts() -> None:
 
 
 @pytest.fixture
-def url(local_coordinator) -> Iterator[str]:
+def url(make_sidecar) -> str:
     """A sidecar without a token, its reads shared for a second (as `profd up` runs it)."""
-    client = SharedReads(LoopClient(local_coordinator), ttl_s=1.0)
-    with UvicornThread(create_app(SidecarConfig(), client=client)) as srv:
-        yield srv.url
+    return make_sidecar(token=None, read_cache_s=1.0).url
 
 
 def make_sessions(url: str, n: int, first_step: int = 1000) -> list[str]:

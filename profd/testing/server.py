@@ -1,4 +1,4 @@
-"""A real uvicorn server on 127.0.0.1 in a thread (the demo's fake engines; tests)."""
+"""A real uvicorn server on 127.0.0.1 in a thread (fake engines, test sidecars)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,178 @@
+"""Where agents talk to the coordinator: register, long-poll, report.
+
+Agents call these from their background threads only; a poll parks on the agent's plan in the
+:class:`~profd.actors.planbook.PlanBook` until it changes, so an idle job costs one open call.
+This module is imported where :class:`Registration` is unpickled (agent processes), so its
+imports at run time stay light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from profd.actors.trace_index import TraceRefused
+from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PollReply, TraceWritten
+
+if TYPE_CHECKING:
+    from profd.actors.planbook import PlanBook
+    from profd.actors.registry import AgentRecord, AgentRegistry
+    from profd.actors.session_book import SessionBook
+    from profd.actors.sessions import Session
+    from profd.actors.trace_index import TraceIndex
+
+__all__ = ["AgentDesk", "Registration"]
+
+log = logging.getLogger(__name__)
+
+#: The longest a long-poll parks, whatever the agent asks for.
+MAX_POLL_S = 60.0
+
+
+class Registration:
+    """Reply to :meth:`ProfileCoordinator.register`."""
+
+    __slots__ = ("plan", "poll_timeout_s")
+
+    def __init__(self, plan: Any, poll_timeout_s: float) -> None:
+        self.plan = plan
+        self.poll_timeout_s = poll_timeout_s
+
+    def __reduce__(self):
+        return (Registration, (self.plan, self.poll_timeout_s))
+
+
+class AgentDesk:
+    """Registers agents, answers their long-polls and applies their events; counts reports
+    (for /metrics) and keeps one shared copy of agents' repeated capabilities and topology."""
+
+    def __init__(
+        self,
+        *,
+        poll_timeout_s: float,
+        clock: Callable[[], float],
+        registry: AgentRegistry,
+        plans: PlanBook,
+        book: SessionBook,
+        traces: TraceIndex,
+        on_register: Callable[[AgentInfo], None],
+        on_fresh_step: Callable[[str], None],
+        on_events: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._poll_timeout_s = poll_timeout_s
+        self._clock = clock
+        self._registry = registry
+        self._plans = plans
+        self._book = book
+        self._traces = traces
+        self._on_register = on_register  # launch-time sessions adopt the agent
+        self._on_fresh_step = on_fresh_step  # alignments wait for fresh steps
+        self._on_events = on_events  # phase waits re-check their agents
+        self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
+        #: Since this incarnation started.
+        self.reports = 0
+        self.events = 0
+
+    async def register(self, info: AgentInfo, step: int | None) -> Registration:
+        info = self._interned(info)
+        self._registry.upsert(info, self._clock(), step)
+        self._plans.ensure(info.agent_id)
+        log.info("agent %s registered (role %s rank %s)", info.agent_id, info.role, info.rank)
+        self._on_register(info)
+        self._book.publish([info.agent_id])  # a re-registering agent gets its windows back
+        return Registration(self._plans.plan(info.agent_id), self._poll_timeout_s)
+
+    def _interned(self, info: AgentInfo) -> AgentInfo:
+        """Thousands of agents report the same capabilities and topology keys: keep one copy."""
+        caps = tuple(sorted(info.capabilities.items()))
+        shared = self._shared.setdefault(caps, dict(caps))
+        topo = tuple(sorted(info.topology.items()))
+        shared_topo = self._shared.setdefault(("topology", *topo), dict(topo))
+        return dataclasses.replace(
+            info,
+            capabilities=shared,
+            topology=shared_topo,
+            hostname=sys.intern(info.hostname),
+            role=sys.intern(info.role),
+        )
+
+    async def poll(
+        self, agent_id: str, known_version: int, step: int | None, timeout: float
+    ) -> PollReply:
+        rec = self._registry.get(agent_id)
+        if rec is None:
+            return PollReply(plan=None, known=False)
+        rec.touch(self._clock(), step)
+        self._on_fresh_step(agent_id)
+        plan = await self._plans.wait(agent_id, known_version, min(timeout, MAX_POLL_S))
+        if (rec := self._registry.get(agent_id)) is not None:
+            rec.touch(self._clock(), None, revive=False)
+        return PollReply(plan=plan)
+
+    async def poll_many(
+        self, known: dict[str, int], steps: dict[str, int | None], timeout: float
+    ) -> dict[str, PollReply]:
+        """See :meth:`ProfileCoordinator.poll_many`."""
+        now = self._clock()
+        replies: dict[str, PollReply] = {}
+        waiting: dict[str, int] = {}
+        for aid, version in known.items():
+            rec = self._registry.get(aid)
+            if rec is None:
+                replies[aid] = PollReply(plan=None, known=False)
+                continue
+            rec.touch(now, steps.get(aid))
+            self._on_fresh_step(aid)
+            waiting[aid] = version
+        plans = await self._plans.wait_any(waiting, 0 if replies else min(timeout, MAX_POLL_S))
+        now = self._clock()
+        for aid in waiting:
+            rec = self._registry.get(aid)
+            if rec is not None:
+                rec.touch(now, None, revive=False)
+        replies.update({aid: PollReply(plan=plan) for aid, plan in plans.items()})
+        return replies
+
+    async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
+        rec = self._registry.get(agent_id)
+        if rec is None:
+            return False
+        rec.touch(self._clock(), None)
+        self.reports += 1
+        self.events += len(events)
+        touched: dict[str, Session] = {}
+        for ev in events:
+            if ev.kind is EventKind.TRACE and isinstance(ev.payload, TraceWritten):
+                ev = self._indexed(rec, ev)
+            if ev.kind is EventKind.CLOSED:
+                self._registry.close(agent_id)
+                for s in self._book.live():
+                    if agent_id in s.targets:
+                        s.apply(agent_id, ev)
+                        touched[s.session_id] = s
+                continue
+            s = self._book.find(ev.session_id or "")
+            if s is not None:
+                s.apply(agent_id, ev)
+                touched[s.session_id] = s
+        for s in touched.values():
+            self._book.persist(s)  # saved before the agent is told its events arrived
+        self._book.advance_soon(touched.values())
+        if touched:
+            await self._on_events()
+        return True
+
+    def _indexed(self, rec: AgentRecord, ev: AgentEvent) -> AgentEvent:
+        """Index the trace of ``ev``; an error event instead when the index refuses it (not a
+        trace of this session: the part says why)."""
+        session = self._book.find(ev.session_id or "")
+        try:
+            view = self._traces.index(rec.info, ev, session)
+        except TraceRefused as exc:
+            return AgentEvent(EventKind.ERROR, ev.session_id, ev.step, str(exc))
+        if view is not None and session is not None:
+            self._book.upload(session, view)
+        return ev

@@ -1,0 +1,126 @@
+"""Where a new session's window falls: the steps it names, a timed window, or the first steps
+every target can still reach (``next_steps``), learnt from fresh step reports."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from profd.core.states import SessionState
+
+if TYPE_CHECKING:
+    from profd.actors.drivers import DriverTable
+    from profd.actors.planbook import PlanBook
+    from profd.actors.registry import AgentRegistry
+    from profd.actors.sessions import Session
+    from profd.actors.targeting import Target
+    from profd.core.request import SessionRequest
+    from profd.core.settings import CoordinatorSettings
+
+__all__ = ["TIMED_GRACE_S", "Alignment", "waiting_note"]
+
+#: A timed session's targets have at least this long after the window to hand in files.
+TIMED_GRACE_S = 300
+
+
+class _Waiter:
+    """One alignment waiting for a fresh step report from each of ``pending``."""
+
+    __slots__ = ("done", "pending")
+
+    def __init__(self, pending: Iterable[str]) -> None:
+        self.pending = set(pending)
+        self.done = asyncio.Event()
+
+
+class Alignment:
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        registry: AgentRegistry,
+        plans: PlanBook,
+        drivers: DriverTable,
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._plans = plans
+        self._drivers = drivers
+        self._waiters: list[_Waiter] = []
+
+    async def place(self, session: Session, req: SessionRequest, targets: Iterable[Target]) -> None:
+        """Fix the session's steps (given, aligned, or none for a timed window)."""
+        targets = list(targets)
+        session.open_targeting = req.wait_for_agents
+        if req.steps is not None:
+            session.resolve_steps(req.steps)
+        elif req.duration_s is not None:
+            session.resolve_steps(())
+            # bounded: the window, then time to write the files (rollout engines say how long
+            # theirs may take: stop, then flush)
+            budgets = [t.agent.replica.collect_budget_s for t in targets if t.agent.replica]
+            grace = max([TIMED_GRACE_S, *budgets])
+            session.deadline = min(session.deadline, session.created_at + req.duration_s + grace)
+        else:
+            await self._align(session, req.next_steps or 1)
+        replicas = [t for t in targets if t.agent.replica is not None]
+        if replicas and req.duration_s is None and not self._drivers.any_heard:
+            session.warnings.append(
+                "rollout replicas record the steps a driver announces with "
+                "profd.controller().step(n); none has been announced yet (without a "
+                "single-controller driver, profile replicas with duration_s)"
+            )
+
+    async def _align(self, session: Session, count: int) -> None:
+        """Pick the first step every target can still reach, from fresh step reports."""
+        waiter = _Waiter(session.targets)
+        self._waiters.append(waiter)
+        for aid in waiter.pending:
+            self._plans.wake(aid)  # the agent re-polls at once with its current step
+        try:
+            if self._settings.align_timeout_s > 0:
+                await asyncio.wait_for(waiter.done.wait(), self._settings.align_timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.remove(waiter)
+        recs = [r for a in session.targets if (r := self._registry.get(a)) is not None]
+        known = [r.current_step for r in recs if r.current_step is not None]
+        # the drivers of the targets' jobs announce their steps: they are authoritative
+        drivers = {self._drivers.driver_step(r.info.job_id) for r in recs}
+        known += [d for d in drivers if d is not None]
+        first = (max(known) + 1 if known else 0) + self._settings.align_lead_steps
+        session.resolve_steps(tuple(range(first, first + count)))
+
+    def note_fresh_step(self, agent_id: str) -> None:
+        """The agent just reported its current step (it polled)."""
+        for w in self._waiters:
+            w.pending.discard(agent_id)
+            if not w.pending:
+                w.done.set()
+
+    def say_what_is_past(self, s: Session) -> None:
+        """An armed step session waits for its first step still ahead, and says so."""
+        if s.state is not SessionState.ARMED or not s.steps or s.request.duration_s is not None:
+            return
+        recs = [self._registry.get(a) for a in s.targets]
+        note = waiting_note(s.steps, [self._drivers.job_step(r) if r else None for r in recs])
+        if note is not None:
+            s.reason = note
+
+
+def waiting_note(steps: tuple[int, ...], current: list[int | None]) -> str | None:
+    """The reason an armed session gives when its first steps have already begun on every
+    target (at ``current``): it waits for the first step still ahead, never a past one."""
+    if not current or None in current:
+        return None
+    now_at = min(c for c in current if c is not None)
+    past = [x for x in steps if x <= now_at]
+    ahead = [x for x in steps if x > now_at]
+    if not (past and ahead):
+        return None
+    span = f"{past[0]}-{past[-1]}" if len(past) > 2 else ", ".join(map(str, past))
+    return (
+        f"waiting for step {ahead[0]}; step(s) {span} had already begun on every target "
+        f"(at step {now_at}) and will be missed"
+    )

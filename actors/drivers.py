@@ -1,0 +1,178 @@
+"""Single-controller drivers: step announcements and rollout phases, per Ray job.
+
+The driver's ``profd.controller()`` calls these: every agent of a live session learns the step
+before the step's first worker call, and rollout replicas start / stop their engines at the
+phases the driver marks, confirming before the driver goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from profd.core.errors import RequestInvalid
+from profd.core.protocol import DriverAck
+from profd.core.states import ControllerPhase
+
+if TYPE_CHECKING:
+    from profd.actors.planbook import PlanBook
+    from profd.actors.registry import AgentRecord, AgentRegistry
+    from profd.actors.sessions import Session
+
+__all__ = ["DriverTable"]
+
+log = logging.getLogger(__name__)
+
+#: The phases a driver may mark with ``controller_phase`` (``step_begin`` comes with the step).
+PHASES = frozenset(
+    {ControllerPhase.ROLLOUT_BEGIN, ControllerPhase.ROLLOUT_END, ControllerPhase.STEP_END}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Heard:
+    step: int
+    at: float
+
+
+class DriverTable:
+    """The last step each job's driver announced, and waits on agents' confirmations."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        silence_s: float,
+        registry: AgentRegistry,
+        plans: PlanBook,
+        live_sessions: Callable[[], list[Session]],
+    ) -> None:
+        self._clock = clock
+        #: A driver unheard of this long no longer announces the job's step.
+        self._silence_s = silence_s
+        self._registry = registry
+        self._plans = plans
+        self._live_sessions = live_sessions
+        #: Ray job id (None: a driver that does not say) -> its last step, and when.
+        self._heard: dict[str | None, _Heard] = {}
+        #: Notified whenever agent events arrive (phase waits re-check their agents).
+        self._progress = asyncio.Condition()
+
+    async def progressed(self) -> None:
+        """Agent events arrived: wake the waits on rollout confirmations."""
+        async with self._progress:
+            self._progress.notify_all()
+
+    @property
+    def any_heard(self) -> bool:
+        """Whether any driver ever announced a step to this incarnation."""
+        return bool(self._heard)
+
+    async def step(self, step: int, timeout: float, job_id: str | None) -> DriverAck:
+        """See :meth:`ProfileCoordinator.controller_step`."""
+        self._heard[job_id] = _Heard(step, self._clock())
+        targets = self.targets(job_id)
+        if not targets:
+            return DriverAck(step)
+        rollout = {aid for aid in targets if self._is_rollout_agent(aid)}
+        versions = {
+            aid: self._plans.set_controller_step(
+                aid, step, ControllerPhase.STEP_BEGIN if aid in rollout else None
+            )
+            for aid in targets
+        }
+        # one deadline for both waits: the driver gives this call timeout + a small grace
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        slow = await self._plans.wait_delivered(versions, timeout)
+        left = max(0.0, deadline - loop.time())
+        slow += await self._wait_phase(rollout - set(slow), step, ControllerPhase.STEP_BEGIN, left)
+        if slow:
+            log.warning(
+                "controller step %s: %d agent(s) did not confirm in %.0f s: %s",
+                step,
+                len(slow),
+                timeout,
+                ", ".join(slow),
+            )
+        return DriverAck(step, len(targets), tuple(sorted(slow)), bool(rollout))
+
+    async def phase(
+        self, step: int, phase: str, timeout: float, job_id: str | None
+    ) -> DriverAck:
+        """See :meth:`ProfileCoordinator.controller_phase`."""
+        if phase not in PHASES:
+            raise RequestInvalid.at("phase", f"unknown controller phase {phase!r}")
+        rollout = {a for a in self.targets(job_id) if self._is_rollout_agent(a)}
+        for aid in rollout:
+            self._plans.set_controller_step(aid, step, ControllerPhase(phase))
+        slow = await self._wait_phase(rollout, step, phase, timeout)
+        done = ControllerPhase(phase)
+        return DriverAck(step, len(rollout), tuple(sorted(slow)), bool(rollout), done)
+
+    def driver_step(self, job_id: str | None = None) -> int | None:
+        """The step the single-controller driver of Ray job ``job_id`` announced, while it
+        still announces; a driver that did not name its job stands for any job."""
+        for key in (job_id, None) if job_id is not None else (None,):
+            seen = self._heard.get(key)
+            if seen is not None and self._clock() - seen.at <= self._silence_s:
+                return seen.step
+        return None
+
+    def latest(self) -> tuple[int, float] | None:
+        """(step, seconds since) of the driver heard from last, while it announces."""
+        now = self._clock()
+        fresh = [h for h in self._heard.values() if now - h.at <= self._silence_s]
+        if not fresh:
+            return None
+        last = max(fresh, key=lambda h: (h.at, h.step))
+        return last.step, round(now - last.at, 3)
+
+    def job_step(self, rec: AgentRecord) -> int | None:
+        """The job's step on a registered agent: its own, else its driver's."""
+        return rec.step(self.driver_step(rec.info.job_id))
+
+    def targets(self, job_id: str | None = None) -> set[str]:
+        """Targets of live step sessions that follow this driver: agents of its Ray job (an
+        agent or a driver that does not know its job follows any driver)."""
+        out = set()
+        for s in self._live_sessions():
+            if s.steps is None:
+                continue
+            for aid, part in s.targets.items():
+                if part.state.is_terminal:
+                    continue
+                rec = self._registry.get(aid)
+                job = rec.info.job_id if rec is not None else None
+                if job_id is None or job is None or job == job_id:
+                    out.add(aid)
+        return out
+
+    def _is_rollout_agent(self, agent_id: str) -> bool:
+        rec = self._registry.get(agent_id)
+        return rec is not None and rec.info.replica is not None
+
+    async def _wait_phase(
+        self, agents: set[str], step: int, phase: str, timeout: float
+    ) -> list[str]:
+        """Wait until each rollout agent confirmed ``(step, phase)`` (or its part ended)."""
+
+        def pending() -> list[str]:
+            out = []
+            for aid in agents:
+                parts = [s.targets[aid] for s in self._live_sessions() if aid in s.targets]
+                if any(p.last_phase != [step, phase] and not p.state.is_terminal for p in parts):
+                    out.append(aid)
+            return out
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while pending() and (left := deadline - loop.time()) > 0:
+            async with self._progress:
+                try:
+                    await asyncio.wait_for(self._progress.wait(), min(0.5, left))
+                except TimeoutError:
+                    pass
+        return pending()

@@ -1,0 +1,165 @@
+"""The coordinator's index of the trace files agents wrote (what downloads may serve).
+
+A trace enters the index once, from the agent's ``trace`` event, and only when its file lies
+inside its session's directory; the index is persisted with the store, so a restarted
+coordinator still serves the traces of earlier sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any, cast
+
+from profd.core.errors import NotFoundError
+from profd.core.paging import Page, page_of
+from profd.core.protocol import AgentEvent, AgentInfo, TraceWritten
+from profd.core.views import TraceView
+
+if TYPE_CHECKING:
+    from profd.actors.sessions import Session
+    from profd.actors.store import Store
+
+__all__ = ["StallStats", "TraceIndex", "TraceRefused"]
+
+log = logging.getLogger(__name__)
+
+
+class TraceRefused(Exception):
+    """A reported trace the index does not take (the message says why)."""
+
+
+@dataclass
+class StallStats:
+    """Training-thread stalls of one tool's exports (since this incarnation started)."""
+
+    count: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, stall_s: float) -> None:
+        self.count += 1
+        self.total_s += stall_s
+        self.max_s = max(self.max_s, stall_s)
+
+    def as_list(self) -> list[float]:
+        """``[count, sum, max]``: the shape the sidecar's /metrics reads."""
+        return [self.count, self.total_s, self.max_s]
+
+
+class TraceIndex:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._traces: dict[str, TraceView] = {}
+        self._stalls: dict[str, StallStats] = {}  # tool -> its export stalls
+
+    def restore(self, rows: Iterable[dict[str, Any]]) -> int:
+        """Take the traces a previous incarnation persisted; return how many."""
+        n = 0
+        for d in rows:
+            view = TraceView.model_validate(d)
+            self._traces[view.trace_id] = view
+            n += 1
+        return n
+
+    def index(self, info: AgentInfo, ev: AgentEvent, session: Session | None) -> TraceView | None:
+        """Index the trace of ``ev`` (a ``trace`` event of agent ``info``); the new view, or
+        ``None`` for a re-sent event. Raises :class:`TraceRefused` for a file outside the
+        session's directory (noted in the session's warnings)."""
+        p = cast(TraceWritten, ev.payload)  # a trace event always carries its file
+        path = os.path.normpath(p.path)  # served as checked
+        if not _inside_session_dir(path, session, ev.session_id or ""):
+            # Downloads serve indexed paths only: an agent cannot make the sidecar serve
+            # a file outside its session's directory.
+            msg = (
+                f"{info.role} rank {info.rank}: trace outside the session directory refused: {path}"
+            )
+            log.warning("session %s: %s", ev.session_id, msg)
+            if session is not None:
+                session.warnings.append(msg)
+            raise TraceRefused(msg)
+        if p.trace_id in self._traces:
+            return None  # a re-sent event (agent retried after an outage): indexed once
+        view = TraceView(
+            trace_id=p.trace_id,
+            session_id=ev.session_id or "",
+            agent_id=info.agent_id,
+            role=info.role,
+            rank=info.rank,
+            tool=p.tool,
+            scope=p.scope,
+            steps=[int(s) for s in p.steps],
+            path=path,
+            file_name=Path(path).name,
+            bytes=int(p.bytes),
+            node_id=info.node_id,
+            node_ip=info.node_ip,
+            hostname=info.hostname,
+            created_at=ev.time,
+        )
+        self._traces[view.trace_id] = view
+        self._stalls.setdefault(view.tool, StallStats()).add(float(p.stall_s or 0.0))
+        self._store.save_trace(view.trace_id, view.session_id, view.model_dump(mode="json"))
+        return view
+
+    def get(self, trace_id: str) -> TraceView:
+        trace = self._traces.get(trace_id)
+        if trace is None:
+            raise NotFoundError(f"no trace {trace_id!r}", trace_id=trace_id)
+        return trace
+
+    def all(self) -> Iterable[TraceView]:
+        return self._traces.values()
+
+    def of_session(self, session_id: str) -> list[TraceView]:
+        return [t for t in self._traces.values() if t.session_id == session_id]
+
+    def find(
+        self,
+        session_id: str | None = None,
+        role: str | None = None,
+        rank: int | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> list[TraceView] | Page:
+        """See :meth:`ProfileCoordinator.list_traces`."""
+        out = [
+            t
+            for t in self._traces.values()
+            if (session_id is None or t.session_id == session_id)
+            and (role is None or t.role == role)
+            and (rank is None or t.rank == rank)
+        ]
+        if limit is None and cursor is None:
+            return sorted(out, key=lambda t: (t.session_id, t.role, t.rank, t.steps, t.file_name))
+        chosen, next_cursor, total = page_of(
+            out, lambda t: (t.created_at, t.trace_id), "traces", limit, cursor
+        )
+        return Page(chosen, next_cursor, total, sum(t.bytes for t in out))
+
+    def __len__(self) -> int:
+        return len(self._traces)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self._traces.values())
+
+    def stalls(self) -> dict[str, list[float]]:
+        """Export stalls by tool, as ``[count, sum, max]``."""
+        return {tool: s.as_list() for tool, s in self._stalls.items()}
+
+
+def _inside_session_dir(path: str, session: Session | None, session_id: str) -> bool:
+    """Whether ``path`` (on the agent's node, so compared as text, not resolved here) lies
+    inside the session's directory — or, for a session this coordinator does not know, inside
+    a directory named by the session id."""
+    p = PurePosixPath(os.path.normpath(path))
+    if not p.is_absolute():
+        return False
+    if session is not None:
+        root = PurePosixPath(os.path.normpath(session.save_dir))
+        return p != root and p.is_relative_to(root)
+    return bool(session_id) and session_id in p.parts[:-1]

@@ -1,0 +1,423 @@
+"""The coordinator called directly on one event loop: a fake clock, an in-memory store and a
+local runner (no threads, no Ray, no polling for a condition). Time moves only when a test
+moves it, and housekeeping runs only when a test calls ``tick()``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from profd.actors.coordinator import ProfileCoordinator, Registration
+from profd.actors.runner import LocalRunner
+from profd.actors.store import MemoryStore
+from profd.core.errors import ConflictError, NotFoundError, RequestInvalid
+from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, EventKind, PartDone, TraceWritten
+from profd.core.settings import CoordinatorSettings
+from profd.core.states import AgentState, ControllerPhase, PartState, SessionState
+
+T0 = 1_700_000_000.0
+#: Both agents of :func:`two_agents` (without ``roles`` a request takes rank 0 of each role).
+EVERY_ACTOR = {"actor": {"all_ranks": True}}
+
+
+class FakeClock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class KeepingStore(MemoryStore):
+    """Keeps what was saved in memory, so a second coordinator restores it."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.parts: dict[str, dict[str, dict[str, Any]]] = {}
+        self.traces: dict[str, dict[str, Any]] = {}
+
+    def load(self) -> dict[str, list[dict[str, Any]]]:
+        sessions = [
+            {**header, "targets": dict(self.parts.get(sid, {}))}
+            for sid, header in self.sessions.items()
+        ]
+        return {"sessions": sessions, "traces": list(self.traces.values())}
+
+    def save_session(
+        self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
+    ) -> bool:
+        self.sessions[session_id] = dict(data)
+        self.parts.setdefault(session_id, {}).update(parts)
+        return True
+
+    def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
+        self.traces[trace_id] = data
+
+
+def settings(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
+    values: dict[str, Any] = dict(
+        save_root=str(tmp_path / "profile"),
+        base_dir=str(tmp_path),
+        heartbeat_timeout_s=30.0,
+        align_timeout_s=0.0,  # next_steps aligns on what the registry knows, at once
+        session_timeout_s=600.0,
+        tick_s=3600.0,  # the loop's own ticks never come during a test
+        liveness_check_s=0.0,
+    )
+    values.update(overrides)
+    return CoordinatorSettings(**values)
+
+
+def make(
+    tmp_path: Path, clock: FakeClock | None = None, store: Any = None, **overrides: Any
+) -> tuple[ProfileCoordinator, FakeClock]:
+    clock = clock or FakeClock()
+    coord = ProfileCoordinator(
+        settings(tmp_path, **overrides),
+        clock,
+        store=store if store is not None else MemoryStore(),
+        runner=LocalRunner(),
+    )
+    return coord, clock
+
+
+def info(aid: str, role: str = "actor", rank: int = 0, job: str | None = None) -> AgentInfo:
+    return AgentInfo(
+        aid, role, rank, 2, {}, "host", 1000 + rank, capabilities={"torch": None}, job_id=job
+    )
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def ev(kind: EventKind, sid: str, **kw: Any) -> AgentEvent:
+    return AgentEvent(kind, sid, **kw)
+
+
+def trace(sid: str, save_dir: str, trace_id: str, steps: tuple[int, ...]) -> AgentEvent:
+    path = os.path.join(save_dir, f"{trace_id}.json")
+    payload = TraceWritten(trace_id, path, 123, steps, "train", "torch", stall_s=0.25)
+    return ev(EventKind.TRACE, sid, payload=payload)
+
+
+async def two_agents(coord: ProfileCoordinator) -> None:
+    for aid, rank in (("a", 0), ("b", 1)):
+        reg = await coord.register(info(aid, rank=rank), 1)
+        assert isinstance(reg, Registration)
+
+
+# -- start ------------------------------------------------------------------------------------
+def test_start_is_idempotent_and_a_first_rpc_starts_it(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        assert not coord.started
+        await coord.ping()  # a coordinator Ray restarted gets no start() call
+        assert coord.started
+        tasks = len(asyncio.all_tasks())
+        await coord.start()
+        assert len(asyncio.all_tasks()) == tasks  # no second tick loop
+
+    run(go)
+
+
+# -- sessions ---------------------------------------------------------------------------------
+def test_a_session_walks_every_state_on_events(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        view = await coord.create_session({"steps": [3, 4], "roles": EVERY_ACTOR})
+        sid = view.session_id
+        assert view.state is SessionState.ARMED
+        assert view.reason == "waiting for step 3"
+        assert view.save_dir == str(tmp_path / "profile" / sid)
+        assert {t.agent_id for t in view.targets} == {"a", "b"}
+        reply = await coord.poll("a", 0, 1, 0)
+        assert reply.known and [w.session_id for w in reply.plan.windows] == [sid]
+        assert reply.plan.windows[0].steps == (3, 4)
+
+        for aid in ("a", "b"):
+            await coord.report(aid, [ev(EventKind.ARMED, sid), ev(EventKind.RECORDING, sid)])
+        coord.tick()
+        assert (await coord.get_session(sid)).state is SessionState.RECORDING
+        for aid in ("a", "b"):
+            await coord.report(aid, [ev(EventKind.COLLECTING, sid)])
+        coord.tick()
+        assert (await coord.get_session(sid)).state is SessionState.COLLECTING
+        for aid in ("a", "b"):
+            events = [trace(sid, view.save_dir, f"t-{aid}", (3, 4))]
+            events.append(ev(EventKind.PART_DONE, sid, payload=PartDone(recorded=(3, 4))))
+            await coord.report(aid, events)
+        coord.tick()
+        done = await coord.get_session(sid)
+        assert done.state is SessionState.DONE, done.reason
+        assert {p.state for p in done.targets} == {PartState.DONE}
+        assert sorted(t.trace_id for t in done.traces) == ["t-a", "t-b"]
+        assert (await coord.get_trace("t-a")).rank == 0
+        assert [t.trace_id for t in await coord.list_traces(role="actor", rank=1)] == ["t-b"]
+        # a finished session's window leaves the agents' plans
+        assert (await coord.poll("a", reply.plan.version, 5, 0)).plan.windows == ()
+        metrics = await coord.metrics()
+        assert metrics["reports_total"] == 6 and metrics["events_total"] == 10
+        assert metrics["stalls"]["torch"] == [2, 0.5, 0.25]
+        status = await coord.status()
+        assert status.traces == 2 and status.trace_bytes == 246
+        assert status.sessions_by_state == {"done": 1} and status.live_sessions == []
+
+    run(go)
+
+
+def test_a_session_expires_at_its_deadline(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, clock = make(tmp_path, session_timeout_s=50.0, heartbeat_timeout_s=1000.0)
+        await coord.start()
+        await two_agents(coord)
+        sid = (await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})).session_id
+        clock.advance(49)
+        coord.tick()
+        assert (await coord.get_session(sid)).state is SessionState.ARMED
+        clock.advance(2)
+        coord.tick()
+        view = await coord.get_session(sid)
+        assert view.state is SessionState.EXPIRED
+        assert {p.state for p in view.targets} == {PartState.EXPIRED}
+        assert view.finished_at == T0 + 51
+
+    run(go)
+
+
+def test_a_silent_agent_is_lost_after_the_heartbeat_timeout(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, clock = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        sid = (await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})).session_id
+        clock.advance(20)
+        await coord.poll("a", 0, 2, 0)  # a is heard from; b is not
+        clock.advance(11)
+        coord.tick()
+        agents = {a.agent_id: a.state for a in await coord.list_agents()}
+        assert agents == {"a": AgentState.ALIVE, "b": AgentState.LOST}
+        parts = {p.agent_id: p for p in (await coord.get_session(sid)).targets}
+        assert parts["b"].state is PartState.LOST and "no heartbeat for 30 s" in parts["b"].reason
+        assert parts["a"].state is PartState.PENDING
+
+    run(go)
+
+
+def test_cancel_ends_a_session_once(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        sid = (await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})).session_id
+        view = await coord.cancel_session(sid, "changed my mind")
+        assert view.state is SessionState.CANCELLED and view.reason == "changed my mind"
+        assert (await coord.poll("a", 0, 1, 0)).plan.windows == ()
+        with pytest.raises(ConflictError) as err:
+            await coord.cancel_session(sid)
+        assert err.value.status_code == 409
+
+    run(go)
+
+
+def test_unknown_ids_are_not_found(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        for call in (coord.get_session("nope"), coord.cancel_session("nope"), coord.get_trace("t")):
+            with pytest.raises(NotFoundError) as err:
+                await call
+            assert err.value.status_code == 404
+        assert (await coord.poll("ghost", 0, None, 0)).known is False
+        assert await coord.report("ghost", [ev(EventKind.ARMED, "s")]) is False
+
+    run(go)
+
+
+def test_overlapping_sessions_conflict(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        first = (await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})).session_id
+        with pytest.raises(ConflictError) as err:
+            await coord.create_session({"steps": [5], "roles": {"actor": {"ranks": [1]}}})
+        assert err.value.status_code == 409 and first in str(err.value)
+        await coord.cancel_session(first)
+        again = await coord.create_session({"steps": [5], "roles": {"actor": {"ranks": [1]}}})
+        assert [t.rank for t in again.targets] == [1]
+
+    run(go)
+
+
+def test_requests_that_match_nothing_or_do_not_validate_are_refused(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        with pytest.raises(RequestInvalid, match="no registered agent matches"):
+            await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+        await two_agents(coord)
+        with pytest.raises(RequestInvalid):
+            await coord.create_session({"steps": [3], "tool": "no-such-tool"})
+        with pytest.raises(RequestInvalid, match="already begun"):
+            # both agents are at step 1: nothing could be recorded
+            await coord.create_session({"steps": [1], "roles": EVERY_ACTOR})
+        assert await coord.list_sessions() == []
+
+    run(go)
+
+
+def test_next_steps_start_after_the_most_advanced_target(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path, align_lead_steps=1)
+        await coord.start()
+        await coord.register(info("a", rank=0), 7)
+        await coord.register(info("b", rank=1), 9)
+        view = await coord.create_session({"next_steps": 2, "roles": EVERY_ACTOR})
+        assert view.steps == [11, 12]
+
+    run(go)
+
+
+def test_a_launch_time_session_adopts_agents_that_register_later(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        view = await coord.create_session({"steps": [3], "wait_for_agents": True})
+        assert view.targets == [] and view.state is SessionState.ARMED
+        reg = await coord.register(info("late"), None)
+        assert [w.session_id for w in reg.plan.windows] == [view.session_id]
+        assert [t.agent_id for t in (await coord.get_session(view.session_id)).targets] == ["late"]
+
+    run(go)
+
+
+def test_a_closed_agent_ends_its_part(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        sid = (await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})).session_id
+        assert await coord.report("a", [AgentEvent(EventKind.CLOSED)]) is True
+        coord.tick()
+        parts = {p.agent_id: p for p in (await coord.get_session(sid)).targets}
+        assert parts["a"].state is PartState.MISSED and parts["a"].missed_steps == [3]
+        assert parts["b"].state is PartState.PENDING
+        agents = {a.agent_id: a.state for a in await coord.list_agents()}
+        assert agents["a"] is AgentState.CLOSED
+
+    run(go)
+
+
+def test_a_trace_outside_its_session_directory_is_refused(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        sid = (await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})).session_id
+        await coord.report("a", [trace(sid, "/etc", "evil", (3,))])
+        view = await coord.get_session(sid)
+        assert view.traces == [] and await coord.list_traces() == []
+        assert any("outside the session directory" in w for w in view.warnings)
+        with pytest.raises(NotFoundError):
+            await coord.get_trace("evil")
+
+    run(go)
+
+
+def test_a_re_sent_trace_is_indexed_once(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        view = await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+        again = trace(view.session_id, view.save_dir, "t-a", (3,))
+        for _ in range(2):  # the agent retried after an outage
+            await coord.report("a", [again])
+        assert [t.trace_id for t in await coord.list_traces()] == ["t-a"]
+        assert (await coord.metrics())["stalls"]["torch"] == [1, 0.25, 0.25]
+
+    run(go)
+
+
+def test_restored_agents_that_do_not_come_back_are_lost(tmp_path: Path) -> None:
+    async def go() -> None:
+        store = KeepingStore()
+        first, clock = make(tmp_path, store=store)
+        await first.start()
+        await two_agents(first)
+        sid = (await first.create_session({"steps": [3], "roles": EVERY_ACTOR})).session_id
+        # a new incarnation, the same state: only agent a comes back
+        second, _ = make(tmp_path, clock=clock, store=store)
+        await second.start()
+        assert (await second.get_session(sid)).state is SessionState.ARMED
+        await second.register(info("a", rank=0), 2)
+        clock.advance(29)
+        second.tick()
+        parts = {p.agent_id: p.state for p in (await second.get_session(sid)).targets}
+        assert parts == {"a": PartState.PENDING, "b": PartState.PENDING}
+        clock.advance(2)
+        await second.poll("a", 0, 2, 0)  # a stays heard from
+        second.tick()
+        parts = {p.agent_id: p for p in (await second.get_session(sid)).targets}
+        assert parts["a"].state is PartState.PENDING
+        assert parts["b"].state is PartState.LOST and "did not come back" in parts["b"].reason
+
+    run(go)
+
+
+# -- drivers ----------------------------------------------------------------------------------
+def test_a_driver_step_reaches_its_jobs_agents_only(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, clock = make(tmp_path)
+        await coord.start()
+        await coord.register(info("a", "actor", 0, job="job-a"), None)
+        await coord.register(info("b", "critic", 0, job="job-b"), None)
+        first = await coord.controller_step(4, 1.0, "job-a")
+        assert first == DriverAck(4)  # nothing armed: no agent is contacted
+        await coord.create_session({"steps": [10], "roles": {"actor": {}, "critic": {}}})
+        a0 = (await coord.poll("a", 0, None, 0)).plan
+        b0 = (await coord.poll("b", 0, None, 0)).plan
+        step = asyncio.create_task(coord.controller_step(5, 5.0, "job-a"))
+        await asyncio.sleep(0)
+        a1 = (await coord.poll("a", a0.version, None, 0)).plan
+        assert a1.controller_step == 5
+        await coord.poll("a", a1.version, None, 0)  # a holds the step: the driver goes on
+        assert await step == DriverAck(5, agents=1)
+        assert (await coord.poll("b", b0.version, None, 0)).plan is None  # b's job is not a's
+        steps = {a.agent_id: (a.current_step, a.step_source) for a in await coord.list_agents()}
+        assert steps == {"a": (5, "driver"), "b": (None, None)}
+        clock.advance(3)
+        assert coord.latest_driver() == (5, 3.0)
+        assert (await coord.status()).driver_step == 5
+        clock.advance(30)  # a driver unheard for the heartbeat timeout announces nothing
+        assert coord.latest_driver() is None
+        assert (await coord.list_agents())[0].current_step is None
+
+    run(go)
+
+
+def test_a_slow_agent_is_named_and_unknown_phases_refused(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        await coord.create_session({"steps": [10], "roles": EVERY_ACTOR})
+        result = await coord.controller_step(2, 0.05)  # nobody polls: nobody confirms
+        assert result.agents == 2 and result.slow == ("a", "b")
+        with pytest.raises(RequestInvalid, match="unknown controller phase"):
+            await coord.controller_phase(2, "lunch")
+        done = await coord.controller_phase(2, "rollout_begin", 1.0)
+        assert done == DriverAck(2, phase=ControllerPhase.ROLLOUT_BEGIN)
+
+    run(go)

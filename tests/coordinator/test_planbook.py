@@ -1,0 +1,143 @@
+"""PlanBook: versioned per-agent plans and the long-polls parked on them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from profd.actors.planbook import PlanBook
+from profd.core.protocol import WindowPlan
+from profd.core.states import ControllerPhase
+
+
+def window(sid: str) -> WindowPlan:
+    return WindowPlan(sid, "torch", (1,), ((1,),), False, {}, f"/tmp/{sid}", "*")
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def test_versions_only_grow_and_an_unchanged_plan_keeps_its_version() -> None:
+    book = PlanBook()
+    assert book.plan("a").version == 0  # unknown agent: the empty plan
+    assert book.set("a", (window("s1"),)) is True
+    v1 = book.plan("a").version
+    assert book.set("a", (window("s1"),)) is False  # same windows
+    assert book.plan("a").version == v1
+    assert book.set("b", (window("s1"),)) is True
+    assert book.set("a", ()) is True
+    assert book.plan("a").version > book.plan("b").version > v1
+    assert book.plan("a").windows == ()
+
+
+def test_a_restarted_book_never_reuses_a_version() -> None:
+    first = PlanBook()
+    first.set("a", (window("s1"),))
+    time.sleep(0.002)  # versions start from the clock (milliseconds)
+    second = PlanBook()
+    second.set("a", (window("s2"),))
+    assert second.plan("a").version > first.plan("a").version
+
+
+def test_controller_steps_keep_the_windows_and_change_the_version_once() -> None:
+    book = PlanBook()
+    book.set("a", (window("s1"),))
+    v = book.set_controller_step("a", 5, ControllerPhase.STEP_BEGIN)
+    assert v == book.plan("a").version
+    assert book.set_controller_step("a", 5, ControllerPhase.STEP_BEGIN) == v  # unchanged
+    plan = book.plan("a")
+    assert (plan.controller_step, plan.controller_phase) == (5, ControllerPhase.STEP_BEGIN)
+    assert plan.windows == (window("s1"),)
+    book.set("a", ())  # new windows keep the announced step
+    assert book.plan("a").controller_step == 5
+
+
+def test_wait_answers_at_once_when_the_agent_is_behind() -> None:
+    async def go() -> None:
+        book = PlanBook()
+        book.set("a", (window("s1"),))
+        plan = await book.wait("a", 0, 10.0)
+        assert plan is not None and plan.windows == (window("s1"),)
+
+    run(go)
+
+
+def test_wait_parks_until_the_plan_changes() -> None:
+    async def go() -> None:
+        book = PlanBook()
+        book.ensure("a")
+        parked = asyncio.create_task(book.wait("a", 0, 10.0))
+        await asyncio.sleep(0)
+        assert not parked.done()
+        book.set("a", (window("s1"),))
+        plan = await asyncio.wait_for(parked, 1.0)
+        assert plan is not None and plan.windows == (window("s1"),)
+
+    run(go)
+
+
+def test_wait_times_out_with_nothing_new() -> None:
+    async def go() -> None:
+        book = PlanBook()
+        book.set("a", (window("s1"),))
+        assert await book.wait("a", book.plan("a").version, 0.01) is None
+
+    run(go)
+
+
+def test_wait_any_returns_only_the_changed_plans() -> None:
+    async def go() -> None:
+        book = PlanBook()
+        for aid in ("a", "b"):
+            book.set(aid, (window("s1"),))
+        known = {aid: book.plan(aid).version for aid in ("a", "b")}
+        known["ghost"] = 0  # unknown agents are ignored, never answered
+        parked = asyncio.create_task(book.wait_any(known, 10.0))
+        await asyncio.sleep(0)
+        book.set("b", ())
+        changed = await asyncio.wait_for(parked, 1.0)
+        assert list(changed) == ["b"] and changed["b"].windows == ()
+        # nothing parked is left behind once the poll returned
+        assert await book.wait_any({"b": changed["b"].version}, 0) == {}
+
+    run(go)
+
+
+def test_wake_releases_a_parked_poll_without_a_new_plan() -> None:
+    async def go() -> None:
+        book = PlanBook()
+        book.ensure("a")
+        parked = asyncio.create_task(book.wait_any({"a": 0}, 10.0))
+        await asyncio.sleep(0)
+        book.wake("a")
+        assert await asyncio.wait_for(parked, 1.0) == {}
+
+    run(go)
+
+
+def test_wait_delivered_waits_for_the_agents_poll_with_the_version() -> None:
+    async def go() -> None:
+        book = PlanBook()
+        book.ensure("a")
+        book.ensure("b")
+        versions = {aid: book.set_controller_step(aid, 3) for aid in ("a", "b")}
+        delivered = asyncio.create_task(book.wait_delivered(versions, 10.0))
+        await asyncio.sleep(0)
+        await book.wait_any({"a": versions["a"]}, 0)  # a polls holding the new version
+        assert not delivered.done()
+        await book.wait_any({"b": versions["b"]}, 0)
+        assert await asyncio.wait_for(delivered, 1.0) == []
+
+    run(go)
+
+
+def test_wait_delivered_names_the_agents_that_did_not_confirm() -> None:
+    async def go() -> None:
+        book = PlanBook()
+        versions = {aid: book.set_controller_step(aid, 3) for aid in ("b", "a")}
+        await book.wait_any({"a": versions["a"]}, 0)
+        assert await book.wait_delivered(versions, 0.02) == ["b"]
+
+    run(go)

@@ -1,0 +1,66 @@
+"""Messages between agents and the coordinator: each event kind carries exactly its payload."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from profd.core.protocol import (
+    AgentEvent,
+    AgentInfo,
+    EventKind,
+    IncompleteFile,
+    PartDone,
+    PhaseDone,
+    ReplicaInfo,
+    StepsMissed,
+    TraceWritten,
+)
+from profd.core.states import ControllerPhase
+
+TRACE = TraceWritten("t1", "/s/a.json", 10, (3, 4), "train", "torch")
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload"),
+    [
+        (EventKind.TRACE, TRACE),
+        (EventKind.MISSED, StepsMissed((3,))),
+        (EventKind.PART_DONE, PartDone((3,), (4,))),
+        (EventKind.PHASE, PhaseDone(3, ControllerPhase.STEP_END)),
+        (EventKind.ARMED, None),
+        (EventKind.ERROR, None),
+        (EventKind.CLOSED, None),
+    ],
+)
+def test_each_kind_takes_its_payload_and_survives_pickling(kind, payload) -> None:
+    ev = AgentEvent(kind, "s1", 3, payload=payload)
+    assert pickle.loads(pickle.dumps(ev)) == ev  # Ray pickles events between processes
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "says"),
+    [
+        (EventKind.TRACE, None, "trace event carries TraceWritten, not NoneType"),
+        (EventKind.TRACE, StepsMissed(), "carries TraceWritten, not StepsMissed"),
+        (EventKind.PART_DONE, TRACE, "carries PartDone, not TraceWritten"),
+        (EventKind.ARMED, PartDone(), "armed event carries no payload, not PartDone"),
+    ],
+)
+def test_a_payload_of_the_wrong_kind_is_refused(kind, payload, says) -> None:
+    with pytest.raises(TypeError, match=says):
+        AgentEvent(kind, "s1", payload=payload)
+
+
+def test_payloads_are_frozen() -> None:
+    done = PartDone(incomplete=(IncompleteFile("/e/x.pt", "still growing", 7),))
+    with pytest.raises(AttributeError):
+        done.recorded = (1,)  # type: ignore[misc]
+
+
+def test_a_replica_record_rides_on_agent_info() -> None:
+    replica = ReplicaInfo(world_size=2, global_rank_start=2, global_rank_stop=4, colocated=True)
+    info = AgentInfo("r1", "rollout", 1, 2, {"tp": 2}, "h", 1, replica=replica)
+    back = pickle.loads(pickle.dumps(info))
+    assert back.replica == replica and back.topology == {"tp": 2}
