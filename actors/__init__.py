@@ -5,6 +5,7 @@ The actor classes are plain classes; ``ray.remote`` is applied here, where they 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from profd.core.constants import COORDINATOR_NAME, NAMESPACE, SIDECAR_NAME
@@ -16,17 +17,23 @@ __all__ = [
     "kill_named",
 ]
 
+log = logging.getLogger(__name__)
+
 #: Enough concurrent calls for every agent's long-poll plus API traffic.
 COORDINATOR_MAX_CONCURRENCY = 100_000
 
 
 def _alive(handle: Any, timeout: float = 10.0) -> bool:
+    """Whether a named actor answers ``ping`` (one that does not is going away: a new one
+    takes its name once it is gone)."""
     import ray
+    from ray.exceptions import RayError
 
     try:
         ray.get(handle.ping.remote(), timeout=timeout)
         return True
-    except Exception:
+    except RayError as exc:
+        log.info("the existing %s does not answer (%r); replacing it", handle, exc)
         return False
 
 

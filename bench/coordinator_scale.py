@@ -91,11 +91,16 @@ class AgentHost:
     async def send_events(self, session_id: str, batches: int, size: int) -> tuple[int, float]:
         """Real events of the live session, each batch from another agent: every report
         updates that agent's part, advances the session and persists it (SQLite)."""
-        from profd.core.protocol import AgentEvent, EventKind
+        from profd.core.protocol import AgentEvent, EventKind, PhaseDone
+        from profd.core.states import ControllerPhase
+
+        phases = list(ControllerPhase)
 
         def batch(k: int) -> list[AgentEvent]:
             return [
-                AgentEvent(EventKind.PHASE, session_id, k, "", data={"step": k, "phase": str(i)})
+                AgentEvent(
+                    EventKind.PHASE, session_id, k, payload=PhaseDone(k, phases[i % len(phases)])
+                )
                 for i in range(size)
             ]
 

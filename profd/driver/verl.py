@@ -47,18 +47,8 @@ ROLE_KEYS_FROM_GLOBAL = {
     "global_tool_config",
     "_target_",
 }
-GLOBAL_KEYS = {
-    "tool",
-    "steps",
-    "profile_continuous_steps",
-    "save_path",
-    "relocate_results",
-    "finish_hook_cmd",
-    "finish_hook_all_ranks",
-    "finish_hook_ranks",
-    "global_tool_config",
-    "_target_",
-}
+#: verl's global block: the keys roles share, plus the steps.
+GLOBAL_KEYS = ROLE_KEYS_FROM_GLOBAL | {"steps", "profile_continuous_steps"}
 TOOL_KEYS = {
     "torch": {
         "contents",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from typing import Any
 
@@ -15,6 +16,8 @@ from profd.agent.channel import LinkDown
 from profd.core.protocol import AgentEvent, AgentInfo, PollReply
 
 __all__ = ["InProcessCoordinator", "LocalLink"]
+
+log = logging.getLogger(__name__)
 
 
 class InProcessCoordinator:
@@ -54,8 +57,8 @@ class InProcessCoordinator:
 
         try:
             asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(5)
-        except Exception:
-            pass
+        except (TimeoutError, RuntimeError):  # a task that ignores cancel; the loop stops anyway
+            log.warning("in-process coordinator: tasks still running at close", exc_info=True)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         closer = getattr(self.coordinator, "close", None)
