@@ -9,9 +9,18 @@ from typing import Any
 from profd.actors.registry import AgentRegistry
 from profd.actors.sessions import Session
 from profd.core.request import RoleProfilerConfig
-from profd.core.views import HookView, IgnoredView, PartView, SessionView, TraceView, UploadView
+from profd.core.states import PartState
+from profd.core.views import (
+    HookView,
+    IgnoredView,
+    PartView,
+    ProgressView,
+    SessionView,
+    TraceView,
+    UploadView,
+)
 
-__all__ = ["metrics_snapshot", "session_view"]
+__all__ = ["metrics_snapshot", "progress_of", "session_view"]
 
 
 def session_view(
@@ -44,6 +53,7 @@ def session_view(
             )
             for p in sorted(s.targets.values(), key=lambda p: (p.role, p.rank))
         ],
+        progress=progress_of(s),
         ignored=[IgnoredView(role=i.role, rank=i.rank, reason=i.reason) for i in s.ignored],
         traces=[t for t in traces if t.session_id == s.session_id],
         warnings=list(s.warnings),
@@ -60,6 +70,32 @@ def session_view(
             for tid, u in s.uploads.items()
         ],
         request=s.request.model_dump(mode="json"),
+    )
+
+
+_WROTE = (PartState.DONE, PartState.PARTIAL)
+
+
+def progress_of(s: Session) -> ProgressView:
+    """Steps recorded out of steps planned, across targets: what a progress bar shows."""
+    parts = list(s.targets.values())
+    wanted = set(s.steps or ())
+    planned = len(wanted) * len(parts)
+    recorded = sum(len(p.recorded & wanted) for p in parts)
+    missed = sum(len((p.missed - p.recorded) & wanted) for p in parts)
+    finished = sum(1 for p in parts if p.state.is_terminal)
+    if planned:
+        fraction = recorded / planned
+    else:  # a timed window: the targets whose window ended with traces
+        wrote = sum(1 for p in parts if p.traces and p.state in _WROTE)
+        fraction = wrote / len(parts) if parts else 0.0
+    return ProgressView(
+        planned_steps=planned,
+        recorded_steps=recorded,
+        missed_steps=missed,
+        targets=len(parts),
+        targets_finished=finished,
+        fraction=round(fraction, 4),
     )
 
 

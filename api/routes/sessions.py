@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, status
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from profd.analysis.models import SessionSummary, SkippedFile
 from profd.analysis.summary import summarize_files
@@ -204,12 +204,29 @@ async def session_summary(
     return cached
 
 
+CANCEL_REASON = "cancelled by user"
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reason: str = Field(
+        CANCEL_REASON, min_length=1, max_length=500, description="Why (kept in the session)."
+    )
+
+
 @router.post(
     "/{session_id}/cancel",
     response_model=SessionView,
     dependencies=[TokenDep],
     responses=error_responses(404, 409, 422),
 )
-async def cancel_session(client: ClientDep, session_id: str = SessionId) -> SessionView:
-    """Stop a live session; what was recorded so far is kept."""
-    return await client.call("cancel_session", session_id)
+async def cancel_session(
+    client: ClientDep,
+    session_id: str = SessionId,
+    body: Annotated[CancelRequest | None, Body()] = None,
+) -> SessionView:
+    """Stop a live session; what was recorded so far is kept. The optional body says why
+    (kept as the session's reason)."""
+    reason = body.reason if body is not None else CANCEL_REASON
+    return await client.call("cancel_session", session_id, reason)

@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from profd.analysis.clocks import split_clocks
 from profd.analysis.jsonscan import json_size_hint
 from profd.analysis.mergeio import FileScan, ScanJob, WriteJob, scan_file, write_file
 from profd.analysis.parallel import map_files, resolve_workers
@@ -147,6 +148,16 @@ def merge_files(
     scans, _ = map_files(scan_file, [ScanJob(str(f)) for f in files], workers=n, sizes=sizes)
     skipped = {Path(s.path).name: s.error for s in scans if s.error}
     good = [s for s in scans if s.error is None]
+    clocks = split_clocks(
+        {s.path: s.base_us + float(np.nanmin(s.ts)) for s in good if np.isfinite(s.ts).any()}
+    )
+    for path, why in clocks.apart.items():
+        log.warning("profd merge: %s left out: %s", Path(path).name, why)
+        skipped[Path(path).name] = why
+    good = [s for s in good if s.path not in clocks.apart]
+    if not good:
+        why = "; ".join(f"{k}: {v}" for k, v in skipped.items())
+        raise ValueError(f"no trace to merge: {why or 'no files'}")
     idents = [identify(Path(s.path).name, s.header) for s in good]
     plan = _Plan(good, idents)
     plan.select(ranks, roles)
@@ -178,7 +189,7 @@ class _Plan:
             return
         s = self.scans[f]
         for c, count in zip(*np.unique(s.category[hit], return_counts=True), strict=True):
-            self.dropped[reason][s.categories[int(c)] or "(none)"] += int(count)
+            self.dropped[reason][s.categories[int(c)] or "uncategorised"] += int(count)
         self.keep[f] &= ~hit
 
     def select(self, ranks: Sequence[int] | None, roles: Sequence[str] | None) -> None:
@@ -325,7 +336,12 @@ def _write(
     note: str | None,
 ) -> MergeReport:
     out.parent.mkdir(parents=True, exist_ok=True)
-    chosen = [f for f, on in enumerate(plan.selected) if on]
+    chosen = [f for f, on in enumerate(plan.selected) if on and plan.keep[f].any()]
+    for f, on in enumerate(plan.selected):
+        if on and f not in chosen:  # a track the filters emptied is left out, and said so
+            skipped[Path(plan.scans[f].path).name] = "no event left after the filters"
+    if not chosen:
+        raise ValueError("no event is left after the filters (ranks, roles, stages, window)")
     base_us = min((plan.scans[f].base_us for f in chosen), default=0.0)
     tmp = Path(tempfile.mkdtemp(prefix=".profd-merge-", dir=out.parent))
     try:

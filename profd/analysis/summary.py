@@ -17,6 +17,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from profd.analysis.clocks import split_clocks
 from profd.analysis.digest import GPU_OP_CATEGORIES, FileDigest, digest_file
 from profd.analysis.jsonscan import json_size_hint
 from profd.analysis.models import (
@@ -185,6 +186,9 @@ def summarize_digests(
     skipped = [
         SkippedFile(name=Path(d.path).name, reason=d.error or "") for d in digests if d.error
     ]
+    clocks = split_clocks({d.path: d.base_us + d.first_ts for d in ok if d.first_ts is not None})
+    skipped += [SkippedFile(name=Path(p).name, reason=why) for p, why in clocks.apart.items()]
+    ok = [d for d in ok if d.path not in clocks.apart]
     idents = {d.path: identify(Path(d.path).name, d.header) for d in ok}
     by_key, file_count = _track_keys(ok, idents)
     ordered = sorted(by_key.values(), key=track_order)

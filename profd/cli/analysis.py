@@ -5,6 +5,11 @@ to its directory (``GET /api/v1/sessions/{id}`` → ``save_dir``). When some of 
 not on this machine (other nodes, no shared filesystem), they are downloaded through the
 sidecar into ``<state dir>/downloads/<session>/`` (the local ones linked there), so nothing
 is left out. Bad options exit 2 with the option named; an unreachable sidecar exits 3.
+
+``summarize`` prints, by default, the summary folded over steps
+(:mod:`profd.analysis.aggregate`: one row per stage x role, whatever the step count), at the
+terminal's width (80 when stdout is not a terminal), long names shortened with a legend;
+``--per-step`` prints every step x stage x rank, ``--wide`` full names, never wrapped.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from profd.cli.client import ApiClient, CliError
+from profd.cli.client import ApiClient, CliError, format_bytes
+from profd.cli.summary_view import print_summary
 
 if TYPE_CHECKING:
-    from profd.analysis.models import SessionSummary
+    pass
 
 __all__ = ["merge", "register", "resolve_target", "summarize"]
 
@@ -191,8 +197,8 @@ def print_merge(report: Any) -> None:
         table.add_row(str(t.pid), t.label, str(len(t.files)))
     console.print(table)
     console.print(
-        f"{report.events:,} events, {report.json_bytes / 1e6:,.1f} MB of JSON, "
-        f"{report.file_bytes / 1e6:,.1f} MB on disk. Open it at https://ui.perfetto.dev"
+        f"{report.events:,} events, {format_bytes(report.json_bytes)} of JSON, "
+        f"{format_bytes(report.file_bytes)} on disk. Open it at https://ui.perfetto.dev"
     )
     for reason, cats in report.dropped.items():
         listed = ", ".join(f"{n:,} {c}" for c, n in cats.items())
@@ -220,10 +226,17 @@ def summarize(
     late_fraction: Annotated[
         float, typer.Option(help="Straggler: never late by less than this share of the stage.")
     ] = 0.05,
+    per_step: Annotated[
+        bool, typer.Option("--per-step", help="Every step x stage x rank, not folded over steps.")
+    ] = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Full names, never shortened or wrapped.")
+    ] = False,
     workers: WorkersOpt = None,
     url: UrlOpt = None,
 ) -> None:
-    """Per step x stage x rank wall time, mini-batches, idle gaps, top ops, stragglers."""
+    """Stage wall times folded over steps (median, p90, max, slowest rank), stragglers, idle
+    gaps, mini-batches and top operators, in 80 columns; --per-step prints every step."""
     from pydantic import ValidationError
 
     from profd.analysis.models import StragglerRule
@@ -253,139 +266,9 @@ def summarize(
     if as_json:
         sys.stdout.write(json.dumps(summary.model_dump(mode="json"), indent=2) + "\n")
     else:
-        print_summary(summary)
+        print_summary(summary, per_step=per_step, wide=wide)
     if html is not None:
         err_console.print(f"HTML report: {html}")
-
-
-def _short(track: str) -> str:
-    return track.split(" @", 1)[0]
-
-
-def print_summary(s: SessionSummary) -> None:
-    p = s.processing
-    console.print(
-        f"[bold]{s.source}[/bold]: {len(s.tracks)} tracks, {len(s.files)} files "
-        f"({p.json_bytes / 1e6:,.1f} MB JSON, {p.wall_s:.2f} s), steps {s.steps or '-'}, "
-        f"span {s.span_ms:,.1f} ms"
-    )
-    _print_stats(s)
-    _print_grid(s)
-    _print_minis(s)
-    _print_stragglers(s)
-    _print_gaps(s)
-    _print_ops(s)
-    for x in s.skipped:
-        err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
-
-
-def _print_stats(s: SessionSummary) -> None:
-    stats = Table(title="Stages across ranks (ms)")
-    for col in ("step", "stage", "role", "ranks", "min", "median", "max", "end spread", "last"):
-        stats.add_column(col, overflow="fold")
-    for x in s.stage_stats:
-        stats.add_row(
-            str(x.step),
-            x.stage,
-            x.role or "-",
-            str(x.ranks),
-            f"{x.wall_min_ms:,.1f}",
-            f"{x.wall_median_ms:,.1f}",
-            f"{x.wall_max_ms:,.1f}",
-            f"{x.end_spread_ms:,.1f}",
-            _short(x.slowest),
-        )
-    console.print(stats)
-
-
-def _print_grid(s: SessionSummary) -> None:
-    """Step x stage rows, one column per track (only while that fits a terminal)."""
-    if len(s.tracks) > 12 or not s.stage_times:
-        return
-    grid = Table(title="Wall time per step x stage x track (ms)")
-    grid.add_column("step")
-    grid.add_column("stage")
-    names = [t.track for t in s.tracks]
-    for n in names:
-        grid.add_column(_short(n), overflow="fold")
-    cells: dict[tuple[Any, str], dict[str, float]] = {}
-    for r in s.stage_times:
-        cells.setdefault((r.step, r.stage), {})[r.track] = r.wall_ms
-    for (step, stage), row in cells.items():
-        grid.add_row(str(step), stage, *[f"{row[n]:,.1f}" if n in row else "" for n in names])
-    console.print(grid)
-
-
-def _print_stragglers(s: SessionSummary) -> None:
-    if not s.stragglers:
-        console.print("No straggler.")
-        return
-    late = Table(title="Stragglers")
-    for col in ("step", "stage", "track", "late ms", "threshold ms", "wall ms"):
-        late.add_column(col, overflow="fold")
-    for x in s.stragglers:
-        late.add_row(
-            str(x.step),
-            x.stage,
-            _short(x.track),
-            f"[red]{x.late_ms:,.1f}[/red]",
-            f"{x.threshold_ms:,.1f}",
-            f"{x.wall_ms:,.1f}",
-        )
-    console.print(late)
-
-
-def _print_gaps(s: SessionSummary) -> None:
-    if not s.idle_gaps:
-        return
-    table = Table(title="Largest idle gaps between stages")
-    for col in ("step", "track", "after", "before", "gap ms"):
-        table.add_column(col, overflow="fold")
-    for g in sorted(s.idle_gaps, key=lambda g: -g.gap_ms)[:8]:
-        table.add_row(str(g.step), _short(g.track), g.after, g.before, f"{g.gap_ms:,.1f}")
-    console.print(table)
-
-
-def _print_ops(s: SessionSummary) -> None:
-    ops = Table(title="Top operators by self time (3 per stage)")
-    for col in ("stage", "device", "operator", "calls", "self ms", "share"):
-        ops.add_column(col, overflow="fold")
-    for group in s.top_ops:
-        for o in group.ops[:3]:
-            ops.add_row(
-                group.stage or "(outside)",
-                group.device,
-                o.name,
-                str(o.calls),
-                f"{o.self_ms:,.1f}",
-                f"{o.share:.0%}",
-            )
-    console.print(ops)
-
-
-def _print_minis(s: SessionSummary) -> None:
-    from statistics import median
-
-    groups: dict[tuple[Any, Any, int], list[Any]] = {}
-    for m in s.mini_batches:
-        groups.setdefault((m.step, m.stage, m.index), []).append(m)
-    if not groups:
-        return
-    table = Table(title="Mini-batches over tracks (ms)")
-    for col in ("step", "stage", "mini-batch", "tracks", "median", "max", "micro-batches"):
-        table.add_column(col)
-    for (step, stage, index), ms in groups.items():
-        walls = [m.wall_ms for m in ms]
-        table.add_row(
-            str(step),
-            stage or "-",
-            str(index),
-            str(len(ms)),
-            f"{median(walls):,.1f}",
-            f"{max(walls):,.1f}",
-            str(max(m.micro_batches for m in ms)),
-        )
-    console.print(table)
 
 
 def register(app: typer.Typer) -> None:

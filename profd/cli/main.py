@@ -6,23 +6,35 @@ Exit codes: 0 success; 1 the request failed or a session did not end ``done``; 2
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
-from rich.console import Console
 from rich.table import Table
 
 from profd.cli import analysis, service
-from profd.cli.client import EXIT_UNREACHABLE, ApiClient, CliError
+from profd.cli.client import ApiClient, CliError, format_bytes
+from profd.cli.common import (
+    JsonOpt,
+    UrlOpt,
+    console,
+    err_console,
+    fail,
+    print_json,
+    sidecar_client,
+)
+from profd.cli.requests import build_request, check_window
+from profd.cli.session_view import (
+    print_outcome,
+    print_session,
+    wait_session,
+)
+from profd.cli.traces_view import (
+    download_traces,
+    print_traces,
+)
 from profd.core.paging import DEFAULT_LIMIT, MAX_LIMIT
-from profd.core.settings import ProfdSettings
-from profd.core.states import PartState
 
 __all__ = ["app", "main"]
 
@@ -32,31 +44,6 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
-err_console = Console(stderr=True)
-
-UrlOpt = Annotated[
-    str | None, typer.Option("--url", help="Sidecar URL (default: from `profd up`).")
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
-TERMINAL = ("done", "partial", "failed", "cancelled", "expired")
-
-
-def _settings() -> ProfdSettings:
-    return ProfdSettings()
-
-
-def _client(url: str | None) -> ApiClient:
-    return ApiClient.from_state(url, _settings().state_dir)
-
-
-def _fail(exc: CliError) -> None:
-    err_console.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(exc.exit_code)
-
-
-def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
 # -- status / lists -------------------------------------------------------------------------
@@ -64,17 +51,17 @@ def _print_json(data: Any) -> None:
 def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
     """Agents and sessions at a glance."""
     try:
-        api = _client(url)
+        api = sidecar_client(url)
         st = api.get("/api/v1/status")
         agents = api.get("/api/v1/agents")["data"]
     except CliError as exc:
-        _fail(exc)
+        fail(exc)
     if as_json:
-        _print_json({"status": st, "agents": agents})
+        print_json({"status": st, "agents": agents})
         return
     console.print(
         f"profd {st['version']} at {api.url}: {st['agents']} agents alive, "
-        f"{st['traces']} traces ({st['trace_bytes'] / 1e6:.1f} MB), "
+        f"{st['traces']} traces ({format_bytes(st['trace_bytes'])}), "
         f"save root {st['save_root']}"
     )
     if st.get("driver_step") is not None:
@@ -120,14 +107,18 @@ AllOpt = Annotated[bool, typer.Option("--all", help="Show every one (follow ever
 
 def _listing(
     api: ApiClient, path: str, limit: int, cursor: str | None, show_all: bool, **params: Any
-) -> tuple[list[dict[str, Any]], int, str | None]:
-    """One page (or, with ``show_all``, every page): its items, how many match in all and
-    the cursor of the next page (None when nothing follows)."""
+) -> tuple[list[dict[str, Any]], int, str | None, int | None]:
+    """One page (or, with ``show_all``, every page): its items, how many match in all, the
+    cursor of the next page (None when nothing follows) and the bytes of every match (traces;
+    None when the listing does not say)."""
     if show_all:
         items = api.get_all(path, **params)
-        return items, len(items), None
+        sizes = [i.get("bytes") for i in items]
+        known = all(isinstance(b, int) for b in sizes)
+        return items, len(items), None, sum(sizes) if known else None  # type: ignore[arg-type]
     body = api.get(path, **params, limit=limit, cursor=cursor)
-    return body["data"], body.get("total", len(body["data"])), body.get("next_cursor")
+    data = body["data"]
+    return data, body.get("total", len(data)), body.get("next_cursor"), body.get("bytes")
 
 
 def _say_more(
@@ -174,13 +165,13 @@ def sessions(
 ) -> None:
     """List sessions, the newest first (a page of --limit; --all for every one)."""
     try:
-        api = _client(url)
-        data, total, next_cursor = _listing(api, "/api/v1/sessions", limit, cursor, show_all)
+        api = sidecar_client(url)
+        data, total, next_cursor, _ = _listing(api, "/api/v1/sessions", limit, cursor, show_all)
     except CliError as exc:
-        _fail(exc)
+        fail(exc)
     hint = (_command("sessions", url, limit), "sessions", len(data), total, next_cursor)
     if as_json:
-        _print_json(data)
+        print_json(data)
         _say_more(*hint, cursor is not None, to_stderr=True)
         return
     table = Table(title="Sessions")
@@ -213,21 +204,20 @@ def traces(
     show_all: AllOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """List traces, the newest first (a page of --limit; --all for every one), and
-    optionally download them."""
-    from profd.demo.run import trace_table
-
+    """List traces, the newest first, one table per session (a page of --limit; --all for
+    every one), and optionally download them. Paths are shown under the session's save root
+    (--json gives the full path)."""
     failed: list[tuple[dict[str, Any], str]] = []
     try:
-        api = _client(url)
+        api = sidecar_client(url)
         everything = show_all or download is not None
-        data, total, next_cursor = _listing(
+        data, total, next_cursor, total_bytes = _listing(
             api, "/api/v1/traces", limit, cursor, everything, session_id=session
         )
         if download is not None:
-            failed = _download_traces(api, data, download)
+            failed = download_traces(api, data, download)
     except CliError as exc:
-        _fail(exc)
+        fail(exc)
     hint = (
         _command("traces", url, limit, session=session),
         "traces",
@@ -236,10 +226,10 @@ def traces(
         next_cursor,
     )
     if as_json:
-        _print_json(data)
+        print_json(data)
         _say_more(*hint, cursor is not None, to_stderr=True)
     else:
-        console.print(trace_table(data))
+        print_traces(data, total, total_bytes, session)
         _say_more(*hint, cursor is not None, to_stderr=False)
     if download is None:
         return
@@ -260,101 +250,6 @@ def traces(
         raise typer.Exit(1)
 
 
-def _download_traces(
-    api: ApiClient, traces: list[dict[str, Any]], into: Path
-) -> list[tuple[dict[str, Any], str]]:
-    """Download each trace into ``into`` (through a ``.part`` file, so a failed one leaves
-    nothing behind); the ones that failed, with the reason. Stops only when the sidecar
-    cannot be reached at all (raises)."""
-    try:
-        into.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CliError(f"cannot create {into}: {exc.strerror or exc}") from None
-    failed: list[tuple[dict[str, Any], str]] = []
-    for t in traces:
-        dest = into / t["file_name"]
-        part = dest.with_name(dest.name + ".part")
-        try:
-            api.download(f"/api/v1/traces/{t['trace_id']}/download", part)
-            part.replace(dest)
-        except CliError as exc:
-            part.unlink(missing_ok=True)
-            if exc.exit_code == EXIT_UNREACHABLE:
-                raise
-            failed.append((t, str(exc)))
-        except OSError as exc:
-            part.unlink(missing_ok=True)
-            failed.append((t, f"cannot write {dest}: {exc.strerror or exc}"))
-    return failed
-
-
-# -- profile --------------------------------------------------------------------------------
-def _ints(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _build_request(
-    config: Path | None,
-    tool: str | None,
-    steps: str | None,
-    next_steps: int | None,
-    roles: list[str],
-    ranks: str | None,
-    all_ranks: bool,
-    discrete: bool,
-    contents: str | None,
-    continuous: bool,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {}
-    if config is not None:
-        from profd.driver.launch import resolve_interpolations
-        from profd.driver.verl import looks_like_verl, request_from_verl
-
-        try:
-            loaded = resolve_interpolations(yaml.safe_load(config.read_text()) or {})
-            if not isinstance(loaded, dict):
-                raise ValueError(
-                    f"config: must be a mapping (verl's global_profiler + <role>.profiler, or "
-                    f"a session request), got {type(loaded).__name__}"
-                )
-            body = (
-                request_from_verl(loaded).model_dump(mode="json", exclude_none=True)
-                if looks_like_verl(loaded)
-                else dict(loaded)
-            )
-        except (ValueError, yaml.YAMLError) as exc:
-            raise typer.BadParameter(str(exc), param_hint="--config") from None
-    if tool:
-        body["tool"] = tool
-    if steps is not None:
-        body["steps"] = _ints(steps)
-        body.pop("next_steps", None)
-    if next_steps is not None:
-        body["next_steps"] = next_steps
-        body.pop("steps", None)
-    if continuous:
-        body["profile_continuous_steps"] = True
-    block: dict[str, Any] = {}
-    if all_ranks:
-        block["all_ranks"] = True
-    if ranks is not None:
-        block["ranks"] = _ints(ranks)
-    if discrete:
-        block["discrete"] = True
-    if contents is not None:
-        block["tool_config"] = {"torch": {"contents": [c for c in contents.split(",") if c]}}
-    if roles or block:
-        body.setdefault("roles", {})
-        for role in roles or ["*"]:
-            body["roles"][role] = {**body["roles"].get(role, {}), **block}
-    return body
-
-
 @app.command()
 def profile(
     url: UrlOpt = None,
@@ -366,6 +261,14 @@ def profile(
     ] = None,
     steps: Annotated[str | None, typer.Option(help="Steps to profile, e.g. 120,121.")] = None,
     next_steps: Annotated[int | None, typer.Option(help="Profile the next N steps.")] = None,
+    duration: Annotated[
+        float | None,
+        typer.Option(
+            "--duration",
+            metavar="SECONDS",
+            help="Profile for SECONDS (targets without steps: rollout servers, timed tools).",
+        ),
+    ] = None,
     role: Annotated[
         list[str], typer.Option(help="Role to profile (repeatable; default all).")
     ] = [],  # noqa: B006
@@ -382,71 +285,62 @@ def profile(
     timeout: Annotated[float, typer.Option(help="Seconds to --wait.")] = 3600.0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Start a profiling session over HTTP."""
-    body = _build_request(
-        config, tool, steps, next_steps, role, ranks, all_ranks, discrete, contents, continuous
+    """Start a profiling session over HTTP (one of --steps, --next-steps, --duration)."""
+    check_window(steps, next_steps, duration, config)
+    body = build_request(
+        config,
+        tool,
+        steps,
+        next_steps,
+        role,
+        ranks,
+        all_ranks,
+        discrete,
+        contents,
+        continuous,
+        duration=duration,
     )
     try:
-        api = _client(url)
+        api = sidecar_client(url)
         view = api.post("/api/v1/sessions", body)
         if wait:
-            view = _wait_session(api, view, timeout, quiet=as_json)
+            view = wait_session(api, view, timeout, quiet=as_json)
     except CliError as exc:
-        _fail(exc)
+        fail(exc)
     if as_json:
-        _print_json(view)
+        print_json(view)
     else:
-        _print_session(view)
+        print_session(view)
+        if wait:
+            print_outcome(view)
     if wait and view["state"] != "done":
         raise typer.Exit(1)
 
 
-def _wait_session(
-    api: ApiClient, view: dict[str, Any], timeout: float, quiet: bool
-) -> dict[str, Any]:
-    from rich.progress import BarColumn, Progress, TextColumn
+@app.command()
+def cancel(
+    session_id: Annotated[str, typer.Argument(metavar="SESSION_ID", help="Session to stop.")],
+    reason: Annotated[str | None, typer.Option(help="Why (kept as the session's reason).")] = None,
+    url: UrlOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stop a live session; what it recorded so far is kept."""
+    from urllib.parse import quote
 
-    sid = view["session_id"]
-    deadline = time.monotonic() + timeout
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[state]}"),
-        console=err_console,
-        disable=quiet,
-        transient=True,
-    ) as bar:
-        task = bar.add_task(f"session {sid}", total=max(1, len(view["targets"])), state="")
-        while view["state"] not in TERMINAL:
-            if time.monotonic() > deadline:
-                raise CliError(f"session {sid} still {view['state']} after {timeout:.0f} s")
-            time.sleep(0.5)
-            view = api.get(f"/api/v1/sessions/{sid}")
-            done = sum(1 for t in view["targets"] if PartState(t["state"]).is_terminal)
-            bar.update(task, completed=done, state=view["state"])
-    return view
-
-
-def _print_session(view: dict[str, Any]) -> None:
-    console.print(f"session [bold]{view['session_id']}[/bold] {view['state']}: {view['reason']}")
-    console.print(f"  tool {view['tool']}, steps {view['steps']}, dir {view['save_dir']}")
-    table = Table(title="Targets")
-    for col in ("role", "rank", "block", "state", "recorded", "missed", "reason"):
-        table.add_column(col, overflow="fold")
-    for t in view["targets"]:
-        table.add_row(
-            t["role"],
-            str(t["rank"]),
-            t["role_block"],
-            t["state"],
-            str(t["recorded_steps"]),
-            str(t["missed_steps"]),
-            t["reason"],
+    try:
+        api = sidecar_client(url)
+        view = api.post(
+            f"/api/v1/sessions/{quote(session_id, safe='')}/cancel",
+            {"reason": reason} if reason else None,
         )
-    console.print(table)
-    for ig in view["ignored"]:
-        rank = "" if ig["rank"] is None else f" rank {ig['rank']}"
-        console.print(f"  ignored {ig['role']}{rank}: {ig['reason']}")
+    except CliError as exc:
+        if exc.status == 409:
+            exc = CliError(f"{exc} (nothing to cancel)", exc.exit_code, exc.status)
+        fail(exc)
+    if as_json:
+        print_json(view)
+        return
+    print_outcome(view, details=True)
 
 
 # -- demo -----------------------------------------------------------------------------------

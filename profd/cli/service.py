@@ -150,10 +150,18 @@ def up(
     services = _start(coord, sidecar, started_ray and not target.rejoined, temp_dir)
     state = _service_state(services, target.address, started_ray, temp_dir, coord, sidecar)
     save_state(settings.state_dir, state)
+    _forget_last(settings.state_dir)
     _report_up(services.address["url"], token_path, coord.save_root, sidecar, services)
     if services.sidecar_created and recorded is not None and not flags.given:
         console.print("  (sidecar restarted with the flags the earlier `profd up` recorded)")
     _report_join(state.ray_address)
+
+
+def _forget_last(state_dir: Path) -> None:
+    """profd runs again: the address of an earlier one stopped is no longer news."""
+    from profd.cli.client import LAST_FILE
+
+    (state_dir / LAST_FILE).unlink(missing_ok=True)
 
 
 def _start(coord: Any, sidecar: Any, ray_is_ours: bool, temp_dir: str | None) -> Any:
@@ -371,7 +379,7 @@ def down(
 ) -> None:
     """Stop the sidecar and the coordinator, and the local Ray `profd up` started when it runs
     nothing else (a Ray that also runs a job is left alone unless --stop-ray says so)."""
-    from profd.cli.ray_cluster import STATE_FILE, load_state
+    from profd.cli.ray_cluster import load_state
 
     if stop_ray and keep_ray:
         err_console.print("--stop-ray and --keep-ray contradict each other")
@@ -380,7 +388,11 @@ def down(
     state = load_state(settings.state_dir)
     target = address or (state.ray_address if state else None)
     if target is None and state is None:
-        console.print(f"profd is not up (no state in {settings.state_dir})")
+        from profd.cli.client import load_last
+
+        last = load_last(settings.state_dir)
+        where = f"; last at {last.url}" if last is not None else ""
+        console.print(f"profd is not up (no state in {settings.state_dir}{where})")
         return
     owns_ray = state is not None and state.started_ray and (address in (None, state.ray_address))
     if stop_ray and not owns_ray:
@@ -397,13 +409,27 @@ def down(
         stopped += _stop_ray(state)
     keep_record = owns_ray and keep_ray and reachable
     if not keep_record:
-        (settings.state_dir / STATE_FILE).unlink(missing_ok=True)
+        _forget(settings.state_dir, state)
     console.print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     if keep_record:
         console.print(
             f"  the local Ray at {target} keeps running (recorded: `profd up` rejoins it, "
             "`profd down` stops it once it runs nothing else)"
         )
+
+
+def _forget(state_dir: Path, state: Any) -> None:
+    """Remove the record of the services `profd down` stopped, keeping where they were (the
+    sidecar's URL), so `profd status` can name it instead of the default port."""
+    from profd.cli.client import record_last
+    from profd.cli.ray_cluster import STATE_FILE
+
+    if state is not None:
+        try:
+            record_last(state_dir, state.url, state.ray_address)
+        except OSError as exc:  # only a nicer message later: never fail `down` over it
+            err_console.print(f"could not note the last address in {state_dir} ({exc})")
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
 
 
 def _join_for_down(state: Any, target: str | None, *, refuse: bool) -> bool:

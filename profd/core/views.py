@@ -14,6 +14,7 @@ __all__ = [
     "HookView",
     "IgnoredView",
     "PartView",
+    "ProgressView",
     "ReplicaView",
     "SessionView",
     "StatusView",
@@ -105,6 +106,20 @@ class PartView(_View):
     armed_at: float | None = Field(None, description="Unix time the agent received its plan.")
 
 
+class ProgressView(_View):
+    planned_steps: int = Field(
+        description="Steps to record, summed over targets (0 for a timed session)."
+    )
+    recorded_steps: int = Field(description="Of those, steps a written trace holds.")
+    missed_steps: int = Field(description="Of those, steps that can no longer be recorded.")
+    targets: int = Field(description="Targets of the session.")
+    targets_finished: int = Field(description="Targets whose share is over, however it ended.")
+    fraction: float = Field(
+        description="recorded / planned steps (timed sessions: finished / all targets), 0..1; "
+        "a session that ended short of its plan stays below 1."
+    )
+
+
 class SessionView(_View):
     session_id: str = Field(description="Session id, also the name of its directory.")
     state: SessionState = Field(description="Where the session is in its life cycle.")
@@ -120,6 +135,7 @@ class SessionView(_View):
         None, description="Unix time after which parts still unfinished expire."
     )
     targets: list[PartView] = Field(description="Every matched agent and its progress.")
+    progress: ProgressView | None = Field(None, description="How far the session got, live.")
     ignored: list[IgnoredView] = Field(description="Requested targets that were not used, why.")
     traces: list[TraceView] = Field(description="Traces written so far.")
     warnings: list[str] = Field(description="Problems that did not stop the session.")

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from profd.cli.client import ApiClient
+from profd.cli.client import ApiClient, format_bytes
 from profd.cli.ray_cluster import start_services
 from profd.core.constants import NAMESPACE
 from profd.core.ray_env import apply_loopback_env, init_local_ray, is_local_address
@@ -57,14 +58,6 @@ def _wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.2) 
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
 def trace_table(traces: list[dict[str, Any]], cwd: Path | None = None) -> Table:
     """Traces as a table; the directory is shown once in the title when they share one."""
     cwd = cwd or Path.cwd()
@@ -86,7 +79,7 @@ def trace_table(traces: list[dict[str, Any]], cwd: Path | None = None) -> Table:
         steps = t["steps"]
         step = str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
         name = t["file_name"] if common else t["path"]
-        table.add_row(t["role"], str(t["rank"]), step, _human(t["bytes"]), name)
+        table.add_row(t["role"], str(t["rank"]), step, format_bytes(t["bytes"]), name)
     return table
 
 
@@ -118,6 +111,9 @@ def _start_rollout(stack: ExitStack, save_root: str) -> tuple[list[Any], list[An
     fakes, services = [], []
     for r in range(REPLICAS):
         trace_dir = engine_trace_dir(save_root, r)
+        # last out: the engine's own directory goes once empty (its files moved into the
+        # sessions); one still holding files is kept, so nothing is lost
+        stack.callback(_remove_if_empty, trace_dir)
         launch = vllm_launch_settings(EngineProfileOptions(), str(trace_dir), "0.13.0")
         fake = stack.enter_context(FakeVllmServer.from_launch(launch, tp=1))
         agent = RolloutAgent(r, (1, 1, 1), VllmHttpEngine(fake.url), vllm_launch=launch)
@@ -125,6 +121,11 @@ def _start_rollout(stack: ExitStack, save_root: str) -> tuple[list[Any], list[An
         stack.callback(services[-1].close, 60.0)
         fakes.append(fake)
     return fakes, services
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty, or never made
+        path.rmdir()
 
 
 def _drive(

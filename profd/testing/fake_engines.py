@@ -71,14 +71,25 @@ VLLM_PROFILER_CONFIG_FIELDS = {
 
 
 def chrome_trace_bytes(
-    engine: str, rank: int, world: int, iterations: list[int], meta: dict[str, Any]
+    engine: str,
+    rank: int,
+    world: int,
+    iterations: list[int],
+    meta: dict[str, Any],
+    times_ns: list[int] | None = None,
 ) -> bytes:
-    """A small, valid, gzipped Chrome trace with one step range per recorded iteration."""
+    """A small, valid, gzipped Chrome trace with one step range per recorded iteration, on the
+    wall clock as the engines' own torch traces are: ``ts`` in µs after the header's
+    ``baseTimeNanoseconds`` (the first iteration's time; ``times_ns`` gives each one's)."""
     pid = 1000 + rank
+    now = time.time_ns()
+    times = list(times_ns or ()) or [now + i * 1_000_000 for i in range(len(iterations))]
+    base_ns = times[0] if times else now
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{engine} rank {rank}"}}
     ]
-    for i, it in enumerate(iterations):
+    for it, t_ns in zip(iterations, times, strict=False):
+        at_us = (t_ns - base_ns) // 1000
         events.append(
             {
                 "ph": "X",
@@ -86,7 +97,7 @@ def chrome_trace_bytes(
                 "name": f"execute_model_{it}",
                 "pid": pid,
                 "tid": 1,
-                "ts": 1000 * i,
+                "ts": at_us,
                 "dur": 800,
                 "args": {"iteration": it},
             }
@@ -98,12 +109,13 @@ def chrome_trace_bytes(
                 "name": "fake_gemm",
                 "pid": pid,
                 "tid": 7,
-                "ts": 1000 * i + 100,
+                "ts": at_us + 100,
                 "dur": 500,
             }
         )
     doc = {
         "schemaVersion": 1,
+        "baseTimeNanoseconds": base_ns,
         "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world},
         "traceEvents": events,
         "fake_engine": {"engine": engine, "rank": rank, "iterations": iterations, **meta},
@@ -193,7 +205,10 @@ class _FakeEngine:
         for _ in range(n):
             with self._lock:
                 self.forward_ct += 1
+                recorded = len(self.recorded)
                 self._on_iteration()
+                if len(self.recorded) > recorded:  # this iteration is in the window
+                    self.recorded_ns.append(time.time_ns())
 
     def _on_iteration(self) -> None:
         raise NotImplementedError
@@ -268,6 +283,7 @@ class FakeVllmServer(_FakeEngine):
         self.running = False
         self.iter_in_window = 0
         self.recorded: list[int] = []
+        self.recorded_ns: list[int] = []  # when each recorded iteration ran
         self.starts = 0
         super().__init__(tp, dp, pp, **kw)
 
@@ -333,7 +349,7 @@ class FakeVllmServer(_FakeEngine):
                     self.active = True
                     self.starts += 1
                     self.iter_in_window = 0
-                    self.recorded = []
+                    self.recorded, self.recorded_ns = [], []
                     self.running = self.launch["delay"] == 0
             return Response(status_code=200)
 
@@ -377,7 +393,12 @@ class FakeVllmServer(_FakeEngine):
                 else:
                     stem = f"{self.instance_id}-rank-{k}"
                 data = chrome_trace_bytes(
-                    "vllm", k, per_engine, list(self.recorded), {**meta, "dp": d}
+                    "vllm",
+                    k,
+                    per_engine,
+                    list(self.recorded),
+                    {**meta, "dp": d, "vllm_version": "0.13.0"},
+                    list(self.recorded_ns),
                 )
                 files.append((out / f"{stem}.{ns}.pt.trace.json.gz", data))
         if self.launch["frontend"]:
@@ -413,6 +434,7 @@ class FakeSglangServer(_FakeEngine):
         self.start_at: int | None = None
         self.target: int | None = None
         self.recorded: list[int] = []
+        self.recorded_ns: list[int] = []  # when each recorded iteration ran
         super().__init__(tp, dp, pp, **kw)
 
     def _routes(self, app: FastAPI) -> None:
@@ -449,7 +471,7 @@ class FakeSglangServer(_FakeEngine):
             "profile_id": str(time.time()),
         }
         start_step, num_steps = body.get("start_step"), body.get("num_steps")
-        self.recorded = []
+        self.recorded, self.recorded_ns = [], []
         self.start_at = self.target = None
         if start_step:
             self.start_at = max(int(start_step), self.forward_ct + 1)
@@ -485,6 +507,8 @@ class FakeSglangServer(_FakeEngine):
                         parts.append(f"PP-{p}")
                     if self.ep > 1:
                         parts.append(f"EP-{t % self.ep}")
-                    data = chrome_trace_bytes("sglang", t, self.tp, list(self.recorded), meta)
+                    data = chrome_trace_bytes(
+                        "sglang", t, self.tp, list(self.recorded), meta, list(self.recorded_ns)
+                    )
                     files.append((out / ("-".join(parts) + ".trace.json.gz"), data))
         self._emit(files, blocking)

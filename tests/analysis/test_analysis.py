@@ -308,6 +308,11 @@ def test_merge_filters_ranks_stages_and_window(rl_session, tmp_path) -> None:
     assert kept and all(any(a <= e["ts"] <= b for a, b in ranges[e["pid"]]) for e in kept)
     assert not any(e.get("name") in ("generate_sequences", "step1") for e in kept)
     assert report.dropped["stages"]["user_annotation"] > 0
+    # tracks without the stage are left out, not kept empty, and the report says why
+    assert {t.pid for t in report.tracks} == set(ranges)
+    emptied = {n for n, why in report.skipped.items() if why == "no event left after the filters"}
+    with_stage = {f for t in report.tracks for f in t.files}
+    assert emptied and not emptied & with_stage
 
     window = (PERIOD_MS + 200, PERIOD_MS + 300)  # inside step 2, before update_actor ends
     report = merge_dir(rl_session.dir, out, start_ms=window[0], end_ms=window[1])

@@ -70,13 +70,24 @@ def test_summarize_prints_tables_json_and_html(session, tmp_path: Path) -> None:
     r = run("summarize", view.save_dir)
     assert r.exit_code == 0, r.output
     for text in (
+        "Stage wall time over 1 step(s)",
+        "compute_log_prob",
+        "actor_update",
+        "critic_update",
+        "Idle time",
+        "Mini-batches",
+        "Top operators",
+    ):
+        assert text in r.stdout, text
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80
+    r = run("summarize", view.save_dir, "--per-step")
+    assert r.exit_code == 0, r.output
+    for text in (
         "Stages across ranks",
         "actor rank 0 (dp0)",
         "actor rank 1 (dp1)",
         "critic rank 0",
-        "compute_log_prob",
-        "actor_update",
-        "Mini-batches",
+        "Mini-batches over tracks",
         "Top operators",
     ):
         assert text in r.stdout, text

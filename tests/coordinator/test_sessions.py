@@ -124,3 +124,22 @@ def test_events_for_unknown_agents_or_after_the_end_are_ignored() -> None:
     run(s)
     s.apply("a", trace("t", [3]))
     assert s.targets["a"].traces == []
+
+
+def test_progress_counts_recorded_steps_and_stays_short_when_cancelled() -> None:
+    from profd.actors.reporting import progress_of
+
+    s = make()
+    s.resolve_steps((3, 4))
+    assert progress_of(s).fraction == 0.0 and progress_of(s).planned_steps == 4
+    s.apply("a", trace("t1", [3]))
+    s.apply("b", ev(EventKind.MISSED, message="late", payload=StepsMissed((3,))))
+    p = progress_of(s)
+    assert (p.recorded_steps, p.missed_steps, p.fraction) == (1, 1, 0.25)
+    s.apply("a", trace("t2", [4]))
+    s.apply("a", ev(EventKind.PART_DONE, payload=PartDone()))
+    p = progress_of(s)
+    assert (p.recorded_steps, p.targets_finished, p.fraction) == (2, 1, 0.5)
+    s.cancel("cancelled by user")
+    run(s)
+    assert s.state is SessionState.CANCELLED and progress_of(s).fraction == 0.5  # not a full bar

@@ -194,7 +194,7 @@ def test_single_controller_driver_with_a_verl_config(ray_coordinator: Any, tmp_p
 
 def test_verl_config_example_maps_as_verl_reads_it() -> None:
     """The example config, as ``profd.start_session`` and ``profd profile --config`` read it."""
-    from profd.cli.main import _build_request
+    from profd.cli.requests import build_request
     from profd.driver.launch import load_request
 
     req = load_request(EXAMPLES / "verl_config.yaml")
@@ -206,7 +206,7 @@ def test_verl_config_example_maps_as_verl_reads_it() -> None:
     assert req.roles["critic"].ranks == (0,) and req.roles["critic"].discrete
     assert req.roles["rollout"].all_ranks  # follows the actor
     # `profd profile --config verl_config.yaml --next-steps 2`: verl's roles, the next 2 steps
-    body = _build_request(
+    body = build_request(
         EXAMPLES / "verl_config.yaml", None, None, 2, [], None, False, False, None, False
     )
     assert body["next_steps"] == 2 and "steps" not in body

@@ -229,7 +229,8 @@ def test_coordinator_killed_mid_session_restarts_with_its_state(cluster, ray_ses
     ray.get(budget.extend_to.remote(60))
     try:
         run = ws[0].run.remote(3, 0.3, 1, budget)
-        wait_until(lambda: ray.get(coord.list_agents.remote())[0].current_step, 60)
+        # the agent registers from its background thread: the list may be empty at first
+        wait_until(lambda: any(a.current_step for a in ray.get(coord.list_agents.remote())), 60)
         view = ray.get(coord.create_session.remote({"next_steps": 4}))
         wait_until(lambda: ray.get(coord.get_session.remote(view.session_id)).traces, 60)
         pid_before = ray.get(coord.pid.remote())

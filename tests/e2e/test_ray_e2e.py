@@ -186,6 +186,17 @@ def test_demo_runs_against_an_existing_cluster(ray_session, tmp_path, monkeypatc
         assert Path(t["path"]).parent.parent == tmp_path / "out"
     assert "ui.perfetto.dev" in text
     check_demo_files(result.session, result.traces)
+    # the engines' own directories are gone once their files moved into the session
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [result.session["session_id"]]
+    # the demo's own summary and merge are on one clock: training and rollout tracks together
+    from profd.analysis.merge import merge_dir
+    from profd.analysis.summary import summarize_dir
+
+    session_dir = Path(result.traces[0]["path"]).parent
+    summary = summarize_dir(session_dir)
+    assert not summary.skipped and 0 < summary.span_ms < 600_000, summary.span_ms
+    merged = merge_dir(session_dir, tmp_path / "merged.json.gz")
+    assert not merged.skipped and len(merged.tracks) == 5  # 3 workers, 2 replicas
 
 
 def check_demo_files(session: dict, traces: list[dict]) -> None:

@@ -140,7 +140,12 @@ def check_tables(chrome: Any, url: str, owner: Any, sid: str) -> None:
     agents = wait_until(agents_shown, 20, what=f"agents rendered as {expected}")
     assert all(r[3] for r in agents)  # node column filled
     (session,) = rows(chrome, "sessions")
-    assert session[0] == sid and session[1] == "done" and "2/2 targets" in session[4]
+    assert session[0] == sid and session[1] == "done" and "2/2 steps" in session[4]
+    bar = chrome.execute_script(
+        "const b = document.querySelector('#sessions tbody progress');"
+        "return [b.value, b.max, b.className];"
+    )
+    assert bar == [1, 1, "state-done"]  # steps recorded / planned; coloured by the state
     assert session[5] == "2"
     assert sorted((r[1], r[2], r[3]) for r in rows(chrome, "traces")) == [
         ("actor", "0", "1"),
@@ -166,7 +171,7 @@ def check_form(chrome: Any, owner: Any, sid: str) -> str:
     """The form: refused without the token (the message shown), a session with it; its id."""
     from selenium.webdriver.common.by import By
 
-    chrome.find_element(By.ID, "f-steps").send_keys("40")
+    chrome.find_element(By.ID, "f-steps").send_keys("40,41,42,43,45")
     chrome.find_element(By.ID, "f-role").send_keys("actor")
     chrome.find_element(By.ID, "f-ranks").send_keys("1")
     chrome.find_element(By.ID, "f-submit").click()
@@ -186,11 +191,15 @@ def check_form(chrome: Any, owner: Any, sid: str) -> str:
     new_sid = result.get_attribute("data-session-id")
     assert new_sid and new_sid != sid
     view = owner.call("get_session", new_sid)
-    assert view.steps == [40] and [(t.role, t.rank) for t in view.targets] == [("actor", 1)]
-    wait_until(
-        lambda: any(r[0] == new_sid and r[1] == "armed" for r in rows(chrome, "sessions")),
+    assert view.steps == [40, 41, 42, 43, 45]
+    assert [(t.role, t.rank) for t in view.targets] == [("actor", 1)]
+    wait_until(  # runs of steps collapse; nothing recorded yet: 0 of 5 planned steps
+        lambda: any(
+            r[0] == new_sid and r[1] == "armed" and r[3] == "40–43, 45" and "0/5 steps" in r[4]
+            for r in rows(chrome, "sessions")
+        ),
         10,
-        what="new session listed",
+        what="new session listed with its steps collapsed",
     )
     return new_sid
 

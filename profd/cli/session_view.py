@@ -1,0 +1,131 @@
+"""A session as the CLI shows it: its progress bar, the wait for its end, its outcome line."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.table import Table
+
+from profd.cli.client import ApiClient, CliError
+from profd.cli.common import (
+    TERMINAL,
+    console,
+    err_console,
+)
+from profd.core.states import PartState
+
+#: How each way a session ends looks: only ``done`` is green.
+STATE_STYLE = {
+    "done": "green",
+    "partial": "yellow",
+    "cancelled": "yellow",
+    "expired": "red",
+    "failed": "red",
+}
+
+
+def progress_of(view: dict[str, Any]) -> tuple[int, int, str]:
+    """What the bar shows: (done, total, label): steps recorded of steps planned (a timed
+    session: targets whose window wrote traces, of all); the session's ``progress``, or
+    finished targets from a sidecar that does not report it."""
+    p = view.get("progress")
+    if p is None:
+        n = len(view["targets"])
+        done = sum(1 for t in view["targets"] if PartState(t["state"]).is_terminal)
+        return done, n, f"{done}/{n} targets finished"
+    if p["planned_steps"]:
+        done, total = p["recorded_steps"], p["planned_steps"]
+        label = f"{done}/{total} steps recorded"
+        if p["missed_steps"]:
+            label += f", {p['missed_steps']} missed"
+        return done, total, label
+    total = p["targets"]
+    done = round(p["fraction"] * total)
+    return done, total, f"{done}/{total} targets wrote traces"
+
+
+def bar_text(done: int, total: int, width: int = 20) -> str:
+    """A bar in plain characters (readable without colour); full only when done == total."""
+    filled = (width * min(done, total)) // total if total > 0 else 0
+    if done < total:
+        filled = min(filled, width - 1)
+    return "█" * filled + "░" * (width - filled)
+
+
+def wait_session(
+    api: ApiClient, view: dict[str, Any], timeout: float, quiet: bool
+) -> dict[str, Any]:
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    sid = view["session_id"]
+    deadline = time.monotonic() + timeout
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=20),
+        TextColumn("{task.fields[label]}"),
+        TextColumn("{task.fields[state]}"),
+        console=err_console,
+        disable=quiet,
+        transient=True,
+    ) as bar:
+        done, total, label = progress_of(view)
+        task = bar.add_task(
+            f"session {sid}", total=max(1, total), completed=done, label=label, state=""
+        )
+        while view["state"] not in TERMINAL:
+            if time.monotonic() > deadline:
+                raise CliError(f"session {sid} still {view['state']} after {timeout:.0f} s")
+            time.sleep(0.5)  # the poll interval of a person's command, not a test's wait
+            view = api.get(f"/api/v1/sessions/{sid}")
+            done, total, label = progress_of(view)
+            bar.update(task, total=max(1, total), completed=done, label=label, state=view["state"])
+    return view
+
+
+def print_outcome(view: dict[str, Any], details: bool = False) -> None:
+    """The session's state in one line: the state word in its colour, a bar that is full
+    only when everything planned was recorded, and how much was; with ``details``, why and
+    where its traces are."""
+    from rich.markup import escape
+
+    state = view["state"]
+    style = STATE_STYLE.get(state, "cyan")
+    done, total, label = progress_of(view)
+    console.print(
+        f"session {escape(view['session_id'])} [bold {style}]{state.upper()}[/bold {style}] "
+        f"[{style}]{bar_text(done, total)}[/{style}] {escape(label)}",
+        highlight=False,
+    )
+    if details:
+        n = len(view.get("traces") or ())
+        console.print(f"  {view['reason'] or state}", markup=False, highlight=False)
+        console.print(f"  {n} trace(s) in {view['save_dir']}", markup=False, highlight=False)
+
+
+def print_session(view: dict[str, Any]) -> None:
+    style = STATE_STYLE.get(view["state"], "cyan")
+    console.print(
+        f"session [bold]{view['session_id']}[/bold] [{style}]{view['state']}[/{style}]: "
+        f"{view['reason']}"
+    )
+    duration = (view.get("request") or {}).get("duration_s")
+    window = f"for {duration:g} s" if duration is not None else f"steps {view['steps']}"
+    console.print(f"  tool {view['tool']}, {window}, dir {view['save_dir']}")
+    table = Table(title="Targets")
+    for col in ("role", "rank", "block", "state", "recorded", "missed", "reason"):
+        table.add_column(col, overflow="fold")
+    for t in view["targets"]:
+        table.add_row(
+            t["role"],
+            str(t["rank"]),
+            t["role_block"],
+            t["state"],
+            str(t["recorded_steps"]),
+            str(t["missed_steps"]),
+            t["reason"],
+        )
+    console.print(table)
+    for ig in view["ignored"]:
+        rank = "" if ig["rank"] is None else f" rank {ig['rank']}"
+        console.print(f"  ignored {ig['role']}{rank}: {ig['reason']}")

@@ -1,0 +1,287 @@
+"""What ``profd summarize`` prints: the summary folded over steps, at the terminal's width
+(80 columns when stdout is not one), long names shortened with a legend; ``--per-step``
+hands over to :mod:`profd.cli.summary_per_step`."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from profd.cli.client import format_bytes
+from profd.cli.summary_per_step import print_per_step, short_track
+
+if TYPE_CHECKING:
+    from profd.analysis.models import SessionSummary
+
+err_console = Console(stderr=True)
+
+
+# Display widths (characters) of names in the default, 80-column output; --wide lifts them.
+STAGE_W, ROLE_W, TRACK_W, OP_W = 18, 17, 17, 28
+DEFAULT_COLUMNS = 80
+
+
+WIDE_COLUMNS = 100_000  # --wide: never wrap, never shorten
+
+
+def _columns(wide: bool) -> int:
+    """The console width: the terminal's when stdout is one, else 80 (pipes, tests, CI)."""
+    if wide:
+        return WIDE_COLUMNS
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size((DEFAULT_COLUMNS, 24)).columns
+    return DEFAULT_COLUMNS
+
+
+@dataclass(frozen=True)
+class _Names:
+    """Display names of stages, roles and tracks, and the legend of the shortened ones."""
+
+    stage: dict[str, str]
+    role: dict[str, str]
+    track: dict[str, str]
+
+    @classmethod
+    def of(cls, s: SessionSummary, wide: bool) -> _Names:
+        from profd.analysis.aggregate import short_names
+
+        stages = [*s.stages, *(g.stage for g in s.top_ops if g.stage)]
+        stages += [x for g in s.idle_gaps for x in (g.after, g.before)]
+        roles = [t.role for t in s.tracks if t.role]
+        tracks = [short_track(t.track) for t in s.tracks if t.rank is None]  # shown for no rank
+        if wide:
+            return cls(*({n: n for n in names} for names in (stages, roles, tracks)))
+        return cls(
+            short_names(stages, STAGE_W), short_names(roles, ROLE_W), short_names(tracks, TRACK_W)
+        )
+
+    def st(self, stage: str | None) -> str:
+        return "(outside)" if stage is None else self.stage.get(stage, stage)
+
+    def ro(self, role: str | None) -> str:
+        return "-" if role is None else self.role.get(role, role)
+
+    def rank(self, rank: int | None, track: str) -> str:
+        """``r3``, or the (short) track name where there is no rank."""
+        return (
+            f"r{rank}"
+            if rank is not None
+            else self.track.get(short_track(track), short_track(track))
+        )
+
+    def legend(self) -> list[tuple[str, str]]:
+        pairs = [*self.stage.items(), *self.role.items(), *self.track.items()]
+        return list(dict.fromkeys((short, full) for full, short in pairs if short != full))
+
+
+_TEXT_COLUMNS = frozenset(
+    {"stage", "role", "rank", "slowest", "dev", "operator", "after", "before"}
+)
+
+
+def _table(title: str, *columns: str) -> Table:
+    """A borderless table whose cells never wrap (names are shortened to fit instead)."""
+    table = Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+        title_justify="left",
+    )
+    for col in columns:
+        text = col in _TEXT_COLUMNS
+        table.add_column(
+            col, no_wrap=True, overflow="ellipsis", justify="left" if text else "right"
+        )
+    return table
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def print_summary(
+    s: SessionSummary, out: Console | None = None, per_step: bool = False, wide: bool = False
+) -> None:
+    """The summary for people: folded over steps (a size independent of the step count),
+    or every step with ``per_step``."""
+    from profd.analysis.aggregate import steps_text
+
+    out = out or Console(width=_columns(wide))
+    p = s.processing
+    out.print(
+        f"[bold]{s.source}[/bold]: {len(s.tracks)} tracks, {len(s.files)} files "
+        f"({format_bytes(p.json_bytes)} JSON, {p.wall_s:.2f} s), steps {steps_text(s.steps)}, "
+        f"span {s.span_ms:,.1f} ms",
+        soft_wrap=wide,
+    )
+    if per_step:
+        print_per_step(s, out)
+    else:
+        names = _Names.of(s, wide)
+        _print_stage_aggregates(s, out, names)
+        _print_legend(out, names)
+        for section in (_print_straggler_aggregates, _print_idle_aggregates, _print_minis_folded):
+            out.print()
+            section(s, out, names)
+        out.print()
+        _print_top_ops(s, out, names, wide)
+    for x in s.skipped:
+        err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
+
+
+def _print_stage_aggregates(s: SessionSummary, out: Console, names: _Names) -> None:
+    from profd.analysis.aggregate import stage_aggregates
+
+    rows = stage_aggregates(s)
+    if not rows:
+        out.print("No stage ranges.")
+        return
+    table = _table(
+        f"Stage wall time over {len(s.steps) or 1} step(s) x ranks (ms)",
+        *("stage", "role", "ranks", "median", "p90", "max", "slowest"),
+    )
+    for a in rows:
+        table.add_row(
+            names.st(a.stage),
+            names.ro(a.role),
+            str(a.ranks),
+            _ms(a.median_ms),
+            _ms(a.p90_ms),
+            _ms(a.max_ms),
+            f"{names.rank(a.slowest_rank, a.slowest_track)} {a.slowest_in}/{a.steps}",
+        )
+    out.print(table)
+    out.print(
+        "slowest: the rank with the largest time; k/n: in k of n steps it was the slowest "
+        "of its role (--per-step: every step)."
+    )
+
+
+def _print_legend(out: Console, names: _Names) -> None:
+    pairs = names.legend()
+    if not pairs:
+        return
+    legend = Table.grid(padding=(0, 2))
+    legend.add_column(no_wrap=True)
+    legend.add_column(overflow="fold")
+    for short, full in pairs:
+        legend.add_row(short, full)
+    out.print("Names shortened to fit (--wide prints them whole):")
+    out.print(legend)
+
+
+def _print_straggler_aggregates(s: SessionSummary, out: Console, names: _Names) -> None:
+    from profd.analysis.aggregate import straggler_aggregates
+
+    rows = straggler_aggregates(s)
+    if not rows:
+        out.print("No straggler.")
+        return
+    table = _table(
+        "Stragglers: late in k of n steps, by how much (ms)",
+        *("stage", "role", "rank", "late", "max", "median", "worst"),
+    )
+    for a in rows:
+        table.add_row(
+            names.st(a.stage),
+            names.ro(a.role),
+            names.rank(a.rank, a.track),
+            f"{a.late_steps}/{a.steps}",
+            f"[red]{_ms(a.max_late_ms)}[/red]",
+            _ms(a.median_late_ms),
+            str(a.worst_step) if a.worst_step is not None else "-",
+        )
+    out.print(table)
+
+
+def _print_idle_aggregates(s: SessionSummary, out: Console, names: _Names) -> None:
+    from profd.analysis.aggregate import idle_aggregates
+
+    rows = idle_aggregates(s)
+    if not rows:
+        return
+    table = _table(
+        "Idle time between stages, per step and rank (ms)",
+        *("role", "ranks", "steps", "step median", "median", "max", "total"),
+    )
+    for a in rows:
+        table.add_row(
+            names.ro(a.role),
+            str(a.ranks),
+            str(a.steps),
+            _ms(a.step_median_ms),
+            _ms(a.per_step_median_ms),
+            _ms(a.per_step_max_ms),
+            _ms(a.total_ms),
+        )
+    out.print(table)
+    largest = _table("Largest idle gap per role", "role", "step", "rank", "ms", "after", "before")
+    for a in rows:
+        if (g := a.largest) is not None:
+            rank = _rank_of_track(s, g.track)
+            largest.add_row(
+                names.ro(a.role),
+                str(g.step) if g.step is not None else "-",
+                names.rank(rank, g.track),
+                _ms(g.gap_ms),
+                names.st(g.after),
+                names.st(g.before),
+            )
+    if largest.row_count:
+        out.print(largest)
+
+
+def _rank_of_track(s: SessionSummary, track: str) -> int | None:
+    return next((t.rank for t in s.tracks if t.track == track), None)
+
+
+def _print_minis_folded(s: SessionSummary, out: Console, names: _Names) -> None:
+    from profd.analysis.aggregate import mini_batch_aggregates
+
+    rows = mini_batch_aggregates(s)
+    if not rows:
+        return
+    table = _table(
+        "Mini-batches over steps and ranks (ms)",
+        *("stage", "role", "mini", "n", "median", "max", "micro"),
+    )
+    for a in rows:
+        table.add_row(
+            names.st(a.stage),
+            names.ro(a.role),
+            str(a.index),
+            str(a.samples),
+            _ms(a.median_ms),
+            _ms(a.max_ms),
+            str(a.micro_batches),
+        )
+    out.print(table)
+
+
+def _print_top_ops(s: SessionSummary, out: Console, names: _Names, wide: bool) -> None:
+    from profd.analysis.aggregate import middle_ellipsis
+
+    if not s.top_ops:
+        return
+    table = _table(
+        "Top operators by self time (3 per stage)",
+        *("stage", "dev", "operator", "calls", "self ms", "share"),
+    )
+    for group in s.top_ops:
+        for o in group.ops[:3]:
+            table.add_row(
+                names.st(group.stage),
+                group.device,
+                o.name if wide else middle_ellipsis(o.name, OP_W),
+                f"{o.calls:,}",
+                _ms(o.self_ms),
+                f"{o.share:.0%}",
+            )
+    out.print(table)
