@@ -377,6 +377,51 @@ def check_paging(chrome: Any, url: str, owner: Any, sid: str, new_sid: str) -> N
     assert len(rows(chrome, "sessions")) == 2 and len(rows(chrome, "traces")) == 2
 
 
+def check_trace_filter(chrome: Any, sid: str, new_sid: str) -> None:
+    """The trace table shows one session's traces when one is chosen, every one's again after."""
+    from selenium.webdriver.support.select import Select
+
+    def chosen(value: str) -> None:
+        wait_until(
+            lambda: value in [o.get_attribute("value") for o in choice().options], 10, what=value
+        )
+        choice().select_by_value(value)
+
+    def choice() -> Any:
+        from selenium.webdriver.common.by import By
+
+        return Select(chrome.find_element(By.ID, "traces-session"))
+
+    def sessions_shown() -> set[str]:
+        return {r[0] for r in rows(chrome, "traces")}
+
+    every = sessions_shown()
+    assert sid in every
+    chosen(new_sid)  # armed, nothing recorded yet
+    wait_until(lambda: not rows(chrome, "traces"), 10, what="no trace of the new session")
+    chosen(sid)
+    wait_until(lambda: sessions_shown() == {sid}, 10, what="only the recorded session's traces")
+    chosen("")
+    wait_until(lambda: sessions_shown() == every, 10, what="every session's traces again")
+
+
+def check_phone_width(chrome: Any, tmp_path: Path) -> None:
+    """At a phone's width the page still renders (kept as an artifact beside the wide one)."""
+    chrome.set_window_size(390, 844)
+    try:
+        wait_until(lambda: chrome.execute_script("return window.innerWidth") <= 400, 10)
+        # wide tables scroll inside their section; the page itself does not scroll sideways
+        page = "return document.documentElement.scrollWidth <= window.innerWidth"
+        assert chrome.execute_script(page)
+        shot = chrome.get_screenshot_as_png()
+        (ARTIFACTS / "dashboard-phone.png").write_bytes(shot)
+        (tmp_path / "dashboard-phone.png").write_bytes(shot)
+        width, _ = png_size(shot)
+        assert width <= 400 and len(shot) > 10_000  # a rendered page, not blank
+    finally:
+        chrome.set_window_size(1400, 1100)
+
+
 def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     url, owner, sid = recorded
     chrome.get(f"{url}/?interval=500")
@@ -394,5 +439,7 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     check_summary(chrome, url, sid, new_sid, tmp_path)
     check_summary_errors(chrome, url, new_sid)
     check_paging(chrome, url, owner, sid, new_sid)
+    check_trace_filter(chrome, sid, new_sid)
+    check_phone_width(chrome, tmp_path)
     uncaught = [e["message"] for e in chrome.get_log("browser") if "Uncaught" in e["message"]]
     assert not uncaught
