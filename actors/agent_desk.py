@@ -145,7 +145,7 @@ class AgentDesk:
         self.events += len(events)
         touched: dict[str, Session] = {}
         for ev in events:
-            if ev.kind is EventKind.TRACE and isinstance(ev.payload, TraceWritten):
+            if isinstance(ev.payload, TraceWritten):
                 ev = self._indexed(rec, ev)
             if ev.kind is EventKind.CLOSED:
                 self._registry.close(agent_id)

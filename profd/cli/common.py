@@ -27,7 +27,6 @@ UrlOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
-TERMINAL = ("done", "partial", "failed", "cancelled", "expired")
 
 
 def load_settings() -> ProfdSettings:

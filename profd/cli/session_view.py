@@ -9,11 +9,10 @@ from rich.table import Table
 
 from profd.cli.client import ApiClient, CliError
 from profd.cli.common import (
-    TERMINAL,
     console,
     err_console,
 )
-from profd.core.states import PartState
+from profd.core.states import PartState, SessionState
 
 #: How each way a session ends looks: only ``done`` is green.
 STATE_STYLE = {
@@ -73,7 +72,7 @@ def wait_session(
         task = bar.add_task(
             f"session {sid}", total=max(1, total), completed=done, label=label, state=""
         )
-        while view["state"] not in TERMINAL:
+        while not SessionState(view["state"]).is_terminal:
             if time.monotonic() > deadline:
                 raise CliError(f"session {sid} still {view['state']} after {timeout:.0f} s")
             time.sleep(0.5)  # the poll interval of a person's command, not a test's wait

@@ -75,13 +75,20 @@ def test_one_process_hosts_one_profiler() -> None:
 
 def test_the_same_rank_of_two_roles_is_two_workers() -> None:
     actor, critic = agent("actor", "actor", 0, pid=7), agent("critic", "critic", 0, pid=8)
-    check_conflicts([held_by("s1", actor)], registry_of(actor, critic), [target(critic)])
+    held = [held_by("s1", actor)]
+    assert check_conflicts(held, registry_of(actor, critic), [target(critic)]) is None
+    # the same rank in the same process would be one worker: refused
+    shared = agent("critic", "critic", 0, pid=7)
+    with pytest.raises(ConflictError):
+        check_conflicts(held, registry_of(actor, shared), [target(shared)])
 
 
 def test_finished_parts_hold_nothing() -> None:
     a = agent("a")
     done = held_by("s1", a, state=PartState.DONE)
-    check_conflicts([done], registry_of(a), [target(a)])
+    assert check_conflicts([done], registry_of(a), [target(a)]) is None
+    with pytest.raises(ConflictError):  # the same part still recording holds the agent
+        check_conflicts([held_by("s1", a, state=PartState.RECORDING)], registry_of(a), [target(a)])
 
 
 def test_a_colocated_replica_shares_the_devices_of_its_training_ranks() -> None:
@@ -119,7 +126,9 @@ def test_steps_every_target_has_begun_are_refused() -> None:
 def test_a_target_of_unknown_step_may_still_reach_any_step() -> None:
     a, b = agent("a", rank=0), agent("b", rank=1)
     reg = registry_of(a, b, steps={"a": 9})
-    check_reachable((1,), reg, [target(a), target(b)])
+    assert check_reachable((1,), reg, [target(a), target(b)]) is None  # b may not be at 1 yet
+    with pytest.raises(RequestInvalid, match="already begun"):  # once b's step is known, refused
+        check_reachable((1,), registry_of(a, b, steps={"a": 9, "b": 4}), [target(a), target(b)])
 
 
 def test_reachability_asks_the_driver_for_targets_without_a_step() -> None:
