@@ -69,4 +69,7 @@ def sglang_pair(
 
 
 def names(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.is_file()) if directory.exists() else []
+    """The visible files (profd's hidden window record is not a trace)."""
+    if not directory.exists():
+        return []
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))

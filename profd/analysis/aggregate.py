@@ -86,6 +86,9 @@ class StragglerAggregate:
     rank: int | None
     track: str
     late_steps: int  # steps it was a straggler in
+    #: Of those, steps it ran longer than its peers (the rest: pushed late by an earlier
+    #: stage); None when the summary predates causes.
+    long_steps: int | None
     steps: int  # steps the stage ran in for that role
     max_late_ms: float
     median_late_ms: float
@@ -241,6 +244,9 @@ def straggler_aggregates(s: SessionSummary) -> list[StragglerAggregate]:
                 rank=worst.rank,
                 track=track,
                 late_steps=len({x.step for x in late}),
+                long_steps=None
+                if any(x.cause is None for x in late)
+                else len({x.step for x in late if x.cause.long}),
                 steps=len(steps_of.get((stage, role), set())) or len({x.step for x in late}),
                 max_late_ms=worst.late_ms,
                 median_late_ms=median(x.late_ms for x in late),

@@ -32,7 +32,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from profd.analysis.clocks import split_clocks
+from profd.analysis.clocks import hints_for, placed_text, split_clocks
 from profd.analysis.jsonscan import json_size_hint
 from profd.analysis.mergeio import FileScan, ScanJob, WriteJob, scan_file, write_file
 from profd.analysis.parallel import map_files, resolve_workers
@@ -72,6 +72,10 @@ class MergeReport(BaseModel):
     )
     budget_note: str | None = Field(description="What --max-mb dropped, in words.")
     skipped: dict[str, str] = Field(description="Input files not merged -> reason.")
+    aligned: dict[str, str] = Field(
+        default_factory=dict,
+        description="Input files without a wall clock placed by profd's record -> how.",
+    )
 
 
 def merge_dir(
@@ -149,12 +153,19 @@ def merge_files(
     skipped = {Path(s.path).name: s.error for s in scans if s.error}
     good = [s for s in scans if s.error is None]
     clocks = split_clocks(
-        {s.path: s.base_us + float(np.nanmin(s.ts)) for s in good if np.isfinite(s.ts).any()}
+        {s.path: s.base_us + float(np.nanmin(s.ts)) for s in good if np.isfinite(s.ts).any()},
+        hints_for(s.path for s in good),
     )
     for path, why in clocks.apart.items():
         log.warning("profd merge: %s left out: %s", Path(path).name, why)
         skipped[Path(path).name] = why
     good = [s for s in good if s.path not in clocks.apart]
+    aligned = {}
+    for s in good:
+        if (hint := clocks.placed.get(s.path)) is not None:
+            s.base_us += hint.start_us
+            aligned[Path(s.path).name] = placed_text(hint)
+            log.warning("profd merge: %s %s", Path(s.path).name, aligned[Path(s.path).name])
     if not good:
         why = "; ".join(f"{k}: {v}" for k, v in skipped.items())
         raise ValueError(f"no trace to merge: {why or 'no files'}")
@@ -164,7 +175,7 @@ def merge_files(
     plan.window(start_ms, end_ms)
     plan.stage_filter(stages)
     note = plan.budget(max_mb)
-    return _write(plan, out, n, sizes, skipped, note)
+    return _write(plan, out, n, sizes, skipped, note, aligned)
 
 
 class _Plan:
@@ -334,6 +345,7 @@ def _write(
     sizes: list[int],
     skipped: dict[str, str],
     note: str | None,
+    aligned: dict[str, str],
 ) -> MergeReport:
     out.parent.mkdir(parents=True, exist_ok=True)
     chosen = [f for f, on in enumerate(plan.selected) if on and plan.keep[f].any()]
@@ -362,7 +374,15 @@ def _write(
             if i.key in used
         ]
         dropped = {r: dict(sorted(c.items())) for r, c in sorted(plan.dropped.items())}
-        head = _header(plan, tracks, base_us, dropped=dropped, budget_note=note, skipped=skipped)
+        head = _header(
+            plan,
+            tracks,
+            base_us,
+            dropped=dropped,
+            budget_note=note,
+            skipped=skipped,
+            aligned=aligned,
+        )
         events, json_bytes = _assemble(out, head, _track_metadata(plan, used), ok)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -378,6 +398,7 @@ def _write(
         dropped=dropped,
         budget_note=note,
         skipped=skipped,
+        aligned=aligned,
     )
 
 

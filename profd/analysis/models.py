@@ -7,15 +7,20 @@ the traces share; durations are plain milliseconds.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "AlignedFile",
     "FileInfo",
     "IdleGap",
+    "LateCause",
     "MiniBatchTime",
     "OpStat",
     "ProcessingStats",
     "SessionSummary",
+    "SkipKind",
     "SkippedFile",
     "StageOps",
     "StageStat",
@@ -80,11 +85,31 @@ class FileInfo(_Frozen):
     seconds: float = Field(description="Time spent reading it (in its worker).")
 
 
+class SkipKind(StrEnum):
+    """Why a file is not in the summary: it could not be read, or it is on another clock."""
+
+    UNREADABLE = "unreadable"
+    CLOCK = "clock"
+
+
 class SkippedFile(_Frozen):
     """A file of the directory that could not be summarised, and why."""
 
     name: str = Field(description="File name.")
     reason: str = Field(description="Why it was skipped.")
+    kind: SkipKind = Field(
+        SkipKind.UNREADABLE,
+        description="'unreadable', or 'clock': kept off the shared timeline by its clock.",
+    )
+
+
+class AlignedFile(_Frozen):
+    """A file without a wall clock of its own, placed on the session's clock by metadata."""
+
+    name: str = Field(description="File name.")
+    offset_ms: float = Field(description="Wall-clock time its ts 0 was placed at, ms after t0.")
+    uncertainty_ms: float = Field(description="How far off the placement can be (either way).")
+    source: str = Field(description="The metadata used, e.g. 'profd window start (replica 0)'.")
 
 
 class StageTime(_Frozen):
@@ -169,8 +194,25 @@ class StageOps(_Frozen):
     ops: list[OpStat] = Field(description="The top operators, largest self time first.")
 
 
+class LateCause(StrEnum):
+    """Why a straggler's stage ended late: it started late (an earlier stage ran late, its own
+    duration is normal), it ran longer than its peers, or both."""
+
+    LATE_START = "late start"
+    LONG_DURATION = "long duration"
+    BOTH = "late start and long duration"
+
+    @property
+    def long(self) -> bool:
+        """It ran longer than its peers (the stage itself is slow, not only shifted)."""
+        return self is not LateCause.LATE_START
+
+
 class Straggler(_Frozen):
-    """A rank whose stage ended late against its peers."""
+    """A rank whose stage ended late against its peers, and why.
+
+    The ``start_*`` / ``extra_wall_ms`` / ``cause`` fields default to None only so that a
+    summary saved by an older profd (``summarize --json``) still loads."""
 
     step: int | None = Field(description="Step.")
     stage: str = Field(description="Stage label.")
@@ -183,6 +225,22 @@ class Straggler(_Frozen):
     threshold_ms: float = Field(description="Lateness above which a rank is a straggler here.")
     wall_ms: float = Field(description="Its wall time in the stage.")
     peer_median_wall_ms: float = Field(description="Median wall time of the other ranks.")
+    start_ms: float | None = Field(None, description="When its stage started.")
+    peer_median_start_ms: float | None = Field(
+        None, description="Median start of the stage on the other ranks."
+    )
+    start_late_ms: float | None = Field(
+        None, description="Start minus the peers' median start (negative: it started early)."
+    )
+    extra_wall_ms: float | None = Field(
+        None, description="Wall time minus the peers' median wall time (how much longer it ran)."
+    )
+    cause: LateCause | None = Field(
+        None,
+        description="'late start' (started late, normal duration: an earlier stage ran late), "
+        "'long duration' (ran longer than its peers) or 'late start and long duration'; "
+        "None in summaries from before this field.",
+    )
 
 
 class ProcessingStats(_Frozen):
@@ -215,6 +273,10 @@ class SessionSummary(_Frozen):
     tracks: list[TrackInfo] = Field(description="Timelines, in display order.")
     files: list[FileInfo] = Field(description="Files read.")
     skipped: list[SkippedFile] = Field(description="Files that could not be read, with reasons.")
+    aligned: list[AlignedFile] = Field(
+        default_factory=list,
+        description="Files on a clock of their own, placed on the session's clock by metadata.",
+    )
     stage_times: list[StageTime] = Field(description="Per step x stage x track wall time.")
     step_times: list[StepTime] = Field(description="Per step x track: stage time and idle time.")
     stage_stats: list[StageStat] = Field(description="Per role x step x stage, across ranks.")

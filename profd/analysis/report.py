@@ -1,52 +1,55 @@
 """A self-contained HTML report of a :class:`SessionSummary`: inline SVG plots and tables, no
 scripts, no network — it opens from a file, a mail attachment or an artefact store.
 
-Plots: a stage timeline per track (where did each rank spend the step, who finished late)
-and per-stage bars (wall time of each track in each stage, against the median).
+Top down: a warning when some file is not on the shared clock (kept apart, or placed by
+metadata), the stragglers with the cause of their lateness, the stage timeline per track,
+the mean wall time per step of each stage per track, then the tables. The plots are in
+:mod:`profd.analysis.report_svg`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
-from statistics import mean, median
 
-from profd.analysis.models import SessionSummary, StageTime
-
-__all__ = ["render_html", "stage_bars_svg", "timeline_svg", "write_html"]
-
-PALETTE = (
-    "#4e79a7",
-    "#f28e2b",
-    "#59a14f",
-    "#b07aa1",
-    "#76b7b2",
-    "#edc948",
-    "#ff9da7",
-    "#9c755f",
-    "#bab0ac",
-    "#e15759",
+from profd.analysis.clocks import EPOCH_FLOOR_US
+from profd.analysis.models import SessionSummary, SkipKind, SkippedFile, StageTime, Straggler
+from profd.analysis.report_svg import (
+    LATE,
+    LATE_START,
+    STEP_BG,
+    bar_caption,
+    fmt,
+    stage_bars_svg,
+    stage_colors,
+    timeline_svg,
 )
-LATE = "#d62728"
-LABEL_W = 300
-PLOT_W = 900
-ROW_H = 22
 
-_CSS = """
-body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222}
-h1{font-size:20px}h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:8px 0}td,th{padding:3px 8px;border-bottom:1px solid #eee;
-text-align:right}td:first-child,th:first-child,td.l,th.l{text-align:left}th{background:#f6f6f6}
-.late{color:#d62728;font-weight:600}.muted{color:#777}.legend span{display:inline-block;
-margin-right:12px}.sw{display:inline-block;width:12px;height:12px;margin-right:4px;
-vertical-align:middle}svg text{font:11px sans-serif}details{margin:8px 0}
+__all__ = ["clock_skipped", "render_html", "stage_bars_svg", "timeline_svg", "write_html"]
+
+
+_CSS = f"""
+body{{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;
+color:#222;max-width:1320px}}
+h1{{font-size:20px}}h2{{font-size:16px;margin-top:30px;border-bottom:1px solid #ddd}}
+h3{{font-size:14px;margin:18px 0 4px}}
+table{{border-collapse:collapse;margin:8px 0}}td,th{{padding:3px 8px;
+border-bottom:1px solid #eee;text-align:right;vertical-align:top}}
+td:first-child,th:first-child,td.l,th.l{{text-align:left}}th{{background:#f6f6f6}}
+.late{{color:{LATE};font-weight:600}}.lstart{{color:#c25e00;font-weight:600}}
+.muted{{color:#666}}.legend span{{display:inline-block;margin:2px 14px 2px 0}}
+.sw{{display:inline-block;width:14px;height:12px;margin-right:5px;vertical-align:middle;
+box-sizing:border-box}}.sw.ran-long{{border:2px solid {LATE}}}
+.sw.started-late{{border:2px dashed {LATE_START}}}.sw.step-band{{background:{STEP_BG}}}
+svg{{max-width:100%;height:auto}}svg text{{font:11px sans-serif;fill:#222}}
+svg text.axis-title{{fill:#555}}svg text.step-label{{fill:#555;font-weight:600}}
+details{{margin:8px 0}}
+.warn{{border:1px solid #e0a800;border-left:6px solid #e0a800;background:#fff8e1;
+padding:8px 14px;margin:12px 0}}.warn ul{{margin:4px 0;padding-left:20px}}
 """
-
-
-def _fmt(ms: float | None) -> str:
-    return "-" if ms is None else f"{ms:,.1f}"
 
 
 def _table(head: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1) -> str:
@@ -68,160 +71,160 @@ class _Raw(str):
     """Already-escaped HTML for a table cell."""
 
 
-def _colors(s: SessionSummary) -> dict[str, str]:
-    return {stage: PALETTE[i % len(PALETTE)] for i, stage in enumerate(s.stages)}
+def _signed(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:+,.1f}"
 
 
-def _legend(colors: dict[str, str]) -> str:
-    items = "".join(
-        f'<span><i class="sw" style="background:{c}"></i>{escape(name)}</span>'
-        for name, c in colors.items()
-    )
-    return f'<div class="legend">{items}</div>'
+def clock_skipped(s: SessionSummary) -> list[SkippedFile]:
+    """Files kept off the shared timeline because of their clock (not for being unreadable)."""
+    return [x for x in s.skipped if x.kind is SkipKind.CLOCK]
 
 
-def _ticks(span: float, width: int, x0: int, y: int, height: int) -> str:
-    if span <= 0:
+def _clock_warning(s: SessionSummary) -> str:
+    """A box naming every file that is off the timeline or only placed on it by metadata."""
+    apart, placed = clock_skipped(s), s.aligned
+    if not apart and not placed:
         return ""
-    raw = span / 8
-    step = next(m * 10**e for e in range(-3, 12) for m in (1, 2, 5) if m * 10**e >= raw)
-    out = []
-    t = 0.0
-    while t <= span + 1e-9:
-        x = x0 + t / span * width
-        out.append(
-            f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + height}" stroke="#eee"/>'
-            f'<text x="{x:.1f}" y="{y + height + 14}" text-anchor="middle">{t:g}</text>'
-        )
-        t += step
-    return "".join(out)
-
-
-def timeline_svg(s: SessionSummary) -> str:
-    """Stage bars per track on the shared clock (ms after the first event)."""
-    tracks = [t.track for t in s.tracks]
-    if not tracks:
-        return "<p class='muted'>No tracks.</p>"
-    colors = _colors(s)
-    late = {(x.track, x.step, x.stage) for x in s.stragglers}
-    span = max(s.span_ms, 1e-6)
-    height = len(tracks) * ROW_H
-    scale = PLOT_W / span
-    parts = [_ticks(span, PLOT_W, LABEL_W, 0, height)]
-    row = {t: i for i, t in enumerate(tracks)}
-    for st in s.step_times:
-        y = row[st.track] * ROW_H
-        parts.append(
-            f'<rect x="{LABEL_W + st.start_ms * scale:.1f}" y="{y + 2}" '
-            f'width="{max(st.wall_ms * scale, 0.5):.1f}" height="{ROW_H - 4}" fill="#f1f1f1" '
-            f'stroke="#ccc"><title>step {st.step}: {_fmt(st.wall_ms)} ms, idle '
-            f"{_fmt(st.idle_ms)} ms</title></rect>"
-        )
-    for r in s.stage_times:
-        y = row[r.track] * ROW_H
-        is_late = (r.track, r.step, r.stage) in late
-        stroke = f' stroke="{LATE}" stroke-width="2"' if is_late else ""
-        parts.append(
-            f'<rect x="{LABEL_W + r.start_ms * scale:.1f}" y="{y + 5}" '
-            f'width="{max((r.end_ms - r.start_ms) * scale, 0.5):.1f}" height="{ROW_H - 10}" '
-            f'fill="{colors.get(r.stage, "#888")}"{stroke}><title>{escape(r.stage)} '
-            f"(step {r.step}) on {escape(r.track)}: {_fmt(r.wall_ms)} ms"
-            f"{' — LATE' if is_late else ''}</title></rect>"
-        )
-    for t, i in row.items():
-        parts.append(
-            f'<text x="{LABEL_W - 6}" y="{i * ROW_H + ROW_H / 2 + 4}" text-anchor="end">'
-            f"{escape(t)}</text>"
-        )
-    w, h = LABEL_W + PLOT_W + 20, height + 24
+    items = [
+        f"<li><b>{escape(x.name)}</b>: <b>not on the timeline</b>: {escape(x.reason)}</li>"
+        for x in apart
+    ] + [
+        f"<li><b>{escape(a.name)}</b>: placed by metadata ({escape(a.source)}) at "
+        f"{fmt(a.offset_ms)} ms after t0, <b>± {fmt(a.uncertainty_ms)} ms</b>: its times "
+        "against the other tracks are only that precise</li>"
+        for a in placed
+    ]
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}" role="img" aria-label="stage timeline">{"".join(parts)}</svg>'
-    )
-
-
-def stage_bars_svg(s: SessionSummary, stage: str, rows: Sequence[StageTime]) -> str:
-    """Mean wall time of ``stage`` per track, a dashed line at the median."""
-    per: dict[str, list[float]] = defaultdict(list)
-    for r in rows:
-        per[r.track].append(r.wall_ms)
-    order = [t.track for t in s.tracks if t.track in per]
-    values = {t: mean(per[t]) for t in order}
-    late = {x.track for x in s.stragglers if x.stage == stage}
-    top = max(values.values(), default=0.0) or 1.0
-    scale = (PLOT_W - 80) / top
-    parts = []
-    for i, t in enumerate(order):
-        y = i * ROW_H
-        fill = LATE if t in late else PALETTE[s.stages.index(stage) % len(PALETTE)]
-        parts.append(
-            f'<text x="{LABEL_W - 6}" y="{y + ROW_H / 2 + 4}" text-anchor="end">{escape(t)}</text>'
-            f'<rect x="{LABEL_W}" y="{y + 4}" width="{max(values[t] * scale, 0.5):.1f}" '
-            f'height="{ROW_H - 8}" fill="{fill}"><title>{_fmt(values[t])} ms</title></rect>'
-            f'<text x="{LABEL_W + values[t] * scale + 4:.1f}" y="{y + ROW_H / 2 + 4}">'
-            f"{_fmt(values[t])} ms</text>"
-        )
-    if values:
-        x = LABEL_W + median(values.values()) * scale
-        parts.append(
-            f'<line x1="{x:.1f}" y1="0" x2="{x:.1f}" y2="{len(order) * ROW_H}" '
-            f'stroke="#333" stroke-dasharray="4 3"><title>median</title></line>'
-        )
-    w, h = LABEL_W + PLOT_W, len(order) * ROW_H + 4
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}" role="img" aria-label="{escape(stage)} per track">'
-        f"{''.join(parts)}</svg>"
+        '<div class="warn" id="clock-warning" role="note"><b>Clock warning.</b> '
+        f"{len(apart)} file(s) kept off the shared timeline, {len(placed)} placed on it by "
+        f"metadata rather than by their own clock:<ul>{''.join(items)}</ul></div>"
     )
 
 
 def _overview(s: SessionSummary) -> str:
     p = s.processing
+    t0 = "-"
+    if s.t0_epoch_us is not None and s.t0_epoch_us >= EPOCH_FLOOR_US:
+        at = datetime.fromtimestamp(s.t0_epoch_us / 1e6, tz=UTC)
+        t0 = at.isoformat(timespec="milliseconds").replace("+00:00", " UTC")
     facts = [
         ("source", s.source),
         ("sessions", ", ".join(s.session_ids) or "-"),
         ("tracks", str(len(s.tracks))),
         (
             "files",
-            f"{len(s.files)} read, {len(s.skipped)} skipped, "
-            f"{p.json_bytes / 1e6:,.1f} MB of JSON in {p.wall_s:.2f} s ({p.mode}, "
+            f"{len(s.files)} read, {len(s.skipped)} skipped, {len(s.aligned)} placed by "
+            f"metadata; {p.json_bytes / 1e6:,.1f} MB of JSON in {p.wall_s:.2f} s ({p.mode}, "
             f"{p.workers} worker(s))",
         ),
         ("steps", ", ".join(map(str, s.steps)) or "-"),
-        ("span", f"{_fmt(s.span_ms)} ms"),
+        ("t0 (first event)", t0),
+        ("span", f"{fmt(s.span_ms)} ms"),
     ]
     return _table(("", ""), facts, left=2)
 
 
+def _pushed_by(s: SessionSummary, x: Straggler) -> Straggler | None:
+    """The latest earlier stage of the same track and step that ran long: what delayed a
+    stage that only started late."""
+    if x.start_ms is None:
+        return None
+    before = [
+        y
+        for y in s.stragglers
+        if (y.track, y.step) == (x.track, x.step)
+        and y.cause is not None
+        and y.cause.long
+        and y.start_ms is not None
+        and y.start_ms < x.start_ms
+    ]
+    return max(before, key=lambda y: y.start_ms or 0.0, default=None)
+
+
+def _cause_cell(s: SessionSummary, x: Straggler) -> _Raw:
+    if x.cause is None:
+        return _Raw('<span class="muted">not recorded</span>')
+    css = "late" if x.cause.long else "lstart"
+    text = f'<span class="{css}">{escape(x.cause.value)}</span>'
+    origin = _pushed_by(s, x) if not x.cause.long else None
+    if origin is not None:
+        text += f' <span class="muted">(after {escape(origin.stage)} ran long)</span>'
+    return _Raw(text)
+
+
+_LATE_HEAD = (
+    "track", "step", "stage", "cause", "ended late by ms", "started late by ms",
+    "ran longer by ms", "wall ms", "peers' median wall ms", "threshold ms",
+)  # fmt: skip
+
+
 def _stragglers(s: SessionSummary) -> str:
+    r = s.straggler_rule
+    rule = (
+        f"A rank is a straggler of a stage when the stage ends after the median end on its "
+        f"peers by more than max({r.k:g} × MAD, {r.abs_floor_ms:g} ms, {r.rel_floor:.0%} of "
+        "the stage's median wall time)."
+    )
     if not s.stragglers:
-        r = s.straggler_rule
-        return (
-            f"<p>No straggler: no rank ended a stage later than its peers by more than "
-            f"max({r.k:g} × MAD, {r.abs_floor_ms:g} ms, {r.rel_floor:.0%} of the stage).</p>"
-        )
+        return f"<p>No straggler. {escape(rule)}</p>"
     rows = [
         (
             x.track,
             x.step,
             x.stage,
-            _Raw(f'<span class="late">{_fmt(x.late_ms)}</span>'),
-            _fmt(x.threshold_ms),
-            _fmt(x.wall_ms),
-            _fmt(x.peer_median_wall_ms),
+            _cause_cell(s, x),
+            _Raw(f'<span class="late">{_signed(x.late_ms)}</span>'),
+            _signed(x.start_late_ms),
+            _signed(x.extra_wall_ms),
+            fmt(x.wall_ms),
+            fmt(x.peer_median_wall_ms),
+            fmt(x.threshold_ms),
         )
         for x in s.stragglers
     ]
-    head = ("track", "step", "stage", "late ms", "threshold ms", "wall ms", "peers' wall ms")
-    return _table(head, rows, left=3)
+    causes = (
+        '<b class="late">long duration</b>: the stage ran longer than on its peers. '
+        '<b class="lstart">late start</b>: it started late, pushed by an earlier stage that '
+        "ran late, and its own duration is normal. Both: it started late and ran long."
+    )
+    return f"<p>{escape(rule)} {causes}</p>" + _table(_LATE_HEAD, rows, left=4)
+
+
+def _legend(colors: dict[str, str], bars: bool = False) -> str:
+    items = [
+        f'<span><i class="sw" style="background:{c}"></i>{escape(name)}</span>'
+        for name, c in colors.items()
+    ]
+    if not bars:
+        items.append('<span><i class="sw step-band"></i>step range (idle where no stage)</span>')
+    long = (
+        f'<i class="sw" style="background:{LATE}"></i>' if bars else '<i class="sw ran-long"></i>'
+    )
+    items.append(f"<span>{long}straggler: long duration</span>")
+    items.append('<span><i class="sw started-late"></i>straggler: late start only</span>')
+    if bars:
+        items.append("<span>- - - median over tracks</span>")
+    return f'<div class="legend">{"".join(items)}</div>'
+
+
+def _bars(s: SessionSummary) -> str:
+    """One chart per stage; its heading says what the bars are."""
+    by_stage: dict[str, list[StageTime]] = defaultdict(list)
+    for r in s.stage_times:
+        by_stage[r.stage].append(r)
+    return "".join(
+        f"<h3>{escape(bar_caption(stage, by_stage[stage])[0])}</h3>"
+        + stage_bars_svg(s, stage, by_stage[stage])
+        for stage in s.stages
+    )
 
 
 def _ops(s: SessionSummary) -> str:
     out = []
     for group in s.top_ops:
-        title = f"{group.stage or '(outside stages)'} — {group.device}, {_fmt(group.self_ms)} ms"
+        title = f"{group.stage or '(outside stages)'} — {group.device}, {fmt(group.self_ms)} ms"
         rows = [
-            (o.name, o.category, o.calls, _fmt(o.self_ms), _fmt(o.total_ms), f"{o.share:.1%}")
+            (o.name, o.category, o.calls, fmt(o.self_ms), fmt(o.total_ms), f"{o.share:.1%}")
             for o in group.ops
         ]
         out.append(
@@ -246,26 +249,26 @@ def _tables(s: SessionSummary) -> dict[str, str]:
             x.stage,
             x.role or "-",
             x.ranks,
-            _fmt(x.wall_min_ms),
-            _fmt(x.wall_median_ms),
-            _fmt(x.wall_max_ms),
-            _fmt(x.end_spread_ms),
+            fmt(x.wall_min_ms),
+            fmt(x.wall_median_ms),
+            fmt(x.wall_max_ms),
+            fmt(x.end_spread_ms),
             x.slowest,
         )
         for x in s.stage_stats
     )
     per_rank = (
-        (r.step, r.stage, r.track, _fmt(r.start_ms), _fmt(r.end_ms), _fmt(r.wall_ms), r.calls)
+        (r.step, r.stage, r.track, fmt(r.start_ms), fmt(r.end_ms), fmt(r.wall_ms), r.calls)
         for r in s.stage_times
     )
     steps = (
-        (x.step, x.track, _fmt(x.wall_ms), _fmt(x.stages_ms), _fmt(x.idle_ms)) for x in s.step_times
+        (x.step, x.track, fmt(x.wall_ms), fmt(x.stages_ms), fmt(x.idle_ms)) for x in s.step_times
     )
     gaps = (
-        (g.step, g.track, g.after, g.before, _fmt(g.start_ms), _fmt(g.gap_ms)) for g in s.idle_gaps
+        (g.step, g.track, g.after, g.before, fmt(g.start_ms), fmt(g.gap_ms)) for g in s.idle_gaps
     )
     minis = (
-        (m.step, m.stage or "-", m.track, m.index, _fmt(m.wall_ms), m.micro_batches)
+        (m.step, m.stage or "-", m.track, m.index, fmt(m.wall_ms), m.micro_batches)
         for m in s.mini_batches
     )
     files = (
@@ -291,24 +294,26 @@ def _tables(s: SessionSummary) -> dict[str, str]:
 
 def render_html(s: SessionSummary) -> str:
     """The whole report as one HTML document."""
-    by_stage: dict[str, list[StageTime]] = defaultdict(list)
-    for r in s.stage_times:
-        by_stage[r.stage].append(r)
-    bars = "".join(
-        f"<h3>{escape(stage)}</h3>{stage_bars_svg(s, stage, by_stage[stage])}" for stage in s.stages
-    )
     t = _tables(s)
+    colors = stage_colors(s)
     title = "profd summary" + (f" — {', '.join(s.session_ids)}" if s.session_ids else "")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>
 <style>{_CSS}</style></head><body>
 <h1>{escape(title)}</h1>
+{_clock_warning(s)}
 {_overview(s)}
 <h2>Stragglers</h2>{_stragglers(s)}
-<h2>Stage timeline</h2>{_legend(_colors(s))}{timeline_svg(s)}
-<p class="muted">Grey: step ranges. Red outline: a straggler. Milliseconds after the first
-event.</p>
-<h2>Wall time per stage</h2>{bars}
+<h2>Stage timeline</h2>
+<p class="muted">Per track, each step is a light band and its stages are drawn inside it;
+the band showing through is idle time. Milliseconds after t0 (the first event); hover a
+shape for its times.</p>
+{_legend(colors)}{timeline_svg(s)}
+<h2>Wall time per stage: mean per step</h2>
+<p class="muted">A bar is the track's wall time in the stage in one step (the summed
+duration of its ranges), averaged over the steps it ran the stage in; the number is that
+mean in ms. The notes name the steps in which the track was a straggler, and why.</p>
+{_legend(colors, bars=True)}{_bars(s)}
 <h2>Stages across ranks</h2>{t["stats"]}
 <details><summary>Every stage on every track</summary>{t["per_rank"]}</details>
 <h2>Steps and idle time</h2>{t["steps"]}
@@ -316,7 +321,7 @@ event.</p>
 <h2>Mini-batches</h2>
 <details><summary>{len(s.mini_batches)} mini-batch ranges</summary>{t["minis"]}</details>
 <h2>Top operators by self time</h2>{_ops(s)}
-<h2>Files</h2>{t["files"]}{t["skipped"]}
+<h2 id="files">Files</h2>{t["files"]}{t["skipped"]}
 </body></html>
 """
 

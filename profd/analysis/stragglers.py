@@ -9,6 +9,11 @@ more than the largest of:
   deviation for normal noise) — noisy groups need more to stand out;
 * an absolute floor (milliseconds) — ignores scheduler jitter when peers agree perfectly;
 * a fraction of the median wall time of the stage — a few ms do not matter in a minute.
+
+A late end has a cause (:class:`LateCause`): the stage *started* late (an earlier stage of the
+step ran late and pushed it; its own duration is normal), or it *ran long*, or both. Each
+part is judged by the same rule, applied to the starts and to the wall times of the group:
+a stage that merely inherited a delay must not be blamed for being slow.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from collections.abc import Sequence
 from statistics import median
 from typing import NamedTuple
 
-from profd.analysis.models import StageTime, Straggler, StragglerRule
+from profd.analysis.models import LateCause, StageTime, Straggler, StragglerRule
 
-__all__ = ["Lateness", "detect_stragglers", "late_outliers"]
+__all__ = ["Lateness", "detect_stragglers", "late_cause", "late_outliers"]
 
 MAD_SCALE = 1.4826
 
@@ -32,23 +37,46 @@ class Lateness(NamedTuple):
     threshold: float
 
 
+def _against_peers(values: Sequence[float], i: int, floor: float, k: float) -> Lateness:
+    """How far ``values[i]`` is above the median of the others, and the bar it must pass."""
+    peers = [v for j, v in enumerate(values) if j != i]
+    ref = median(peers)
+    spread = median(abs(p - ref) for p in peers) * MAD_SCALE
+    return Lateness(i, values[i] - ref, ref, max(k * spread, floor))
+
+
+def _floor(walls: Sequence[float], rule: StragglerRule) -> float:
+    return max(rule.abs_floor_ms, rule.rel_floor * median(walls))
+
+
 def late_outliers(
     ends: Sequence[float], walls: Sequence[float], rule: StragglerRule
 ) -> list[Lateness]:
     """Which of ``ends`` are late against the others (see the module docstring)."""
     if len(ends) < 2:
         return []
-    floor = max(rule.abs_floor_ms, rule.rel_floor * median(walls))
-    out = []
-    for i, end in enumerate(ends):
-        peers = [e for j, e in enumerate(ends) if j != i]
-        ref = median(peers)
-        spread = median(abs(p - ref) for p in peers) * MAD_SCALE
-        threshold = max(rule.k * spread, floor)
-        late = end - ref
-        if late > threshold:
-            out.append(Lateness(i, late, ref, threshold))
-    return out
+    floor = _floor(walls, rule)
+    hits = (_against_peers(ends, i, floor, rule.k) for i in range(len(ends)))
+    return [h for h in hits if h.late > h.threshold]
+
+
+def late_cause(
+    starts: Sequence[float], walls: Sequence[float], i: int, rule: StragglerRule
+) -> tuple[Lateness, Lateness, LateCause]:
+    """Why member ``i`` (already late by its end) is late: its start against the peers'
+    starts, its wall time against theirs, and the verdict. When neither part passes the rule
+    on its own (the delay is split between them), the larger part is named."""
+    floor = _floor(walls, rule)
+    start = _against_peers(starts, i, floor, rule.k)
+    wall = _against_peers(walls, i, floor, rule.k)
+    late_start, long = start.late > start.threshold, wall.late > wall.threshold
+    if late_start and long:
+        cause = LateCause.BOTH
+    elif late_start or long:
+        cause = LateCause.LATE_START if late_start else LateCause.LONG_DURATION
+    else:
+        cause = LateCause.LATE_START if start.late > wall.late else LateCause.LONG_DURATION
+    return start, wall, cause
 
 
 def detect_stragglers(rows: Sequence[StageTime], rule: StragglerRule) -> list[Straggler]:
@@ -60,9 +88,10 @@ def detect_stragglers(rows: Sequence[StageTime], rule: StragglerRule) -> list[St
     for (role, step, stage), members in groups.items():
         ends = [m.end_ms for m in members]
         walls = [m.wall_ms for m in members]
+        starts = [m.start_ms for m in members]
         for hit in late_outliers(ends, walls, rule):
             m = members[hit.index]
-            peers = [w for j, w in enumerate(walls) if j != hit.index]
+            start, wall, cause = late_cause(starts, walls, hit.index, rule)
             found.append(
                 Straggler(
                     step=step,
@@ -75,7 +104,12 @@ def detect_stragglers(rows: Sequence[StageTime], rule: StragglerRule) -> list[St
                     late_ms=hit.late,
                     threshold_ms=hit.threshold,
                     wall_ms=m.wall_ms,
-                    peer_median_wall_ms=median(peers),
+                    peer_median_wall_ms=wall.reference,
+                    start_ms=m.start_ms,
+                    peer_median_start_ms=start.reference,
+                    start_late_ms=start.late,
+                    extra_wall_ms=wall.late,
+                    cause=cause,
                 )
             )
     found.sort(key=lambda s: -s.late_ms)

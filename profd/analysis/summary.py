@@ -11,22 +11,24 @@ from __future__ import annotations
 import bisect
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import median
 from typing import Any
 
-from profd.analysis.clocks import split_clocks
+from profd.analysis.clocks import ClockHint, hints_for, split_clocks
 from profd.analysis.digest import GPU_OP_CATEGORIES, FileDigest, digest_file
 from profd.analysis.jsonscan import json_size_hint
 from profd.analysis.models import (
+    AlignedFile,
     FileInfo,
     IdleGap,
     MiniBatchTime,
     OpStat,
     ProcessingStats,
     SessionSummary,
+    SkipKind,
     SkippedFile,
     StageOps,
     StageStat,
@@ -179,16 +181,31 @@ def summarize_digests(
     rule: StragglerRule | None = None,
     stats: MapStats | None = None,
     started: float | None = None,
+    hints: Mapping[str, ClockHint] | None = None,
 ) -> SessionSummary:
-    """Build the summary from digests (see :func:`digest_all`)."""
+    """Build the summary from digests (see :func:`digest_all`). ``hints``: where relative
+    files started (default: profd's record beside each file, :func:`.clocks.hints_for`)."""
     rule = rule or StragglerRule()
     ok = [d for d in digests if d.error is None]
     skipped = [
         SkippedFile(name=Path(d.path).name, reason=d.error or "") for d in digests if d.error
     ]
-    clocks = split_clocks({d.path: d.base_us + d.first_ts for d in ok if d.first_ts is not None})
-    skipped += [SkippedFile(name=Path(p).name, reason=why) for p, why in clocks.apart.items()]
-    ok = [d for d in ok if d.path not in clocks.apart]
+    if hints is None:
+        hints = hints_for(d.path for d in ok)
+    clocks = split_clocks(
+        {d.path: d.base_us + d.first_ts for d in ok if d.first_ts is not None}, hints
+    )
+    skipped += [
+        SkippedFile(name=Path(p).name, reason=why, kind=SkipKind.CLOCK)
+        for p, why in clocks.apart.items()
+    ]
+    ok = [
+        replace(d, base_us=d.base_us + clocks.placed[d.path].start_us)
+        if d.path in clocks.placed
+        else d
+        for d in ok
+        if d.path not in clocks.apart
+    ]
     idents = {d.path: identify(Path(d.path).name, d.header) for d in ok}
     by_key, file_count = _track_keys(ok, idents)
     ordered = sorted(by_key.values(), key=track_order)
@@ -220,6 +237,15 @@ def summarize_digests(
         tracks=[_track_info(i, file_count[i.key]) for i in ordered],
         files=[_file_info(d, label[idents[d.path].key]) for d in ok],
         skipped=skipped,
+        aligned=[
+            AlignedFile(
+                name=Path(p).name,
+                offset_ms=(h.start_us - t0) / 1000.0,
+                uncertainty_ms=h.uncertainty_us / 1000.0,
+                source=h.source,
+            )
+            for p, h in clocks.placed.items()
+        ],
         stage_times=stage_rows,
         step_times=sorted(step_rows, key=lambda r: (r.step, pos[r.track])),
         stage_stats=_stage_stats(stage_rows, order),

@@ -207,6 +207,8 @@ def print_merge(report: Any) -> None:
         console.print(f"budget: {report.budget_note}")
     for name, why in report.skipped.items():
         err_console.print(f"[yellow]skipped[/yellow] {name}: {why}")
+    for name, how in report.aligned.items():
+        err_console.print(f"[yellow]placed[/yellow] {name} {how}")
 
 
 # -- summarize ------------------------------------------------------------------------------

@@ -27,8 +27,6 @@ UrlOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
-
-
 def load_settings() -> ProfdSettings:
     return ProfdSettings()
 

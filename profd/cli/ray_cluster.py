@@ -327,4 +327,3 @@ def load_state(state_dir: Path) -> ServiceState | None:
         return ServiceState(**json.loads(path.read_text()))
     except (ValueError, TypeError):
         return None
-

@@ -53,7 +53,7 @@ def _print_stragglers(s: SessionSummary, out: Console) -> None:
         out.print("No straggler.")
         return
     late = Table(title="Stragglers")
-    for col in ("step", "stage", "track", "late ms", "threshold ms", "wall ms"):
+    for col in ("step", "stage", "track", "late ms", "cause", "threshold ms", "wall ms"):
         late.add_column(col, overflow="fold")
     for x in s.stragglers:
         late.add_row(
@@ -61,6 +61,7 @@ def _print_stragglers(s: SessionSummary, out: Console) -> None:
             x.stage,
             short_track(x.track),
             f"[red]{x.late_ms:,.1f}[/red]",
+            x.cause.value if x.cause is not None else "-",
             f"{x.threshold_ms:,.1f}",
             f"{x.wall_ms:,.1f}",
         )

@@ -134,6 +134,12 @@ def print_summary(
         _print_top_ops(s, out, names, wide)
     for x in s.skipped:
         err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
+    for a in s.aligned:
+        err_console.print(
+            f"[yellow]placed[/yellow] {a.name} has no wall clock of its own: its ts 0 was "
+            f"placed at the {a.source}, {a.offset_ms:,.1f} ms after t0 "
+            f"(± {a.uncertainty_ms:.1f} ms)"
+        )
 
 
 def _print_stage_aggregates(s: SessionSummary, out: Console, names: _Names) -> None:
@@ -185,8 +191,8 @@ def _print_straggler_aggregates(s: SessionSummary, out: Console, names: _Names) 
         out.print("No straggler.")
         return
     table = _table(
-        "Stragglers: late in k of n steps, by how much (ms)",
-        *("stage", "role", "rank", "late", "max", "median", "worst"),
+        "Stragglers: late in k of n steps (ran long in j of them), by how much (ms)",
+        *("stage", "role", "rank", "late", "long", "max", "median", "worst"),
     )
     for a in rows:
         table.add_row(
@@ -194,6 +200,7 @@ def _print_straggler_aggregates(s: SessionSummary, out: Console, names: _Names) 
             names.ro(a.role),
             names.rank(a.rank, a.track),
             f"{a.late_steps}/{a.steps}",
+            "-" if a.long_steps is None else str(a.long_steps),
             f"[red]{_ms(a.max_late_ms)}[/red]",
             _ms(a.median_late_ms),
             str(a.worst_step) if a.worst_step is not None else "-",

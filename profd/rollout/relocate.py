@@ -14,6 +14,10 @@ own directory, named its own way. After a window:
    directory; tp peers go to ``<session>/rollout-replica<n>/`` under the engine's own name.
    Files are published with ``os.link`` (or an exclusive create), so nothing is overwritten;
    a taken name gets the next free ``_part<N>``.
+3. Files that are not traces (vLLM's ``*.profiler_out.txt`` tables, anything but a Chrome
+   trace or a memory snapshot) are kept beside the replica's files in
+   ``<session>/rollout-replica<n>/`` under their own name, and are never indexed, counted or
+   expected as traces.
 
 Unlike verl, vLLM replicas with dp or pp above 1 are ambiguous too (verl §13 item 11): vLLM's
 ``-rank-<k>`` is the worker's rank inside one data-parallel engine, not the GPU's offset in the
@@ -46,6 +50,7 @@ __all__ = [
     "WaitResult",
     "collect_engine_files",
     "gzip_complete",
+    "is_trace_file",
     "read_local_rank",
     "relocate_files",
     "replica_subdir_name",
@@ -72,6 +77,8 @@ _EXTS = (
     ".gz",
 )
 _TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp")
+#: What an engine writes that is a trace: Chrome traces and (SGLang) memory snapshots.
+_TRACE_SUFFIXES = (".json", ".json.gz", ".pickle")
 _CHUNK = 1 << 20
 
 
@@ -146,6 +153,8 @@ class RelocationResult:
     kept_in_subdir: tuple[RelocatedFile, ...] = ()
     incomplete: tuple[IncompleteFile, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    #: Files that are not traces, kept in the replica sub-directory (paths).
+    side_files: tuple[str, ...] = ()
 
     @property
     def files(self) -> tuple[RelocatedFile, ...]:
@@ -203,6 +212,11 @@ def _split_ext(name: str) -> tuple[str, str]:
             return name[: -len(ext)], name[-len(ext) :]
     stem, dot, ext = name.rpartition(".")
     return (stem, dot + ext) if stem else (name, "")
+
+
+def is_trace_file(name: str) -> bool:
+    """Whether an engine file is a trace (else a side file such as ``*.profiler_out.txt``)."""
+    return name.lower().endswith(_TRACE_SUFFIXES)
 
 
 def _is_temp(name: str) -> bool:
@@ -303,7 +317,8 @@ def wait_for_files(
 ) -> WaitResult:
     """Wait until the files new in ``directory`` (not in ``baseline``) are complete.
 
-    Ends when every file seen is complete and either ``expected`` files exist or no new file
+    Ends when every file seen is complete and either ``expected`` traces exist (side files
+    are waited for but not counted) or no new file
     appeared for ``peer_grace_s``; or when no file at all appeared within
     ``first_file_timeout_s``; or at ``timeout_s``, returning what is complete and reporting
     the rest.
@@ -317,11 +332,12 @@ def wait_for_files(
         complete = [n for n, why in status.items() if not why]
         elapsed = now - start
         note = ""
+        traces = sum(is_trace_file(n) for n in status)
         if status and len(complete) == len(status):
-            if expected is None or len(status) >= expected:
+            if expected is None or traces >= expected:
                 return _result(w, complete, status, elapsed, False, note)
             if now - (w.last_new_at or start) >= policy.peer_grace_s:
-                note = f"{len(status)} of {expected} expected file(s) appeared"
+                note = f"{traces} of {expected} expected trace file(s) appeared"
                 return _result(w, complete, status, elapsed, False, note)
         elif not status and elapsed >= policy.first_file_timeout_s:
             note = f"no file appeared within {policy.first_file_timeout_s:g}s"
@@ -418,8 +434,12 @@ def relocate_files(
     base = replica * parallelism.world_size
     moved: list[RelocatedFile] = []
     kept: list[RelocatedFile] = []
+    side: list[str] = []
     warnings: list[str] = []
     for src in sorted((Path(f) for f in files), key=lambda p: p.name):
+        if not is_trace_file(src.name):
+            side.append(str(_keep_side_file(src, subdir, replica, warnings) if move else src))
+            continue
         local = read_local_rank(src.name, parallelism)
         g = None if local.rank is None else base + local.rank
         surfaced = keep is None or g is None or g in keep
@@ -449,7 +469,16 @@ def relocate_files(
             rank_note=local.reason,
         )
         (moved if surfaced else kept).append(rec)
-    return RelocationResult(tuple(moved), tuple(kept), (), tuple(warnings))
+    return RelocationResult(tuple(moved), tuple(kept), (), tuple(warnings), tuple(side))
+
+
+def _keep_side_file(src: Path, subdir: Path, replica: int, warnings: list[str]) -> Path:
+    try:
+        return _publish(src, subdir, src.name)
+    except OSError as exc:
+        warnings.append(f"moving side file {src.name} failed ({exc}); it stays at {src}")
+        log.warning("replica %d: moving side file %s failed: %s", replica, src, exc)
+        return src
 
 
 def collect_engine_files(
@@ -479,5 +508,7 @@ def collect_engine_files(
     warnings = list(moved.warnings)
     if waited.note:
         warnings.append(f"replica {replica}: {waited.note}")
-    result = RelocationResult(moved.moved, moved.kept_in_subdir, waited.incomplete, tuple(warnings))
+    result = RelocationResult(
+        moved.moved, moved.kept_in_subdir, waited.incomplete, tuple(warnings), moved.side_files
+    )
     return waited, result

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from profd.core.clock_hints import record_window_files
 from profd.core.request import ToolKind
 from profd.core.states import PartState
 from profd.rollout.engine_args import (
@@ -43,6 +44,7 @@ from profd.rollout.relocate import (
     IncompleteFile,
     RelocatedFile,
     collect_engine_files,
+    is_trace_file,
     replica_subdir_name,
     snapshot_dir,
 )
@@ -90,6 +92,8 @@ class _Window:
     start_error: str | None = None
     #: The start timed out: the engine may have started anyway.
     start_uncertain: bool = False
+    #: Wall clock just before and just after the engine's start call (for relative traces).
+    start_call: tuple[float, float] | None = None
     finishing: bool = False
 
 
@@ -214,7 +218,9 @@ class RolloutAgent:
         if window.start_error is None:
             try:
                 engine_window = EngineWindow(str(window.window_dir), options)
+                before = self._clock()
                 window.warnings.extend(self.engine.start(engine_window))
+                window.start_call = (before, self._clock())
             except EngineError as exc:
                 window.start_error = f"start failed: {exc.reason}"
                 window.start_uncertain = exc.kind is EngineErrorKind.TIMEOUT
@@ -353,13 +359,20 @@ class RolloutAgent:
             move=w.relocate,
         )
         warnings.extend(reloc.warnings)
-        if not reloc.files and not reloc.incomplete:
+        warnings.extend(self._record_start(w, reloc.files))
+        unfinished = [i for i in reloc.incomplete if is_trace_file(Path(i.path).name)]
+        if not reloc.files and not unfinished:
             problems.append(self._no_files_reason(w, policy))
-        if reloc.incomplete:
+        if unfinished:
             problems.append(
-                f"{len(reloc.incomplete)} file(s) still being written after {waited.waited_s:g}s; "
+                f"{len(unfinished)} file(s) still being written after {waited.waited_s:g}s; "
                 f"left in {w.window_dir}"
             )
+        warnings.extend(
+            f"side file {Path(i.path).name} was still being written; left in {w.window_dir}"
+            for i in reloc.incomplete
+            if i not in unfinished
+        )
         problems.extend(self._missing_ranks(w, reloc.files, warnings))
         return self._outcome(
             w.session_id,
@@ -369,8 +382,26 @@ class RolloutAgent:
             w.started_at,
             reloc.moved,
             reloc.kept_in_subdir,
-            reloc.incomplete,
+            tuple(unfinished),
+            reloc.side_files,
         )
+
+    def _record_start(self, w: _Window, files: Sequence[RelocatedFile]) -> list[str]:
+        """Note beside the files when their recording started, so a trace without a wall
+        clock of its own can still be placed on the session's timeline."""
+        if w.start_call is None or not files:
+            return []
+        by_dir: dict[Path, list[str]] = {}
+        for f in files:
+            by_dir.setdefault(Path(f.path).parent, []).append(Path(f.path).name)
+        source = f"start of replica {self.replica_index}'s profiling window"
+        try:
+            for directory, names in by_dir.items():
+                record_window_files(directory, names, *w.start_call, source)
+        except (OSError, ValueError) as exc:
+            log.warning("replica %d: cannot record the window start: %s", self.replica_index, exc)
+            return [f"the window's start time was not recorded beside the traces: {exc}"]
+        return []
 
     def _stop_quietly(self) -> str:
         """Stop an engine whose start timed out, so it does not record until the next
@@ -426,6 +457,7 @@ class RolloutAgent:
         traces: tuple[RelocatedFile, ...] = (),
         kept: tuple[RelocatedFile, ...] = (),
         incomplete: tuple[IncompleteFile, ...] = (),
+        side_files: tuple[str, ...] = (),
     ) -> WindowOutcome:
         reason = "; ".join(dict.fromkeys(problems))
         return WindowOutcome(
@@ -437,6 +469,7 @@ class RolloutAgent:
             traces=traces,
             kept_in_subdir=kept,
             incomplete=incomplete,
+            side_files=side_files,
             warnings=tuple(dict.fromkeys(warnings)),
             started_at=started_at,
             finished_at=self._clock(),

@@ -119,6 +119,9 @@ class WindowOutcome:
     kept_in_subdir: tuple[RelocatedFile, ...] = ()
     #: Files the engine had not finished writing when the wait ended; left where they are.
     incomplete: tuple[IncompleteFile, ...] = ()
+    #: Files the engine wrote beside its traces (``*.profiler_out.txt``), kept in
+    #: ``<session>/rollout-replica<n>/``; never indexed as traces.
+    side_files: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     started_at: float | None = None
     finished_at: float | None = None

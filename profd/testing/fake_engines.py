@@ -144,8 +144,11 @@ class _FakeEngine:
         stop_blocks: bool = True,
         flush_s: float = 0.0,
         appear_delay_s: float = 0.0,
+        relative_clock: bool = False,
     ) -> None:
         self.tp, self.dp, self.pp = tp, dp, pp
+        #: Write traces as a tool without a wall clock does (no baseTimeNanoseconds).
+        self.relative_clock = relative_clock
         self.refuse_start = refuse_start
         self.stop_hangs = stop_hangs
         self.stop_blocks = stop_blocks
@@ -217,6 +220,8 @@ class _FakeEngine:
     def _emit(self, files: list[tuple[Path, bytes]], blocking: bool) -> None:
         """Write files now, or in the background over ``flush_s`` (slow flush)."""
         self.windows_written += 1
+        if self.relative_clock:
+            files = [(path, _without_wall_clock(data)) for path, data in files]
         if blocking and self.flush_s <= 0:
             for path, data in files:
                 _write_now(path, data)
@@ -250,6 +255,12 @@ class _FakeEngine:
     def _hang_if_asked(self) -> None:
         if self.stop_hangs:
             self._release.wait(120)
+
+
+def _without_wall_clock(data: bytes) -> bytes:
+    doc = json.loads(gzip.decompress(data))
+    doc.pop("baseTimeNanoseconds", None)
+    return gzip.compress(json.dumps(doc).encode(), 6)
 
 
 def _write_now(path: Path, data: bytes) -> None:

@@ -21,6 +21,7 @@ from profd.analysis.aggregate import (
 )
 from profd.analysis.models import (
     IdleGap,
+    LateCause,
     MiniBatchTime,
     ProcessingStats,
     SessionSummary,
@@ -60,12 +61,12 @@ def stat(step: int, name: str, role: str) -> StageStat:
     )  # fmt: skip
 
 
-def late(step: int, label: str, late_ms: float) -> Straggler:
+def late(step: int, label: str, late_ms: float, cause: LateCause | None = None) -> Straggler:
     role, rank = ROLE[label]
     return Straggler(
         step=step, stage="gen", role=role, rank=rank, track=label, end_ms=0,
         peer_median_end_ms=0, late_ms=late_ms, threshold_ms=5, wall_ms=0,
-        peer_median_wall_ms=0,
+        peer_median_wall_ms=0, cause=cause,
     )  # fmt: skip
 
 
@@ -161,6 +162,15 @@ def test_straggler_aggregates_count_late_steps_per_rank() -> None:
     assert [(a.rank, a.late_steps, a.steps) for a in rows] == [(1, 2, 3), (0, 1, 3)]
     r1 = rows[0]
     assert (r1.max_late_ms, r1.median_late_ms, r1.worst_step, r1.track) == (20, 14, 1, A1)
+    assert r1.long_steps is None  # a summary saved before causes: not counted, not guessed
+
+
+def test_straggler_aggregates_count_the_steps_a_rank_ran_long() -> None:
+    stats = [stat(n, "gen", "actor") for n in (1, 2, 3)]
+    lates = [late(1, A1, 20, LateCause.LONG_DURATION), late(2, A1, 9, LateCause.LATE_START)]
+    lates.append(late(3, A1, 8, LateCause.BOTH))
+    (row,) = straggler_aggregates(summary(stage_stats=stats, stragglers=lates))
+    assert (row.late_steps, row.long_steps) == (3, 2)  # the late start alone is not "long"
 
 
 def test_mini_batch_aggregates_per_stage_role_and_index() -> None:

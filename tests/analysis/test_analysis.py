@@ -19,6 +19,7 @@ import pytest
 from profd.analysis import merge_dir, summarize_dir, write_html
 from profd.analysis.digest import digest_file
 from profd.analysis.models import SessionSummary, StragglerRule
+from profd.analysis.sources import discover
 from profd.analysis.stragglers import late_outliers
 from profd.analysis.summary import summarize_files
 
@@ -171,7 +172,7 @@ def test_top_operators_by_self_time_per_stage(summary) -> None:
 
 
 def test_fast_and_generic_parsers_agree(rl_session) -> None:
-    files = sorted(p for p in rl_session.dir.iterdir() if p.is_file())
+    files = discover(rl_session.dir)
     modes = set()
     for f in files:
         fast, generic = digest_file(f), digest_file(f, force_generic=True)

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 from rollout_helpers import FAST, names, sglang_pair, vllm_pair
 
+from profd.analysis.summary import summarize_dir
+from profd.core.clock_hints import WINDOWS_FILE, read_clock_hints
 from profd.core.protocol import EventKind, PartDone, ReplicaInfo, TraceWritten
 from profd.core.states import PartState
 from profd.rollout import EngineProfileOptions, RolloutAgent, WindowMode, engine_trace_dir
 from profd.rollout.engines import InProcessEngine
-from profd.testing.fake_engines import read_trace
+from profd.testing.fake_engines import chrome_trace_bytes, read_trace
 
 OPTS = EngineProfileOptions()
 
@@ -294,3 +296,25 @@ def test_in_process_engine_window(tmp_path) -> None:
     out = agent.finish_window("s1")
     assert out.state is PartState.DONE and [f.global_rank for f in out.traces] == [1]
     assert out.traces[0].path.endswith("rollout-replica0-globalrank1_123.4-TP-1.trace.json")
+
+
+def test_traces_without_a_wall_clock_are_placed_by_the_window_start(tmp_path) -> None:
+    # An engine whose traces have no baseTimeNanoseconds: the agent records when it told the
+    # engine to start, beside the files, and the summary places them there.
+    fake, agent = vllm_pair(tmp_path, tp=2, relative_clock=True)
+    session = tmp_path / "session"
+    before = time.time()
+    with fake:
+        out = run(agent, fake, session)
+    assert out.state is PartState.DONE, out.reason
+    hints = read_clock_hints(session)
+    assert sorted(hints) == names(session)
+    assert all(before * 1e6 <= h.start_us <= time.time() * 1e6 for h in hints.values())
+    (session / "wall.pt.trace.json.gz").write_bytes(chrome_trace_bytes("vllm", 0, 1, [7], {}))
+    s = summarize_dir(session)
+    assert not s.skipped and sorted(a.name for a in s.aligned) == sorted(hints)
+    assert all("replica 0's profiling window" in a.source for a in s.aligned)
+    assert 0 <= s.span_ms < 60_000
+    (session / WINDOWS_FILE).unlink()  # without the record they cannot be placed
+    s = summarize_dir(session)
+    assert sorted(x.name for x in s.skipped) == sorted(hints) and not s.aligned

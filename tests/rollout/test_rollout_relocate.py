@@ -217,7 +217,8 @@ def test_wait_stops_waiting_for_missing_peers_after_the_grace(tmp_path) -> None:
     d = tmp_path / "e"
     _touch(d, "a-TP-0.trace.json.gz", gzip.compress(b"{}"))
     res = wait_for_files(d, (), FAST, expected=4)
-    assert len(res.complete) == 1 and "1 of 4 expected file(s)" in res.note and not res.timed_out
+    assert len(res.complete) == 1 and not res.timed_out
+    assert "1 of 4 expected trace file(s)" in res.note
 
 
 def test_collect_leaves_incomplete_files_in_place_and_reports_them(tmp_path) -> None:
@@ -247,3 +248,33 @@ def test_flush_wait_validation_names_the_field() -> None:
         FlushWait(settle_s=0.1, poll_s=0.5)
     with pytest.raises(ValueError, match="timeout_s"):
         FlushWait(settle_s=5, timeout_s=1)
+
+
+def test_side_files_are_kept_beside_never_counted_or_named_as_traces(tmp_path) -> None:
+    # vLLM 0.32 writes a profiler_out table next to each trace; the same name every window.
+    engine, session = tmp_path / "engine", tmp_path / "session"
+    for window in range(2):
+        trace = _touch(engine, f"rank0.17{window}.pt.trace.json.gz", gzip.compress(b"{}"))
+        side = _touch(engine, "rank0.profiler_out.txt", f"table {window}".encode())
+        res = relocate_files([trace, side], replica=1, parallelism=TP2, session_dir=session)
+        assert [f.source_name for f in res.files] == [trace.name]
+        assert res.moved[0].global_rank == 2
+        (kept,) = res.side_files
+        assert Path(kept).parent == session / "rollout-replica1"
+        assert Path(kept).read_text() == f"table {window}"
+    up = sorted(p.name for p in session.iterdir() if p.is_file())
+    assert all(n.endswith(".pt.trace.json.gz") for n in up) and len(up) == 2
+    sides = sorted(p.name for p in (session / "rollout-replica1").iterdir())
+    assert sides == ["rank0.profiler_out.txt", "rank0.profiler_out_part1.txt"]  # none replaced
+
+
+def test_the_wait_counts_traces_not_side_files_against_the_expected(tmp_path) -> None:
+    d = tmp_path / "e"
+    _touch(d, "rank0.17.pt.trace.json.gz", gzip.compress(b"{}"))
+    _touch(d, "rank0.profiler_out.txt", b"t")
+    _touch(d, "h_1.async_llm.profiler_out.txt", b"t")
+    res = wait_for_files(d, (), FAST, expected=2)  # 1 of 2 traces: waits out the peer grace
+    assert len(res.complete) == 3 and "1 of 2 expected trace file(s)" in res.note
+    _touch(d, "h_1.async_llm.17.pt.trace.json.gz", gzip.compress(b"{}"))
+    res = wait_for_files(d, (), FAST, expected=2)
+    assert len(res.complete) == 4 and res.note == ""

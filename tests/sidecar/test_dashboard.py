@@ -8,6 +8,7 @@ elsewhere it is skipped with the command that installs it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import time
@@ -265,6 +266,7 @@ def check_summary(chrome: Any, url: str, sid: str, new_sid: str, tmp_path: Path)
     )
     assert clicked
     panel_state(chrome, sid, "ok")
+    timeline_state(chrome, sid, "ok")  # the session's timeline opens with its summary
     assert chrome.find_element(By.ID, "sum-id").text == sid
     assert f"summary={sid}" in chrome.current_url  # a link to this view
 
@@ -282,9 +284,11 @@ def check_summary(chrome: Any, url: str, sid: str, new_sid: str, tmp_path: Path)
     assert len(late) == len(api["stragglers"])
     for row, s in zip(late, api["stragglers"], strict=True):
         assert row[:4] == [str(s["step"]), s["stage"], s["role"], str(s["rank"])]
-        assert row[4].startswith("+") and near(row[4], s["late_ms"]) and row[8] == s["track"]
+        assert row[4].startswith("+") and near(row[4], s["late_ms"]) and row[9] == s["track"]
+        assert row[5] == s["cause"]
     (update,) = [r for r in late if r[1] == "update" and r[3] == "1"]
     assert ms_value(update[4]) >= 0.9 * LATE_S * 1000
+    assert "long duration" in update[5]  # it ran long, not only late
 
     walls: dict[tuple[str, str], float] = {}
     for st in api["stage_times"]:
@@ -323,6 +327,7 @@ def check_summary(chrome: Any, url: str, sid: str, new_sid: str, tmp_path: Path)
     chrome.find_element(By.ID, "sum-close").click()
     assert not chrome.find_element(By.ID, "session-summary").is_displayed()
     assert "summary=" not in chrome.current_url
+    assert not chrome.find_element(By.ID, "session-timeline").is_displayed()  # no session chosen
 
 
 def check_summary_errors(chrome: Any, url: str, new_sid: str) -> None:
@@ -330,16 +335,24 @@ def check_summary_errors(chrome: Any, url: str, new_sid: str) -> None:
     from selenium.webdriver.common.by import By
 
     odd = '<b id="injected">x</b>'
-    for sid, words in (
-        ("nope", "HTTP 404: no session 'nope'"),
-        (new_sid, "HTTP 409: session " + new_sid + " has no Chrome trace"),
-        (odd, "HTTP 4"),
+    for sid, words, state, timeline in (
+        ("nope", "HTTP 404: no session 'nope'", "error", "no timeline: HTTP 404: no session"),
+        (
+            new_sid,
+            "HTTP 409: session " + new_sid + " has no Chrome trace",
+            "waiting",  # armed: nothing to draw until it has finished
+            f"session {new_sid} is armed (0/5 steps): its timeline is drawn once it has finished",
+        ),
+        (odd, "HTTP 4", "error", "no timeline: HTTP 4"),
     ):
         chrome.get(f"{url}/?interval=500&{urlencode({'summary': sid})}")
         panel_state(chrome, sid, "error")
         assert words in chrome.find_element(By.ID, "sum-msg").text
         assert chrome.find_element(By.ID, "sum-id").text == sid
         assert not chrome.find_element(By.ID, "sum-content").is_displayed()
+        assert timeline in timeline_state(chrome, sid, state)  # a message, not a broken chart
+        assert chrome.find_element(By.ID, "tl-id").text == sid
+        assert not chrome.find_element(By.ID, "tl-content").is_displayed()
     assert not chrome.find_elements(By.ID, "injected")  # shown as text, never parsed
 
 
@@ -377,36 +390,313 @@ def check_paging(chrome: Any, url: str, owner: Any, sid: str, new_sid: str) -> N
     assert len(rows(chrome, "sessions")) == 2 and len(rows(chrome, "traces")) == 2
 
 
-def check_trace_filter(chrome: Any, sid: str, new_sid: str) -> None:
-    """The trace table shows one session's traces when one is chosen, every one's again after."""
+def choose_session(chrome: Any, value: str) -> None:
+    """Pick ``value`` ('' for every session) in the trace table's session filter."""
+    from selenium.webdriver.common.by import By
     from selenium.webdriver.support.select import Select
 
-    def chosen(value: str) -> None:
-        wait_until(
-            lambda: value in [o.get_attribute("value") for o in choice().options], 10, what=value
-        )
-        choice().select_by_value(value)
-
     def choice() -> Any:
-        from selenium.webdriver.common.by import By
-
         return Select(chrome.find_element(By.ID, "traces-session"))
+
+    wait_until(
+        lambda: value in [o.get_attribute("value") for o in choice().options], 10, what=value
+    )
+    choice().select_by_value(value)
+
+
+def check_trace_filter(chrome: Any, url: str, sid: str, new_sid: str, tmp_path: Path) -> None:
+    """The trace table shows one session's traces when one is chosen, every one's again after;
+    the chosen session's timeline shows beside it."""
+    from selenium.webdriver.common.by import By
 
     def sessions_shown() -> set[str]:
         return {r[0] for r in rows(chrome, "traces")}
 
     every = sessions_shown()
     assert sid in every
-    chosen(new_sid)  # armed, nothing recorded yet
+    assert not chrome.find_element(By.ID, "session-timeline").is_displayed()
+    choose_session(chrome, new_sid)  # armed, nothing recorded yet
     wait_until(lambda: not rows(chrome, "traces"), 10, what="no trace of the new session")
-    chosen(sid)
+    assert "is armed" in timeline_state(chrome, new_sid, "waiting")
+    choose_session(chrome, sid)
     wait_until(lambda: sessions_shown() == {sid}, 10, what="only the recorded session's traces")
-    chosen("")
+    timeline_state(chrome, sid, "ok")
+    check_timeline(chrome, url, sid, tmp_path)
+    choose_session(chrome, "")
     wait_until(lambda: sessions_shown() == every, 10, what="every session's traces again")
+    wait_until(
+        lambda: not chrome.find_element(By.ID, "session-timeline").is_displayed(),
+        10,
+        what="no timeline without a chosen session",
+    )
 
 
-def check_phone_width(chrome: Any, tmp_path: Path) -> None:
-    """At a phone's width the page still renders (kept as an artifact beside the wide one)."""
+def timeline_state(chrome: Any, sid: str, state: str) -> str:
+    """Wait until the timeline section shows session ``sid`` in ``state``; its message."""
+    return wait_until(
+        lambda: chrome.execute_script(
+            "const s = document.getElementById('session-timeline');"
+            "return !s.hidden && s.dataset.sessionId === arguments[0] &&"
+            " s.dataset.state === arguments[1]"
+            " ? document.getElementById('tl-msg').textContent || '(none)' : null;",
+            sid,
+            state,
+        ),
+        20,
+        what=f"timeline of {sid!r} {state}",
+    )
+
+
+TIMELINE = """
+const sec = document.getElementById('session-timeline'), box = document.getElementById('tl-box');
+const rect = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.width]; };
+const num = (e, k) => Number(e.getAttribute(k));
+return {
+  labels: [...sec.querySelectorAll('#tl-labels .tl-label')].map(d =>
+    [d.textContent, d.title, d.dataset.track, d.getBoundingClientRect().height]),
+  lanes: [...sec.querySelectorAll('#tl-plot g.tl-lane')].map(g => ({
+    track: g.dataset.track,
+    bands: [...g.querySelectorAll('rect.tl-step')].map(r => ({step: Number(r.dataset.step),
+      start: Number(r.dataset.start), ms: Number(r.dataset.ms), x: num(r, 'x'),
+      w: num(r, 'width')})),
+    blocks: [...g.querySelectorAll('rect.tl-stage')].map(r => ({stage: r.dataset.stage,
+      step: r.dataset.step, start: Number(r.dataset.start), end: Number(r.dataset.end),
+      x: num(r, 'x'), w: num(r, 'width'), late: r.classList.contains('tl-late'),
+      colour: [...r.classList].find(c => /^s[0-9]$/.test(c)),
+      title: r.querySelector('title').textContent,
+      shown: r.getBoundingClientRect().width * r.getBoundingClientRect().height})),
+  })),
+  marks: sec.querySelectorAll('#tl-plot polygon.tl-late-mark').length,
+  ticks: [...sec.querySelectorAll('#tl-axis text')].map(t => t.textContent),
+  legend: [...sec.querySelectorAll('#tl-legend .legend-item')].map(e =>
+    [e.textContent, e.dataset.stage || null, e.firstChild.className]),
+  plotWidth: num(document.getElementById('tl-plot'), 'width'),
+  box: [box.clientWidth, box.scrollWidth, box.clientHeight, box.scrollHeight],
+  boxAt: rect(box), labelsAt: rect(sec.querySelector('.tl-labels')),
+  axisAt: rect(sec.querySelector('.tl-axis')),
+  markup: sec.querySelectorAll('img, b, script, #tl-plot svg, #tl-labels *:not(.tl-label)').length,
+  pwned: window.__pwned === undefined ? null : window.__pwned,
+  page: [document.documentElement.scrollWidth, window.innerWidth],
+};
+"""
+
+
+def timeline(chrome: Any) -> dict[str, Any]:
+    return chrome.execute_script(TIMELINE)
+
+
+def short_label(role: str | None, rank: int | None, track: str) -> str:
+    """The lane label the page shows: role and rank, cut to 24 characters."""
+    text = f"{role} {rank}" if role is not None and rank is not None else track
+    return text if len(text) <= 24 else text[:23] + "…"
+
+
+def duration_in(title: str) -> float:
+    """The ``duration`` a tooltip names, in ms."""
+    match = re.search(r"duration (\S+ m?s)", title)
+    assert match, title
+    return ms_value(match.group(1))
+
+
+def viewport_shot(chrome: Any, element_id: str, name: str, tmp_path: Path) -> bytes:
+    """The viewport with element ``element_id`` at its top, kept as artifact ``name``."""
+    chrome.execute_script(
+        "const e = document.getElementById(arguments[0]);"
+        "window.scrollTo(0, e.getBoundingClientRect().top + window.scrollY - 8);",
+        element_id,
+    )
+    time.sleep(0.2)  # let the scroll paint
+    shot = chrome.get_screenshot_as_png()
+    (ARTIFACTS / name).write_bytes(shot)
+    (tmp_path / name).write_bytes(shot)
+    return shot
+
+
+def check_timeline(chrome: Any, url: str, sid: str, tmp_path: Path) -> None:
+    """The chosen session's timeline draws exactly the summary the API gives: a lane per
+    track, a band per step, a block per stage range, stragglers outlined, times on one scale."""
+    api = httpx.get(f"{url}/api/v1/sessions/{sid}/summary").json()
+    tl = timeline(chrome)
+    tracks = [t["track"] for t in api["tracks"]]
+    assert [lab[:3] for lab in tl["labels"]] == [
+        [short_label(t["role"], t["rank"], t["track"]), t["track"], t["track"]]
+        for t in api["tracks"]
+    ]
+    assert [lab[0] for lab in tl["labels"]] == ["actor 0", "actor 1"]
+    assert all(lab[3] == pytest.approx(30, abs=1) for lab in tl["labels"])  # one lane each
+    assert [lane["track"] for lane in tl["lanes"]] == tracks
+    blocks = [b for lane in tl["lanes"] for b in lane["blocks"]]
+    assert len(blocks) == len(api["stage_times"]) == 4  # 2 stages x 2 ranks, step 1
+    late = {(s["track"], s["stage"], s["step"]) for s in api["stragglers"]}
+    assert (tracks[1], "update", 1) in late
+    for lane in tl["lanes"]:
+        rows_ = [st for st in api["stage_times"] if st["track"] == lane["track"]]
+        shown = sorted((b["stage"], b["step"], b["start"], b["end"]) for b in lane["blocks"])
+        assert shown == sorted(
+            (st["stage"], str(st["step"]), st["start_ms"], st["end_ms"]) for st in rows_
+        )
+        want_steps = sorted(sp["step"] for sp in api["step_times"] if sp["track"] == lane["track"])
+        assert sorted(b["step"] for b in lane["bands"]) == want_steps and want_steps == [1]
+        for b in lane["blocks"]:
+            assert b["late"] == ((lane["track"], b["stage"], int(b["step"])) in late)
+            assert b["colour"] == f"s{api['stages'].index(b['stage'])}"  # the legend's colour
+            assert b["shown"] > 0
+    assert tl["marks"] == len(late)  # each straggler marked at its end too
+    legend = [item[0] for item in tl["legend"]]
+    assert legend == [*STAGES, "step", "straggler"]
+    assert [item[2] for item in tl["legend"][:2]] == ["swatch s0", "swatch s1"]
+
+    # One linear scale (ms from t0) for every block and band: x = offset + scale * ms.
+    widest = max(blocks, key=lambda b: b["end"] - b["start"])
+    assert (widest["stage"], widest["late"]) == ("update", True)  # rank 1's slow update
+    scale = widest["w"] / (widest["end"] - widest["start"])
+    offset = widest["x"] - scale * widest["start"]
+    for b in blocks:
+        assert b["x"] == pytest.approx(offset + scale * b["start"], abs=0.05)
+        assert b["w"] == pytest.approx(max(1.0, scale * (b["end"] - b["start"])), abs=0.05)
+    for lane in tl["lanes"]:
+        for band in lane["bands"]:
+            assert band["x"] == pytest.approx(offset + scale * band["start"], abs=0.05)
+            assert band["w"] == pytest.approx(scale * band["ms"], abs=0.05)
+    assert tl["ticks"][0] == "0 ms" and len(tl["ticks"]) >= 4
+    values = [ms_value(t) for t in tl["ticks"]]
+    assert values == sorted(values) and values[-1] <= api["span_ms"] + 1e-6
+
+    # Hovering a block names its stage, step, track, start and duration.
+    title = widest["title"]
+    assert title.startswith(f"update · step 1 · {tracks[1]}\n")
+    assert near(re.search(r"start (\S+ m?s)", title).group(1), widest["start"])
+    assert near(f"{duration_in(title):.2f} ms", widest["end"] - widest["start"])
+    assert "straggler: ended" in title
+
+    # Fits a wide window: no scrolling for two lanes and one step; the page never scrolls wide.
+    assert tl["box"][1] <= tl["box"][0] and tl["box"][3] <= tl["box"][2]
+    assert tl["page"][0] <= tl["page"][1]
+
+    chrome.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1400, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+    )
+    try:
+        wait_until(lambda: chrome.execute_script("return window.innerHeight") == 900, 10)
+        shot = viewport_shot(chrome, "session-timeline", "dashboard-timeline.png", tmp_path)
+        assert png_size(shot) == (1400, 900) and len(shot) > 30_000
+    finally:
+        chrome.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+HOSTILE = '<img src=x onerror="window.__pwned=1">'
+HOSTILE_STAGE = "<svg onload=window.__pwned=2>"
+
+
+def many_lanes(real: dict[str, Any], lanes: int = 40, steps: int = 30) -> dict[str, Any]:
+    """A summary shaped like ``real`` with ``lanes`` tracks of ``steps`` steps each, three
+    stages a step; track 0's role and one stage's name are markup (as trace files may say)."""
+    stages = [*STAGES, HOSTILE_STAGE]
+    tracks, stage_times, step_times = [], [], []
+    for n in range(lanes):
+        role, rank = ("actor", n) if n < lanes // 2 else ("critic", n - lanes // 2)
+        role = HOSTILE if n == 0 else role
+        track = f"{role} rank {rank} @<b>node{n}</b>"
+        tracks.append({**real["tracks"][0], "track": track, "role": role, "rank": rank})
+        for k in range(steps):
+            t0 = k * 100.0 + n
+            step_times.append(
+                {"step": k + 1, "track": track, "start_ms": t0, "wall_ms": 96.0}
+                | {"stages_ms": 90.0, "idle_ms": 6.0}
+            )
+            for j, stage in enumerate(stages):
+                start = t0 + 3 + 30 * j
+                stage_times.append(
+                    {"step": k + 1, "stage": stage, "track": track, "role": role, "rank": rank}
+                    | {"start_ms": start, "end_ms": start + 28, "wall_ms": 28.0, "calls": 1}
+                )
+    late = {**real["stragglers"][0], "step": 3, "stage": HOSTILE_STAGE, "track": tracks[0]["track"]}
+    return real | {
+        "tracks": tracks,
+        "stages": stages,
+        "steps": list(range(1, steps + 1)),
+        "stage_times": stage_times,
+        "step_times": step_times,
+        "stragglers": [late | {"role": HOSTILE, "rank": 0}],
+        "span_ms": steps * 100.0 + lanes,
+    }
+
+
+FAKE_SUMMARY = """
+const [sid, fake] = arguments, real = window.fetch;
+window.__realFetch = window.__realFetch || real;
+window.fetch = (input, init) => String(input).endsWith(
+  '/sessions/' + encodeURIComponent(sid) + '/summary')
+  ? Promise.resolve(new Response(JSON.stringify(fake),
+      {status: 200, headers: {'Content-Type': 'application/json'}}))
+  : window.__realFetch(input, init);
+document.getElementById('tl-reload').click();
+"""
+
+
+def check_timeline_many(chrome: Any, url: str, sid: str, tmp_path: Path) -> None:
+    """40 lanes of 30 steps stay readable (the box scrolls both ways, labels and axis stay in
+    view), and markup in labels and stage names from the API shows as text."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.select import Select
+
+    real = httpx.get(f"{url}/api/v1/sessions/{sid}/summary").json()
+    fake = many_lanes(real)
+    choose_session(chrome, sid)
+    timeline_state(chrome, sid, "ok")
+    chrome.execute_script(FAKE_SUMMARY, sid, fake)
+    wait_until(lambda: len(timeline(chrome)["labels"]) == 40, 20, what="40 lanes drawn")
+    timeline_state(chrome, sid, "ok")
+    tl = timeline(chrome)
+    assert tl["pwned"] is None and tl["markup"] == 0  # nothing parsed as HTML or SVG
+    assert [lab[1] for lab in tl["labels"]] == [t["track"] for t in fake["tracks"]]
+    assert tl["labels"][0][0] == short_label(HOSTILE, 0, "") and tl["labels"][0][0].startswith(
+        "<img src=x"
+    )
+    assert tl["labels"][1][0] == "actor 1" and tl["labels"][20][0] == "critic 0"
+    assert [item[0] for item in tl["legend"]] == [*STAGES, HOSTILE_STAGE, "step", "straggler"]
+    blocks = [b for lane in tl["lanes"] for b in lane["blocks"]]
+    assert len(blocks) == len(fake["stage_times"]) == 40 * 30 * 3
+    assert all(len(lane["bands"]) == 30 for lane in tl["lanes"])
+    (late,) = [b for b in blocks if b["late"]]
+    assert (late["stage"], late["step"]) == (HOSTILE_STAGE, "3")
+    assert late["title"].startswith(f"{HOSTILE_STAGE} · step 3 · {fake['tracks'][0]['track']}")
+    assert duration_in(late["title"]) == pytest.approx(28.0)
+
+    # About 16 lanes in view, the rest a vertical scroll away; steps keep >= 48 px each, so
+    # 30 of them overflow sideways inside the box, not the page.
+    client_w, scroll_w, client_h, scroll_h = tl["box"]
+    assert 26 + 15 * 30 < client_h <= 26 + 16 * 30 + 20 < scroll_h
+    assert scroll_w > client_w and tl["plotWidth"] >= 30 * 48
+    assert tl["page"][0] <= tl["page"][1]
+    chrome.execute_script(
+        "const b = document.getElementById('tl-box'); b.scrollTo(b.scrollWidth, b.scrollHeight);"
+    )
+    moved = timeline(chrome)
+    assert moved["labelsAt"][0] == pytest.approx(moved["boxAt"][0] + 1, abs=1.5)  # sticky left
+    assert moved["axisAt"][1] == pytest.approx(moved["boxAt"][1] + 1, abs=1.5)  # sticky top
+    shot = chrome.find_element(By.ID, "session-timeline").screenshot_as_png
+    (ARTIFACTS / "dashboard-timeline-many.png").write_bytes(shot)
+    (tmp_path / "dashboard-timeline-many.png").write_bytes(shot)
+
+    # Zoom widens the plot (the same blocks, more pixels per ms).
+    zoom = Select(chrome.find_element(By.ID, "tl-zoom"))
+    zoom.select_by_value("4")
+    wait_until(lambda: timeline(chrome)["plotWidth"] == 4 * tl["plotWidth"], 10, what="zoom 4x")
+    zoom.select_by_value("1")
+    wait_until(lambda: timeline(chrome)["plotWidth"] == tl["plotWidth"], 10, what="zoom fit")
+
+    chrome.execute_script("window.fetch = window.__realFetch;")
+    chrome.find_element(By.ID, "tl-reload").click()
+    wait_until(lambda: len(timeline(chrome)["labels"]) == 2, 20, what="the real timeline again")
+    timeline_state(chrome, sid, "ok")
+
+
+def check_phone_width(chrome: Any, sid: str, tmp_path: Path) -> None:
+    """At a phone's width the page still renders (kept as an artifact beside the wide one);
+    the chosen session's timeline scrolls sideways inside its box."""
+    timeline_state(chrome, sid, "ok")
     chrome.set_window_size(390, 844)
     try:
         wait_until(lambda: chrome.execute_script("return window.innerWidth") <= 400, 10)
@@ -418,6 +708,17 @@ def check_phone_width(chrome: Any, tmp_path: Path) -> None:
         (tmp_path / "dashboard-phone.png").write_bytes(shot)
         width, _ = png_size(shot)
         assert width <= 400 and len(shot) > 10_000  # a rendered page, not blank
+
+        def redrawn() -> dict[str, Any] | None:
+            tl = timeline(chrome)
+            return tl if tl["box"][0] < 400 and tl["box"][1] > tl["box"][0] else None
+
+        tl = wait_until(redrawn, 10, what="the timeline redrawn to the phone's width")
+        assert tl["plotWidth"] >= 320 and len(tl["lanes"]) == 2
+        assert tl["page"][0] <= tl["page"][1]
+        assert chrome.execute_script(page)
+        shot = viewport_shot(chrome, "session-timeline", "dashboard-timeline-phone.png", tmp_path)
+        assert png_size(shot)[0] <= 400 and len(shot) > 10_000
     finally:
         chrome.set_window_size(1400, 1100)
 
@@ -439,7 +740,8 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     check_summary(chrome, url, sid, new_sid, tmp_path)
     check_summary_errors(chrome, url, new_sid)
     check_paging(chrome, url, owner, sid, new_sid)
-    check_trace_filter(chrome, sid, new_sid)
-    check_phone_width(chrome, tmp_path)
+    check_trace_filter(chrome, url, sid, new_sid, tmp_path)
+    check_timeline_many(chrome, url, sid, tmp_path)
+    check_phone_width(chrome, sid, tmp_path)
     uncaught = [e["message"] for e in chrome.get_log("browser") if "Uncaught" in e["message"]]
     assert not uncaught
