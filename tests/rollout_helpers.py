@@ -30,7 +30,7 @@ def vllm_pair(
     dp: int = 1,
     pp: int = 1,
     *,
-    version: str | None = "0.13.0",
+    version: str | None = "0.32.0",
     launch_opts: EngineProfileOptions | None = None,
     frontend_trace: bool = False,
     timeouts: EngineTimeouts = QUICK,
@@ -61,10 +61,12 @@ def sglang_pair(
     *,
     timeouts: EngineTimeouts = QUICK,
     flush: FlushWait = FAST,
+    server_env: dict[str, str] | None = None,
     **fake_kw: Any,
 ) -> tuple[FakeSglangServer, RolloutAgent]:
     fake = FakeSglangServer(tp, dp, pp, default_output_dir=tmp_path / "sglang-default", **fake_kw)
-    agent = RolloutAgent(replica, (tp, dp, pp), SglangHttpEngine(fake.url, timeouts), flush=flush)
+    engine = SglangHttpEngine(fake.url, timeouts, server_env=server_env)
+    agent = RolloutAgent(replica, (tp, dp, pp), engine, flush=flush)
     return fake, agent
 
 

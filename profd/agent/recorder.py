@@ -282,9 +282,7 @@ class Recorder:
     def _on_export_done(self, job: ExportJob, files: list[WrittenFile], error: str | None) -> None:
         ticket: Ticket = job.context
         if error is not None:
-            self._emit(
-                AgentEvent(EventKind.ERROR, job.session_id, None, error)
-            )
+            self._emit(AgentEvent(EventKind.ERROR, job.session_id, None, error))
         for f in files:
             self._emit(
                 trace_event(

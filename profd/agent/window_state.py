@@ -76,8 +76,6 @@ class Ticket:
     stall_s: float = 0.0
 
 
-
-
 class ScopeHost(Protocol):
     """The recorder, as the scopes see it."""
 

@@ -183,7 +183,6 @@ def current_address() -> str | None:
     return ray_context().gcs_address
 
 
-
 def ray_up() -> bool:
     """This process has joined a Ray cluster. Never imports Ray: a process that did not
     import it has not joined one."""

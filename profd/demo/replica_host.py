@@ -30,6 +30,7 @@ class FakeReplicaHost:
             engine_trace_dir,
             vllm_launch_settings,
         )
+        from profd.rollout.engine_args import VLLM_VERIFIED
         from profd.rollout.engines import EngineTimeouts
         from profd.rollout.relocate import FlushWait
         from profd.rollout.service import RolloutService
@@ -41,7 +42,7 @@ class FakeReplicaHost:
         fake: Any
         if engine == "vllm":
             trace_dir = engine_trace_dir(root, replica)
-            launch = vllm_launch_settings(EngineProfileOptions(), str(trace_dir), "0.13.0")
+            launch = vllm_launch_settings(EngineProfileOptions(), str(trace_dir), VLLM_VERIFIED)
             fake = FakeVllmServer.from_launch(launch, tp=tp)
             adapter: Any = VllmHttpEngine(fake.url, timeouts)
             agent = RolloutAgent(replica, (tp, 1, 1), adapter, vllm_launch=launch, flush=flush)

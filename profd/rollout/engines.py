@@ -1,15 +1,20 @@
 """Adapters that drive an inference engine's own profiler, behind one small interface.
 
 * :class:`VllmHttpEngine` — vLLM's OpenAI-compatible server: ``POST /start_profile`` and
-  ``POST /stop_profile``, no body, ``200`` with an empty body. The routes exist only when the
-  server was launched with profiling on (else ``404``); where traces go and what they hold was
-  fixed at launch (:func:`profd.rollout.engine_args.vllm_launch_settings`). ``/stop_profile``
-  returns only after the workers have written their traces, which takes minutes on large
-  runs, hence the long default stop timeout.
+  ``POST /stop_profile``, ``200`` with an empty body. The routes exist only when the server
+  was launched with profiling on (else ``404``); where traces go and what they hold was fixed
+  at launch (:func:`profd.rollout.engine_args.vllm_launch_settings`). From vLLM 0.32 (read
+  from ``GET /version``) the start carries the session's iteration window as a JSON body; a
+  second start while a window is open is refused with ``409``. ``/stop_profile`` returns only
+  after the workers have written their traces, which takes minutes on large runs, hence the
+  long default stop timeout.
 * :class:`SglangHttpEngine` — SGLang's server: ``POST /start_profile`` with a JSON body
   (output_dir, start_step, num_steps, activities, with_stack, record_shapes) and
   ``POST /stop_profile``. Both answer ``200`` with a short text; a refusal inside the engine
-  surfaces as an error status.
+  surfaces as an error status (HTTP 500 for "not in progress"). A server launched with
+  ``--api-key`` / ``--admin-api-key`` wants ``Authorization: Bearer <key>`` (the admin key
+  when both are set); one launched with ``SGLANG_PROFILE_V2`` is refused before any request,
+  since its manual start/stop stop the server.
 * :class:`InProcessEngine` — an engine object in this process with ``start_profile(**kw)`` /
   ``stop_profile()`` methods (sync or async).
 
@@ -23,7 +28,7 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -31,7 +36,13 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from profd.rollout.engine_args import EngineProfileOptions, sglang_start_request
+from profd.rollout.engine_args import (
+    EngineProfileOptions,
+    parse_vllm_version,
+    sglang_env_refusal,
+    sglang_start_request,
+    vllm_start_body,
+)
 
 __all__ = [
     "EngineError",
@@ -134,11 +145,16 @@ class _HttpEngine:
         base_url: str,
         timeouts: EngineTimeouts | None = None,
         transport: httpx.BaseTransport | None = None,
+        *,
+        api_key: str | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: must start with http:// or https://, got {base_url!r}")
+        if api_key is not None and (not api_key or api_key != api_key.strip()):
+            raise ValueError("api_key: must be a non-empty key without surrounding spaces")
         self.endpoint = base_url.rstrip("/")
         self.timeouts = timeouts or EngineTimeouts()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # trust_env=False: engine endpoints are cluster-internal; a proxy from the
         # environment would only get in the way.
         self._client = httpx.Client(
@@ -146,6 +162,7 @@ class _HttpEngine:
             timeout=httpx.Timeout(self.timeouts.start_s, connect=self.timeouts.connect_s),
             transport=transport,
             trust_env=False,
+            headers=headers,
         )
 
     def close(self) -> None:
@@ -188,12 +205,35 @@ class VllmHttpEngine(_HttpEngine):
     kind = EngineKind.VLLM
     flavor: Flavor = "vllm"
 
+    def __init__(self, *args: Any, version: str | None = None, **kwargs: Any) -> None:
+        """``version``: the server's vLLM version when known (else read from ``/version``
+        at the first start)."""
+        super().__init__(*args, **kwargs)
+        self._version = parse_vllm_version(version) if version else None
+        self._version_read = version is not None
+
     @property
     def output_dir_per_window(self) -> bool:
         return False
 
+    def server_version(self) -> tuple[int, int, int] | None:
+        """The server's version (``GET /version``, read once); None when it does not say."""
+        if self._version_read:
+            return self._version
+        try:
+            resp = self._client.get("/version", timeout=self.timeouts.start_s)
+        except httpx.HTTPError:
+            return None  # not answering now: the start says so, and the next one asks again
+        self._version_read = True
+        try:
+            self._version = parse_vllm_version(str(resp.json().get("version", "")))
+        except (ValueError, AttributeError) as exc:
+            log.info("vllm at %s: version unknown (%s); no window body", self.endpoint, exc)
+        return self._version
+
     def start(self, window: EngineWindow) -> list[str]:
-        resp = self._post("/start_profile", self.timeouts.start_s)
+        body = vllm_start_body(self.server_version(), window.options)
+        resp = self._post("/start_profile", self.timeouts.start_s, body)
         if resp.status_code == 404:
             raise EngineError(
                 EngineErrorKind.REFUSED,
@@ -217,8 +257,13 @@ class SglangHttpEngine(_HttpEngine):
     kind = EngineKind.SGLANG
     flavor: Flavor = "sglang"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, server_env: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> None:
+        """``server_env``: the environment the server was launched with (its profiler reads
+        ``SGLANG_PROFILE_*`` there); ``api_key``: its ``--admin-api-key`` or ``--api-key``."""
         super().__init__(*args, **kwargs)
+        self.server_env = dict(server_env or {})
         self._stops_by_itself = False
 
     @property
@@ -226,7 +271,10 @@ class SglangHttpEngine(_HttpEngine):
         return True
 
     def start(self, window: EngineWindow) -> list[str]:
-        req = sglang_start_request(window.options, window.output_dir)
+        refusal = sglang_env_refusal(self.server_env)
+        if refusal:
+            raise EngineError(EngineErrorKind.REFUSED, refusal)
+        req = sglang_start_request(window.options, window.output_dir, self.server_env)
         resp = self._post("/start_profile", self.timeouts.start_s, req.body)
         if not resp.is_success:
             raise self._refusal("/start_profile", resp)

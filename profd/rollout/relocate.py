@@ -32,7 +32,7 @@ import re
 import shutil
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,14 +56,23 @@ __all__ = [
     "replica_subdir_name",
     "rollout_trace_name",
     "snapshot_dir",
+    "snapshot_stats",
     "wait_for_files",
 ]
 
 log = logging.getLogger(__name__)
 
-_MULTI_DIM = re.compile(r"(?:^|[-_.])(?:DP|PP|EP)-\d+", re.IGNORECASE)
+# SGLang's EP part is derived from the tp rank (tp_rank // (tp / ep)), so only DP and PP make
+# TP-<k> ambiguous.
+_MULTI_DIM = re.compile(r"(?:^|[-_.])(?:DP|PP)-\d+", re.IGNORECASE)
 _SGLANG_TP = re.compile(r"(?:^|[-_.])TP-(\d+)", re.IGNORECASE)
 _VLLM_RANK = re.compile(r"(?:^|[-_.])rank[-_]?(\d+)", re.IGNORECASE)
+# vLLM's worker suffix where it can name every group (MoE models):
+# dp<d>_pp<p>_tp<t>_dcp<c>_ep<e>_rank<g>; dcp and ep split the tp GPUs, so do not add any.
+_VLLM_COORDS = re.compile(
+    r"(?:^|[-_.])dp(?P<dp>\d+)_pp(?P<pp>\d+)_tp(?P<tp>\d+)_dcp\d+_ep\d+_rank\d+(?:[-_.]|$)",
+    re.IGNORECASE,
+)
 #: Compound extensions kept at the end when a ``_part<N>`` is inserted.
 _EXTS = (
     ".pt.trace.json.gz",
@@ -167,13 +176,18 @@ class RelocationResult:
 def read_local_rank(name: str, parallelism: ReplicaParallelism) -> LocalRank:
     """The GPU's offset inside its replica, read from an engine file name.
 
-    SGLang writes ``TP-<k>`` (and ``DP-``/``PP-``/``EP-`` when those are on); vLLM writes
+    vLLM names MoE workers by every group (``dp<d>_pp<p>_tp<t>_dcp<c>_ep<e>_rank<g>``), which
+    gives the offset for any layout. SGLang writes ``TP-<k>`` (and ``DP-``/``PP-``/``EP-`` when
+    those are on; ``EP-`` follows from the tp rank and leaves ``TP-<k>`` the offset); vLLM writes
     ``rank-<k>`` (``rank<k>``, ``rank_<k>``); each token must start the name or follow ``-``,
     ``_`` or ``.``. The rank is only trusted when it is the single rank token in the name and
     the replica is tp-only.
     """
+    coords = _VLLM_COORDS.findall(name)
+    if len(coords) == 1:
+        return _from_coords(*(int(v) for v in coords[0]), parallelism)
     if _MULTI_DIM.search(name):
-        return LocalRank(None, "the name carries a DP/PP/EP marker")
+        return LocalRank(None, "the name carries a DP/PP marker")
     found = {int(k) for k in _SGLANG_TP.findall(name)}
     if not found:
         found = {int(k) for k in _VLLM_RANK.findall(name)}
@@ -193,6 +207,16 @@ def read_local_rank(name: str, parallelism: ReplicaParallelism) -> LocalRank:
             None, f"engine rank {k} is outside the replica ({parallelism.world_size} GPUs)"
         )
     return LocalRank(k)
+
+
+def _from_coords(dp: int, pp: int, tp: int, par: ReplicaParallelism) -> LocalRank:
+    """The GPU's offset from vLLM's explicit dp / pp / tp ranks (dp-major, then pp, then tp)."""
+    if dp >= par.dp or pp >= par.pp or tp >= par.tp:
+        return LocalRank(
+            None,
+            f"dp{dp}_pp{pp}_tp{tp} is outside the replica (dp={par.dp}, pp={par.pp}, tp={par.tp})",
+        )
+    return LocalRank((dp * par.pp + pp) * par.tp + tp)
 
 
 def rollout_trace_name(replica: int, name: str, global_rank: int | None = None) -> str:
@@ -224,6 +248,28 @@ def _is_temp(name: str) -> bool:
 
 
 # -- waiting --------------------------------------------------------------------------------
+
+
+Baseline = frozenset[str] | Mapping[str, tuple[int, int]]
+
+
+def snapshot_stats(directory: str | Path) -> dict[str, tuple[int, int]]:
+    """Name → (size, mtime ns) of the files in ``directory`` now: a window's baseline. A side
+    file the engine rewrites in place under the same name (vLLM's ``*.profiler_out.txt``)
+    counts as new once it changed; a trace (named anew by every export) never does."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                try:
+                    if e.is_file(follow_symlinks=False):
+                        st = e.stat(follow_symlinks=False)
+                        out[e.name] = (st.st_size, st.st_mtime_ns)
+                except FileNotFoundError:
+                    continue
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return out
 
 
 def snapshot_dir(directory: str | Path) -> frozenset[str]:
@@ -260,23 +306,37 @@ class _Seen:
 class _Watcher:
     """Tracks the new files of one directory between scans."""
 
-    def __init__(self, directory: Path, baseline: frozenset[str], check_gzip: bool) -> None:
+    def __init__(self, directory: Path, baseline: Baseline, check_gzip: bool) -> None:
         self.directory = directory
         self.baseline = baseline
+        self._stats = baseline if isinstance(baseline, Mapping) else {}
         self.check_gzip = check_gzip
         self.seen: dict[str, _Seen] = {}
         self.last_new_at: float | None = None
+
+    def _is_new(self, name: str, st: os.stat_result) -> bool:
+        if name not in self.baseline:
+            return True
+        before = self._stats.get(name)
+        return (
+            before is not None
+            and not is_trace_file(name)
+            and before != (st.st_size, st.st_mtime_ns)
+        )
 
     def scan(self, now: float) -> None:
         current: dict[str, os.stat_result] = {}
         try:
             with os.scandir(self.directory) as it:
                 for e in it:
-                    if e.name not in self.baseline and e.is_file(follow_symlinks=False):
-                        try:
-                            current[e.name] = e.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
+                    if not e.is_file(follow_symlinks=False):
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if self._is_new(e.name, st):
+                        current[e.name] = st
         except (FileNotFoundError, NotADirectoryError):
             pass
         for name in list(self.seen):
@@ -308,14 +368,15 @@ class _Watcher:
 
 def wait_for_files(
     directory: str | Path,
-    baseline: Iterable[str],
+    baseline: Iterable[str] | Mapping[str, tuple[int, int]],
     policy: FlushWait,
     expected: int | None = None,
     *,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> WaitResult:
-    """Wait until the files new in ``directory`` (not in ``baseline``) are complete.
+    """Wait until the files new in ``directory`` (not in ``baseline``, or side files changed
+    since a :func:`snapshot_stats` baseline) are complete.
 
     Ends when every file seen is complete and either ``expected`` traces exist (side files
     are waited for but not counted) or no new file
@@ -323,7 +384,8 @@ def wait_for_files(
     ``first_file_timeout_s``; or at ``timeout_s``, returning what is complete and reporting
     the rest.
     """
-    w = _Watcher(Path(directory), frozenset(baseline), policy.check_gzip)
+    base = baseline if isinstance(baseline, Mapping) else frozenset(baseline)
+    w = _Watcher(Path(directory), base, policy.check_gzip)
     start = clock()
     while True:
         now = clock()
@@ -483,7 +545,7 @@ def _keep_side_file(src: Path, subdir: Path, replica: int, warnings: list[str]) 
 
 def collect_engine_files(
     engine_dir: str | Path,
-    baseline: Iterable[str],
+    baseline: Iterable[str] | Mapping[str, tuple[int, int]],
     *,
     replica: int,
     parallelism: ReplicaParallelism,

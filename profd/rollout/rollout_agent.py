@@ -33,8 +33,10 @@ from profd.core.clock_hints import record_window_files
 from profd.core.request import ToolKind
 from profd.core.states import PartState
 from profd.rollout.engine_args import (
+    VLLM_START_BODY_SINCE,
     EngineProfileOptions,
     VllmLaunchSettings,
+    parse_vllm_version,
     vllm_launch_settings,
     vllm_window_warnings,
 )
@@ -46,7 +48,7 @@ from profd.rollout.relocate import (
     collect_engine_files,
     is_trace_file,
     replica_subdir_name,
-    snapshot_dir,
+    snapshot_stats,
 )
 from profd.rollout.replicas import ReplicaParallelism
 from profd.rollout.windows import RolloutAgentInfo, WindowMode, WindowOutcome, WindowStart
@@ -83,7 +85,7 @@ class _Window:
     session_id: str
     session_dir: Path
     window_dir: Path
-    baseline: frozenset[str]
+    baseline: dict[str, tuple[int, int]]
     keep: frozenset[int] | None
     mode: WindowMode
     relocate: bool
@@ -272,7 +274,7 @@ class RolloutAgent:
             session_dir=session_dir,
             window_dir=window_dir,
             # Files already there belong to earlier windows (or flushed after their wait).
-            baseline=snapshot_dir(window_dir),
+            baseline=snapshot_stats(window_dir),
             keep=None if keep is None else frozenset(int(g) for g in keep),
             mode=mode,
             relocate=relocate,
@@ -337,8 +339,10 @@ class RolloutAgent:
                 warnings.append(self._stop_quietly())
             return self._outcome(w.session_id, w.mode, [w.start_error], warnings, w.started_at)
         policy = self.flush
+        stopped = False
         try:
             warnings.extend(self.engine.stop())
+            stopped = True
         except EngineError as exc:
             problems.append(f"stop failed: {exc.reason}")
             if exc.kind is EngineErrorKind.UNREACHABLE:
@@ -362,7 +366,7 @@ class RolloutAgent:
         warnings.extend(self._record_start(w, reloc.files))
         unfinished = [i for i in reloc.incomplete if is_trace_file(Path(i.path).name)]
         if not reloc.files and not unfinished:
-            problems.append(self._no_files_reason(w, policy))
+            problems.append(self._no_files_reason(w, policy, stopped))
         if unfinished:
             problems.append(
                 f"{len(unfinished)} file(s) still being written after {waited.waited_s:g}s; "
@@ -416,7 +420,9 @@ class RolloutAgent:
         extra = 1 if self.vllm_launch is not None and self.vllm_launch.frontend_trace else 0
         return self.world_size + extra
 
-    def _no_files_reason(self, w: _Window, policy: FlushWait) -> str:
+    def _no_files_reason(self, w: _Window, policy: FlushWait, stopped: bool) -> str:
+        if not stopped:  # the stop's own failure says why; what is on disk was looked at
+            return f"no trace file in {w.window_dir}"
         reason = (
             f"no trace file appeared in {w.window_dir} within "
             f"{policy.first_file_timeout_s:g}s after stop"
@@ -424,10 +430,22 @@ class RolloutAgent:
         if self.engine.flavor == "vllm":
             reason += (
                 " (vLLM writes nothing when the window ended before delay_iterations engine "
-                "iterations ran, and is known to write nothing after a repeated start/stop in "
-                "one server process)"
+                "iterations ran"
             )
+            if not self._vllm_writes_every_window():
+                reason += (
+                    ", and before 0.32 is known to write nothing after a repeated start/stop "
+                    "in one server process"
+                )
+            reason += ")"
         return reason
+
+    def _vllm_writes_every_window(self) -> bool:
+        """vLLM 0.32 (verified) writes files on every window of one server process."""
+        version = getattr(self.engine, "server_version", lambda: None)()
+        if version is None and self.vllm_launch is not None and self.vllm_launch.version:
+            version = parse_vllm_version(self.vllm_launch.version)
+        return version is not None and version >= VLLM_START_BODY_SINCE
 
     def _missing_ranks(
         self, w: _Window, files: Sequence[RelocatedFile], warnings: list[str]

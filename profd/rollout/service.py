@@ -106,7 +106,7 @@ class RolloutService:
         self._timed: list[threading.Thread] = []
         self._timed_stop: dict[str, threading.Event] = {}
         self._channel = Channel(
-            info,
+            self.info,
             find_link or find_ray_link,
             lambda: None,  # no step of its own: the job's step is its driver's
             self._work.put,

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
-import shutil
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ from statistics import mean
 from typing import Any
 
 import pytest
+from browser import headless_chrome
 
 from profd.analysis.models import (
     AlignedFile,
@@ -289,42 +288,11 @@ def test_clock_warning_names_files_kept_apart_or_placed_and_only_then(summary) -
 
 # -- in a browser -----------------------------------------------------------------------------
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--window-size=1400,1000")  # fmt: skip
-
-
-def _browser() -> tuple[str, str]:
-    """As tests/sidecar/test_dashboard.py: in CI a missing browser fails, elsewhere skips."""
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        driver = None
-    if browser and driver:
-        return browser, driver
-    why = "needs Debian chromium + chromium-driver and selenium (.ci/run installs them)"
-    if os.environ.get("CI"):
-        pytest.fail(f"report test {why}; found browser={browser} driver={driver}")
-    pytest.skip(f"{why}: apt-get install -y chromium chromium-driver")
-
 
 @pytest.fixture
 def chrome() -> Iterator[Any]:
-    browser, driver = _browser()
-    os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium download a driver
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = browser
-    for flag in FLAGS:
-        opts.add_argument(flag)
-    drv = webdriver.Chrome(service=Service(driver), options=opts)
-    drv.set_page_load_timeout(30)
-    yield drv
-    drv.quit()
+    with headless_chrome("report test", "1400,1000") as drv:
+        yield drv
 
 
 SHAPES = """

@@ -46,10 +46,13 @@ def test_documented_example_tp2_ranks_0_and_8(tmp_path, pair) -> None:
     )
     assert [f.global_rank for f in out4.traces] == [8]
     assert [f.global_rank for f in out4.kept_in_subdir] == [9]
-    assert (
-        len(names(session / "rollout-replica0")) == 1
-        and len(names(session / "rollout-replica4")) == 1
-    )
+    # one tp peer per replica, and (vLLM 0.32) the workers' side files, kept, not traces
+    sides = ["rank0.profiler_out.txt", "rank1.profiler_out.txt"] if pair is vllm_pair else []
+    for replica in ("rollout-replica0", "rollout-replica4"):
+        kept = names(session / replica)
+        assert len([n for n in kept if n.endswith(".trace.json.gz")]) == 1
+        assert sorted(n for n in kept if n.endswith(".txt")) == sides
+    assert len(out0.side_files) == len(sides) and not any(".txt" in f.path for f in out0.traces)
     doc = read_trace(out4.traces[0].path)  # a complete, readable trace of the right GPU
     assert doc["distributedInfo"]["rank"] == 0 and doc["fake_engine"]["rank"] == 0
     assert read_trace(out4.kept_in_subdir[0].path)["distributedInfo"]["rank"] == 1
@@ -60,7 +63,6 @@ def test_documented_example_tp2_ranks_0_and_8(tmp_path, pair) -> None:
     [
         (sglang_pair, (1, 2, 1), {}, 2),  # -DP-
         (sglang_pair, (1, 1, 2), {}, 2),  # -PP-
-        (sglang_pair, (2, 1, 1), {"ep": 2}, 2),  # -EP-
         (vllm_pair, (2, 2, 1), {}, 4),  # vLLM dp > 1: -rank-<k> repeats per dp engine
         (vllm_pair, (1, 1, 2), {}, 2),  # vLLM pp > 1
     ],
@@ -79,6 +81,30 @@ def test_ambiguous_layouts_are_named_by_replica_and_all_come_up(
     assert all(f.global_rank is None and f.rank_note for f in out.traces)
     assert any("cannot be told apart" in w for w in out.warnings)
     assert out.kept_in_subdir == ()
+
+
+def test_vllm_moe_names_resolve_global_ranks_with_dp(tmp_path) -> None:
+    fake, agent = vllm_pair(tmp_path, replica=1, tp=2, dp=2, moe=True)
+    session = tmp_path / "s"
+    with fake:
+        out = run(agent, fake, session, keep={4, 7})
+    assert out.state is PartState.DONE, out.reason
+    assert [f.global_rank for f in out.traces] == [4, 7]  # dp0 tp0 and dp1 tp1 of replica 1
+    assert sorted(f.global_rank for f in out.kept_in_subdir) == [5, 6]
+    assert all(f.rank_note == "" for f in out.traces + out.kept_in_subdir)
+
+
+def test_sglang_expert_parallel_names_keep_their_tp_rank(tmp_path) -> None:
+    fake, agent = sglang_pair(tmp_path, replica=1, tp=4, ep=2)
+    session = tmp_path / "s"
+    with fake:
+        out = run(agent, fake, session, keep={5, 7})
+    assert out.state is PartState.DONE, out.reason
+    up = names(session)
+    assert [f.global_rank for f in out.traces] == [5, 7] and len(up) == 2
+    assert up[0].startswith("rollout-replica1-globalrank5_") and "-TP-1-EP-0." in up[0]
+    assert up[1].startswith("rollout-replica1-globalrank7_") and "-TP-3-EP-1." in up[1]
+    assert sorted(f.global_rank for f in out.kept_in_subdir) == [4, 6]
 
 
 def test_vllm_legacy_host_pid_names_and_frontend_trace(tmp_path) -> None:
@@ -120,7 +146,7 @@ def test_vllm_token_window_from_launch_config(tmp_path) -> None:
 def test_vllm_0_12_token_window_through_env(tmp_path) -> None:
     opts = EngineProfileOptions(profile_token_start=1, profile_token_end=3)
     fake, agent = vllm_pair(tmp_path, tp=1, version="0.12.0", launch_opts=opts)
-    assert fake.launch["delay"] == 1 and fake.launch["max"] == 2 and not fake.launch["frontend"]
+    assert fake.launch["delay"] == 2 and fake.launch["max"] == 2 and not fake.launch["frontend"]
     with fake:
         out = run(agent, fake, tmp_path / "s", opts=opts, iterations=6)
     assert read_trace(out.traces[0].path)["fake_engine"]["iterations"] == [1, 2]
@@ -139,7 +165,7 @@ def test_vllm_old_version_records_the_whole_span_and_says_so(tmp_path) -> None:
 
 
 def test_vllm_session_window_other_than_launched_is_a_warning(tmp_path) -> None:
-    fake, agent = vllm_pair(tmp_path, tp=1)  # launched without a window
+    fake, agent = vllm_pair(tmp_path, tp=1, version="0.13.0")  # launched without a window
     asked = EngineProfileOptions(profile_token_start=3, profile_token_end=4)
     with fake:
         started = agent.start_window("s1", tmp_path / "s", asked)
@@ -150,6 +176,19 @@ def test_vllm_session_window_other_than_launched_is_a_warning(tmp_path) -> None:
     assert read_trace(out.traces[0].path)["fake_engine"]["iterations"] == [0, 1]
 
 
+def test_vllm_0_32_session_window_goes_with_the_start(tmp_path) -> None:
+    fake, agent = vllm_pair(tmp_path, tp=1)  # 0.32, launched without a window
+    asked = EngineProfileOptions(profile_token_start=3, profile_token_end=5)
+    with fake:
+        started = agent.start_window("s1", tmp_path / "s", asked)
+        fake.advance(9)
+        out = agent.finish_window("s1")
+    assert not any("fixed at launch" in w for w in started.warnings + out.warnings)
+    assert fake.requests[0][2] == {"delay_iterations": 4, "max_iterations": 2}
+    assert out.state is PartState.DONE, out.reason
+    assert read_trace(out.traces[0].path)["fake_engine"]["iterations"] == [3, 4]  # tokens 3, 4
+
+
 def test_sglang_token_window_start_step_and_num_steps(tmp_path) -> None:
     opts = EngineProfileOptions(
         contents=("cuda", "memory"), profile_token_start=2, profile_token_end=5
@@ -158,16 +197,20 @@ def test_sglang_token_window_start_step_and_num_steps(tmp_path) -> None:
     with fake:
         started = agent.start_window("s1", tmp_path / "s", opts)
         fake.advance(8)  # the engine starts at pass 2, stops after 3 passes and writes
-        assert len(names(tmp_path / "s" / "rollout-replica0")) == 2
+        assert len(names(tmp_path / "s" / "rollout-replica0")) == 4  # 2 traces, 2 snapshots
         out = agent.finish_window("s1")
     body = fake.requests[0][2]
-    assert (
-        body["start_step"] == 2 and body["num_steps"] == 3 and body["activities"] == ["CPU", "GPU"]
-    )
+    assert body["start_step"] == 2 and body["num_steps"] == 3
+    assert body["activities"] == ["CPU", "GPU", "MEM"]  # memory: SGLang's memory snapshot
     assert out.state is PartState.DONE, out.reason
-    assert any("memory" in w for w in started.warnings)
+    assert not any("memory" in w for w in started.warnings)
     assert any("already stopped after num_steps" in w for w in out.warnings)
-    assert read_trace(out.traces[0].path)["fake_engine"]["iterations"] == [2, 3, 4]
+    traces = [f for f in out.traces if f.path.endswith(".json.gz")]
+    assert read_trace(traces[0].path)["fake_engine"]["iterations"] == [2, 3, 4]
+    snapshots = sorted((f.global_rank, Path(f.path).name) for f in out.traces if f not in traces)
+    assert [g for g, _ in snapshots] == [0, 1]
+    assert all(n.startswith("rollout-replica0-globalrank") for _, n in snapshots)
+    assert all(n.endswith("-memory.pickle") for _, n in snapshots)
 
 
 @pytest.mark.parametrize("mode", list(WindowMode))

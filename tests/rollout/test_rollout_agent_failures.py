@@ -54,7 +54,7 @@ def test_endpoint_gone_before_stop(tmp_path) -> None:
     assert time.monotonic() - t0 < 5
     assert out.state is PartState.PARTIAL
     assert "stop failed: vllm endpoint" in out.reason and "unreachable" in out.reason
-    assert "no trace file appeared" in out.reason
+    assert "no trace file in" in out.reason and "repeated start/stop" not in out.reason
 
 
 def test_start_refused(tmp_path) -> None:
@@ -80,20 +80,26 @@ def test_stop_hangs_then_late_files_do_not_leak_into_the_next_window(tmp_path) -
         assert "stop failed: vllm /stop_profile did not answer within 0.5s" in out.reason
         fake.release()  # the stop finally returns and the workers write window 1's files
         engine_dir = agent.trace_dir
-        wait_until(lambda: len(names(engine_dir)) == 2, 10, what="late files")
+        # two traces and, from vLLM 0.32, their two side files
+        wait_until(lambda: len(names(engine_dir)) == 4, 10, what="late files")
         late = set(names(engine_dir))
         fake.stop_hangs = False
         agent.start_window("s2", tmp_path / "s2", OPTS, {0})
         fake.advance(2)
         out2 = agent.finish_window("s2")
     assert out2.state is PartState.DONE, out2.reason
-    # Window 2 took only its own files; window 1's late files stay in the engine directory.
-    assert set(names(engine_dir)) == late
+    # Window 2 took only its own traces; window 1's late traces stay in the engine directory.
+    # The side files window 2 rewrote under the same names are window 2's, and go with it.
+    late_traces = {n for n in late if n.endswith(".pt.trace.json.gz")}
+    assert set(names(engine_dir)) == late_traces and len(late_traces) == 2
     assert all(f.source_name not in late for f in out2.traces + out2.kept_in_subdir)
+    assert sorted(Path(f).name for f in out2.side_files) == sorted(late - late_traces)
 
 
-def test_vllm_writes_nothing_after_a_repeated_start_stop(tmp_path) -> None:
-    fake, agent = vllm_pair(tmp_path, tp=2, no_files_after_first_window=True)
+@pytest.mark.parametrize(("version", "hinted"), [("0.13.0", True), ("0.32.0", False)])
+def test_vllm_writes_nothing_after_a_repeated_start_stop(tmp_path, version, hinted) -> None:
+    # the known bug of older vLLM; 0.32 was seen writing every window, so no hint there
+    fake, agent = vllm_pair(tmp_path, tp=2, version=version, no_files_after_first_window=True)
     with fake:
         agent.start_window("s1", tmp_path / "s1", OPTS)
         fake.advance(2)
@@ -103,8 +109,8 @@ def test_vllm_writes_nothing_after_a_repeated_start_stop(tmp_path) -> None:
         second = agent.finish_window("s2")
     assert first.state is PartState.DONE and len(first.traces) == 2
     assert second.state is PartState.PARTIAL and second.traces == ()
-    assert "no trace file appeared" in second.reason
-    assert "repeated start/stop" in second.reason
+    assert "no trace file appeared" in second.reason and "delay_iterations" in second.reason
+    assert ("repeated start/stop" in second.reason) is hinted
 
 
 def test_a_failing_replica_leaves_the_others_alone(tmp_path) -> None:

@@ -20,7 +20,7 @@ from profd.rollout.engines import (
     SglangHttpEngine,
     VllmHttpEngine,
 )
-from profd.testing.fake_engines import FakeSglangServer, FakeVllmServer
+from profd.testing.fake_engines import FakeSglangServer, FakeVllmServer, read_trace
 
 from helpers import free_port
 
@@ -32,8 +32,8 @@ def window(tmp_path, **kw) -> EngineWindow:
     return EngineWindow(str(tmp_path / "out"), EngineProfileOptions(**kw))
 
 
-def vllm_fake(tmp_path, **kw) -> FakeVllmServer:
-    launch = vllm_launch_settings(OPTS, str(tmp_path / "vllm"), "0.13.0")
+def vllm_fake(tmp_path, version: str = "0.13.0", **kw) -> FakeVllmServer:
+    launch = vllm_launch_settings(OPTS, str(tmp_path / "vllm"), version)
     return FakeVllmServer.from_launch(launch, tp=2, **kw)
 
 
@@ -46,8 +46,32 @@ def test_vllm_start_and_stop_post_without_body_and_write_per_rank_files(tmp_path
         eng.close()
     assert fake.requests == [("POST", "/start_profile", None), ("POST", "/stop_profile", None)]
     names = sorted(p.name for p in (tmp_path / "vllm").iterdir())
-    assert [n.split(".")[0] for n in names] == [f"{fake.instance_id}-rank-{k}" for k in (0, 1)]
+    assert [n.split(".")[0] for n in names] == ["rank0", "rank1"]
     assert all(n.endswith(".pt.trace.json.gz") for n in names)
+
+
+def test_vllm_0_32_gets_the_window_in_the_start_body_and_refuses_a_second_start(
+    tmp_path,
+) -> None:
+    with vllm_fake(tmp_path, version="0.32.0") as fake:
+        eng = VllmHttpEngine(fake.url)
+        assert eng.server_version() == (0, 32, 0)  # read from GET /version
+        eng.start(window(tmp_path, profile_token_start=2, profile_token_end=5))
+        with pytest.raises(EngineError, match="HTTP 409") as err:
+            eng.start(window(tmp_path))  # one window at a time, as vLLM says
+        assert err.value.kind is EngineErrorKind.REFUSED
+        fake.advance(8)  # the window stops itself after max_iterations and writes
+        assert eng.stop() == []
+        names = sorted(p.name for p in (tmp_path / "vllm").iterdir())
+        eng.start(window(tmp_path))  # stopped: a new window may begin
+        eng.stop()
+    # tokens [2, 5): iterations 3..5 (iteration t + 1 produces response token t)
+    assert fake.requests[0][2] == {"delay_iterations": 3, "max_iterations": 3}
+    traces = [n for n in names if n.endswith(".pt.trace.json.gz")]
+    assert [n.split(".")[0] for n in traces] == ["rank0", "rank1"]
+    assert sorted(set(names) - set(traces)) == ["rank0.profiler_out.txt", "rank1.profiler_out.txt"]
+    doc = read_trace(tmp_path / "vllm" / traces[0])
+    assert doc["fake_engine"]["iterations"] == [2, 3, 4] and doc["vllm_version"] == "0.32.0"
 
 
 def test_vllm_without_profiling_configured_has_no_route(tmp_path) -> None:
@@ -90,9 +114,8 @@ def test_stop_that_hangs_times_out(tmp_path) -> None:
 def test_sglang_start_sends_the_body_and_stop_writes_tp_files(tmp_path) -> None:
     with FakeSglangServer(tp=2) as fake:
         eng = SglangHttpEngine(fake.url)
-        w = window(tmp_path, contents=("cuda", "shapes", "memory"))
-        warnings = eng.start(w)
-        assert any("memory" in x for x in warnings)
+        w = window(tmp_path, contents=("cuda", "shapes"))
+        assert eng.start(w) == []
         fake.advance(2)
         assert eng.stop() == []
     method, path, body = fake.requests[0]
@@ -105,6 +128,28 @@ def test_sglang_start_sends_the_body_and_stop_writes_tp_files(tmp_path) -> None:
     }
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(names) == 2 and names[0].endswith("-TP-0.trace.json.gz") and "-TP-1." in names[1]
+
+
+def test_sglang_with_an_api_key_sends_it_and_without_is_refused(tmp_path) -> None:
+    with FakeSglangServer(tp=1, api_key="admin-k") as fake:
+        with pytest.raises(EngineError, match="HTTP 401") as err:
+            SglangHttpEngine(fake.url).start(window(tmp_path))
+        assert err.value.kind is EngineErrorKind.REFUSED
+        eng = SglangHttpEngine(fake.url, api_key="admin-k")
+        eng.start(window(tmp_path))
+        fake.advance(1)
+        assert eng.stop() == []
+    assert len(list((tmp_path / "out").iterdir())) == 1
+    with pytest.raises(ValueError, match="api_key"):
+        SglangHttpEngine("http://127.0.0.1:1", api_key=" k")
+
+
+def test_sglang_profile_v2_server_gets_no_request(tmp_path) -> None:
+    with FakeSglangServer(tp=1) as fake:
+        eng = SglangHttpEngine(fake.url, server_env={"SGLANG_PROFILE_V2": "true"})
+        with pytest.raises(EngineError, match="SGLANG_PROFILE_V2") as err:
+            eng.start(window(tmp_path))
+    assert err.value.kind is EngineErrorKind.REFUSED and fake.requests == []
 
 
 def test_sglang_refusal_while_profiling(tmp_path) -> None:

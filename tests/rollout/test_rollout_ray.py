@@ -55,6 +55,11 @@ def test_vllm_and_sglang_replicas_in_ray_actors(ray_coordinator, tmp_path: Path)
                 ray.get(worker.work.remote())
 
         drive()
+        # the replicas registered with their job: they show the driver's step as theirs
+        views = ray.get(coord.list_agents.remote())
+        replicas = [v for v in views if v.role == "rollout"]
+        assert len(replicas) == 2
+        assert all((v.current_step, v.step_source) == (1, "driver") for v in replicas), replicas
         request = {
             "next_steps": 1,
             "roles": {"actor": {"all_ranks": True}, "rollout": {"ranks": [0, 3]}},
@@ -69,8 +74,8 @@ def test_vllm_and_sglang_replicas_in_ray_actors(ray_coordinator, tmp_path: Path)
         assert view.state.value == "done", view.reason
         rollout = sorted(t.file_name for t in view.traces if t.role == "rollout")
         assert len(rollout) == 2
-        # vLLM names its files -rank-<k>, SGLang -TP-<k>: each read back to the global rank
-        assert re.match(r"rollout-replica0-globalrank0_.*rank-0", rollout[0]), rollout
+        # vLLM names its files rank<k>, SGLang -TP-<k>: each read back to the global rank
+        assert re.match(r"rollout-replica0-globalrank0_rank0\.", rollout[0]), rollout
         assert re.match(r"rollout-replica1-globalrank3_.*TP-1", rollout[1]), rollout
         save_dir = Path(view.save_dir)
         assert all((save_dir / n).is_file() for n in rollout)
@@ -128,6 +133,11 @@ def test_colocated_replicas_stop_before_training_in_a_ray_job(ray_coordinator, t
                 ray.get(worker.work.remote())
 
         drive()
+        # the replicas registered with their job: they show the driver's step as theirs
+        views = ray.get(coord.list_agents.remote())
+        replicas = [v for v in views if v.role == "rollout"]
+        assert len(replicas) == 2
+        assert all((v.current_step, v.step_source) == (1, "driver") for v in replicas), replicas
         request = {"next_steps": 1, "roles": {"actor": {}, "rollout": {"all_ranks": True}}}
         view = ray.get(coord.create_session.remote(request))
         (window,) = view.steps

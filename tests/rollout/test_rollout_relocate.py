@@ -19,6 +19,7 @@ from profd.rollout.relocate import (
     relocate_files,
     rollout_trace_name,
     snapshot_dir,
+    snapshot_stats,
     wait_for_files,
 )
 from profd.rollout.replicas import ReplicaParallelism
@@ -37,6 +38,13 @@ FAST = FlushWait(settle_s=0.2, poll_s=0.05, timeout_s=5, first_file_timeout_s=0.
         ("worker_rank1.pt.trace.json.gz", TP2, 1),
         ("worker.rank_0.pt.trace.json.gz", TP2, 0),
         ("RANK-2.json", TP4, 2),
+        ("17.1-TP-3-EP-1.trace.json.gz", TP4, 3),  # SGLang EP: derived from the tp rank
+        ("17.1-TP-2-memory.pickle", TP4, 2),  # SGLang's memory snapshot
+        ("rank1.1796140106433406576.pt.trace.json.gz", TP2, 1),  # vLLM 0.32, dense model
+        ("w3pre_rank1.17.pt.trace.json.gz", TP2, 1),  # with a profile_prefix
+        # vLLM MoE names carry every group: the offset is known for any layout
+        ("dp1_pp0_tp1_dcp0_ep3_rank1.17.pt.trace.json.gz", ReplicaParallelism(tp=2, dp=2), 3),
+        ("pre_dp0_pp1_tp0_dcp0_ep0_rank2.17.pt.trace.json.gz", ReplicaParallelism(tp=2, pp=2), 2),
     ],
 )
 def test_local_rank_is_read_from_engine_names(name, par, rank) -> None:
@@ -46,15 +54,20 @@ def test_local_rank_is_read_from_engine_names(name, par, rank) -> None:
 @pytest.mark.parametrize(
     ("name", "par", "why"),
     [
-        ("17.1-TP-0-DP-1.trace.json.gz", TP2, "DP/PP/EP marker"),
-        ("17.1-TP-1-PP-0.trace.json.gz", TP2, "DP/PP/EP marker"),
-        ("17.1-TP-1-EP-1.trace.json.gz", TP2, "DP/PP/EP marker"),
+        ("17.1-TP-0-DP-1.trace.json.gz", TP2, "DP/PP marker"),
+        ("17.1-TP-1-PP-0.trace.json.gz", TP2, "DP/PP marker"),
         ("a1b2c-rank-1.17.pt.trace.json.gz", ReplicaParallelism(tp=2, dp=2), "dp=2, pp=1"),
         ("a1b2c-rank-1.17.pt.trace.json.gz", ReplicaParallelism(tp=2, pp=2), "dp=1, pp=2"),
         ("host_4242.17.pt.trace.json.gz", TP2, "no engine rank"),
         ("host_4242.async_llm.17.pt.trace.json.gz", TP2, "no engine rank"),
         ("profiler_out_0.txt", TP2, "no engine rank"),
         ("x-world-rank-3-rank-1.pt.trace.json.gz", TP4, "several engine ranks"),
+        (
+            "dp2_pp0_tp0_dcp0_ep0_rank4.17.pt.trace.json.gz",
+            ReplicaParallelism(tp=2, dp=2),
+            "outside",
+        ),
+        ("rank1.17.pt.trace.json.gz", ReplicaParallelism(tp=2, dp=2), "dp=2, pp=1"),
         ("a-rank-7.pt.trace.json.gz", TP4, "outside the replica"),
         ("franking-12.json.gz", TP4, "no engine rank"),  # 'rank' inside a word
     ],
@@ -278,3 +291,21 @@ def test_the_wait_counts_traces_not_side_files_against_the_expected(tmp_path) ->
     _touch(d, "h_1.async_llm.17.pt.trace.json.gz", gzip.compress(b"{}"))
     res = wait_for_files(d, (), FAST, expected=2)
     assert len(res.complete) == 4 and res.note == ""
+
+
+def test_a_side_file_rewritten_in_place_is_new_but_a_baseline_trace_never_is(tmp_path) -> None:
+    d = tmp_path / "e"
+    side = _touch(d, "rank0.profiler_out.txt", b"window 1")  # left by an earlier window
+    old_trace = _touch(d, "rank0.1.pt.trace.json.gz", gzip.compress(b"{}"))
+    kept = _touch(d, "h_1.async_llm.profiler_out.txt", b"untouched")
+    baseline = snapshot_stats(d)
+    assert set(baseline) == {side.name, old_trace.name, kept.name}
+    side.write_bytes(b"window 2, a longer table")  # vLLM rewrites it under the same name
+    old_trace.write_bytes(gzip.compress(b"{} "))  # a late flush of an earlier window's trace
+    new = _touch(d, "rank0.2.pt.trace.json.gz", gzip.compress(b"{}"))
+    res = wait_for_files(d, baseline, FAST, expected=1)
+    assert sorted(p.name for p in res.complete) == sorted([side.name, new.name])
+    # a plain name set (the old baseline) still ignores every file that was there
+    assert [p.name for p in wait_for_files(d, frozenset(baseline), FAST, expected=1).complete] == [
+        new.name
+    ]

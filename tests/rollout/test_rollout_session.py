@@ -123,8 +123,8 @@ def test_global_ranks_select_replicas_and_only_requested_ranks_come_up(job_facto
     ]
     session_dir = Path(view.save_dir)
     # tp peers (global ranks 1 and 2) stay in the replicas' sub-directories, not dropped
-    assert any("rank-1" in p.name for p in (session_dir / "rollout-replica0").iterdir())
-    assert any("rank-0" in p.name for p in (session_dir / "rollout-replica1").iterdir())
+    assert any("rank1." in p.name for p in (session_dir / "rollout-replica0").iterdir())
+    assert any("rank0." in p.name for p in (session_dir / "rollout-replica1").iterdir())
     assert [t.rank for t in view.traces if t.role == "actor"] == [0]
 
 
@@ -211,7 +211,8 @@ def test_engine_down_makes_only_its_part_partial(job_factory) -> None:
 
 def test_engine_warnings_reach_the_session(local_coordinator, tmp_path) -> None:
     """Options an engine cannot honour are a warning in the session, not only in a log."""
-    fake, agent = sglang_pair(tmp_path, replica=0, tp=1)
+    env = {"SGLANG_PROFILE_WITH_STACK": "false"}  # the server was launched without stacks
+    fake, agent = sglang_pair(tmp_path, replica=0, tp=1, server_env=env)
     with fake:
         svc = RolloutService(
             agent, replicas=1, find_link=local_coordinator.link, poll_timeout_s=1.0
@@ -225,7 +226,7 @@ def test_engine_warnings_reach_the_session(local_coordinator, tmp_path) -> None:
                     "roles": {
                         "rollout": {
                             "all_ranks": True,
-                            "tool_config": {"torch": {"contents": ["cpu", "memory"]}},
+                            "tool_config": {"torch": {"contents": ["cpu", "stack"]}},
                         }
                     },
                 },
@@ -236,9 +237,10 @@ def test_engine_warnings_reach_the_session(local_coordinator, tmp_path) -> None:
         finally:
             svc.close(timeout=30)
     assert view.state.value == "done", view.reason
-    assert any(w.startswith("rollout replica 0:") and "memory" in w for w in view.warnings), (
-        view.warnings
-    )
+    assert any(
+        w.startswith("rollout replica 0:") and "SGLANG_PROFILE_WITH_STACK=false" in w
+        for w in view.warnings
+    ), view.warnings
 
 
 def test_replicas_hosted_in_one_process_are_profiled_independently(job_factory) -> None:

@@ -1,15 +1,12 @@
 """The dashboard in a real headless Chromium (Debian ``chromium`` + ``chromium-driver``,
 driven by selenium), against a real uvicorn sidecar whose agents recorded a real session.
 
-Missing browser: in CI (``CI`` set) the test fails, since ``.ci/run`` installs the browser;
-elsewhere it is skipped with the command that installs it.
+Missing browser: see ``tests/browser.py``.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import struct
 import time
 from collections.abc import Iterator
@@ -20,55 +17,19 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 import torch
+from browser import headless_chrome
 
 from helpers import AUTH, TOKEN, start_agents, wait_terminal, wait_until
 
 LATE_S = 0.05  # rank 1's extra time in stage "update"
 STAGES = ["work", "update"]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,1100",
-)
-
-
-def _browser() -> tuple[str, str]:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        driver = None
-    if browser and driver:
-        return browser, driver
-    why = "needs Debian chromium + chromium-driver and selenium (.ci/run installs them)"
-    if os.environ.get("CI"):
-        pytest.fail(f"dashboard test {why}; found browser={browser} driver={driver}")
-    pytest.skip(f"{why}: apt-get install -y chromium chromium-driver")
 
 
 @pytest.fixture
 def chrome() -> Iterator[Any]:
-    browser, driver = _browser()
-    os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium download a driver
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = browser
-    for flag in FLAGS:
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # to see uncaught errors
-    drv = webdriver.Chrome(service=Service(driver), options=opts)
-    drv.set_page_load_timeout(30)
-    yield drv
-    drv.quit()
+    with headless_chrome("dashboard test", "1400,1100", console_log=True) as drv:
+        yield drv
 
 
 @pytest.fixture
