@@ -132,8 +132,8 @@ class FakeSglangServer(FakeEngine):
                 self.target = self.start_at + int(num_steps)
         else:
             self.in_progress = True
-            if num_steps:
-                self.target = self.forward_ct + int(num_steps)
+            if num_steps:  # SGLang: checked before each pass, so exactly num_steps run
+                self.target = self.forward_ct + int(num_steps) + 1
 
     def _on_iteration(self) -> None:
         if self.target is not None and self.target <= self.forward_ct and self.in_progress:
