@@ -295,6 +295,11 @@ class ProfileCoordinator:
     async def ping(self) -> str:
         return __version__
 
+    async def clock_ns(self) -> int:
+        """This process's wall clock: agents measure their offset to it (one clock for all
+        nodes' traces)."""
+        return time.time_ns()
+
     async def pid(self) -> int:
         return os.getpid()
 

@@ -16,12 +16,14 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
+from profd.agent.clock_sync import ClockEstimate
 from profd.agent.recorder import Recorder
 from profd.agent.timed import TimedWindows
 from profd.agent.window_state import IDLE, ArmedPlan
@@ -73,7 +75,10 @@ class ProfilerAgent:
         find_link: Callable[[], CoordinatorLink | None] | None = None,
         backend_factory: Callable[[str, dict[str, Any]], Backend] = make_backend,
         poll_timeout_s: float = 5.0,
+        now_ns: Callable[[], int] = time.time_ns,
     ) -> None:
+        """``now_ns``: this process's wall clock, the one its traces are on (tests inject a
+        skewed one to check that offsets to the coordinator's clock are applied)."""
         if not isinstance(role, str) or not role.strip():
             raise ValueError(f"role: must be a non-empty string, got {role!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -111,11 +116,14 @@ class ProfilerAgent:
         self._attention = 0
         self._attended = 0
         self._closed = False
-        self._recorder = Recorder(self.info, self._emit, backend_factory)
-        self._timed = TimedWindows(lambda: self.info, self._emit, backend_factory)
+        self._recorder = Recorder(self.info, self._emit, backend_factory, self._clock_estimate)
+        self._timed = TimedWindows(
+            lambda: self.info, self._emit, backend_factory, self._clock_estimate
+        )
         self._channel: Channel | None = None
         self._find_link = find_link
         self._poll_timeout_s = poll_timeout_s
+        self._now_ns = now_ns
         self._roles = [role]
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -136,9 +144,13 @@ class ProfilerAgent:
             lambda: self._current_step if self._spmd else None,
             self._install_plan,
             poll_timeout_s=self._poll_timeout_s,
+            now_ns=self._now_ns,
         )
         self._channel.start()
         return self
+
+    def _clock_estimate(self) -> ClockEstimate | None:
+        return self._channel.clock if self._channel is not None else None
 
     def close(self, timeout: float = 60.0) -> bool:
         """Flush open windows, write pending traces and tell the coordinator; idempotent.

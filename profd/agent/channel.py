@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from profd.agent.clock_sync import ClockEstimate, estimate_offset
 from profd.core.errors import CoordinatorUnavailable
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
 from profd.core.ray_env import call_coordinator, find_coordinator
@@ -28,6 +29,10 @@ from profd.core.ray_env import call_coordinator, find_coordinator
 __all__ = ["Channel", "CoordinatorLink", "LinkDown", "RayLink", "Registration", "find_ray_link"]
 
 log = logging.getLogger(__name__)
+
+#: How often an agent measures its clock offset again (clocks drift slowly; NTP steps are
+#: rare): a few round trips every five minutes.
+CLOCK_EVERY_S = 300.0
 
 _MAX_QUEUED_EVENTS = 100_000
 
@@ -49,6 +54,8 @@ class CoordinatorLink(Protocol):
     def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> PollReply: ...
 
     def report(self, agent_id: str, events: list[AgentEvent]) -> bool: ...
+
+    def clock_ns(self) -> int: ...
 
 
 class RayLink:
@@ -73,6 +80,9 @@ class RayLink:
     def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         return self._call("report", agent_id, events)
 
+    def clock_ns(self) -> int:
+        return self._call("clock_ns", timeout=5.0)
+
 
 def find_ray_link() -> RayLink | None:
     """The coordinator by its fixed name, or ``None`` when Ray is down or it does not exist."""
@@ -92,8 +102,14 @@ class Channel:
         *,
         poll_timeout_s: float = 5.0,
         retry_s: tuple[float, float] = (0.5, 5.0),
+        now_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self.info = info
+        #: This process's offset to the coordinator's clock (None until measured); traces
+        #: written from now on carry it.
+        self.clock: ClockEstimate | None = None
+        self._now_ns = now_ns
+        self._clock_due = 0.0
         self._find_link = find_link
         self._current_step = current_step
         self._install_plan = install_plan
@@ -168,7 +184,25 @@ class Channel:
         self._accept(reg.plan)
         self._registered.set()
         log.info("profd: agent %s registered with the coordinator", self.info.agent_id)
+        self._clock_due = 0.0  # a new coordinator (or the first): measure again now
+        self._sync_clock(link)
         return link
+
+    def _sync_clock(self, link: CoordinatorLink) -> None:
+        """Measure the offset to the coordinator's clock when due (at registration, then
+        every CLOCK_EVERY_S); a failure keeps the previous estimate."""
+        if time.monotonic() < self._clock_due:
+            return
+        self._clock_due = time.monotonic() + CLOCK_EVERY_S
+        try:
+            estimate = estimate_offset(link.clock_ns, now_ns=self._now_ns)
+        except LinkDown:
+            raise
+        except Exception as exc:  # an older coordinator without clock_ns, a bad answer
+            self._warn_once("clock", "profd: cannot measure the clock offset (%s)", exc)
+            return
+        if estimate is not None:
+            self.clock = estimate
 
     def _accept(self, plan: AgentPlan | None) -> None:
         if plan is None:
@@ -192,6 +226,7 @@ class Channel:
                 if self._reregister:
                     self._reregister = False
                     self._link.register(self.info, self._current_step())
+                self._sync_clock(self._link)
                 reply = self._link.poll(
                     self.info.agent_id, self._version, self._current_step(), self._poll_timeout
                 )

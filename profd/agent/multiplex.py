@@ -154,3 +154,6 @@ class MultiplexedLink:
 
     def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         return self._mux._call("report", agent_id, events)
+
+    def clock_ns(self) -> int:
+        return self._mux._call("clock_ns", timeout=5.0)

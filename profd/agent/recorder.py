@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from profd.agent.clock_sync import ClockEstimate
 from profd.agent.export import Exporter, ExportJob, trace_event
 from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope, TimedScope
 from profd.agent.specs import build_spec
@@ -52,10 +53,12 @@ class Recorder:
         info: AgentInfo,
         emit: Callable[[AgentEvent], None],
         make_backend: Callable[[str, dict[str, Any]], Backend],
+        clock: Callable[[], ClockEstimate | None] = lambda: None,
     ) -> None:
         self.info = info
         self._emit = emit
         self._make_backend = make_backend
+        self._clock = clock
         self._exporter = Exporter(self._on_export_done)
         self._windows: dict[str, WindowState] = {}
         self._finished: set[str] = set()
@@ -213,7 +216,9 @@ class Recorder:
         else:
             schedule, by_mini_batch = None, False
         group = ws.group_of.get(step, (step,)) if step is not None else ()
-        spec = build_spec(self.info, window, label, step, group, schedule, by_mini_batch)
+        spec = build_spec(
+            self.info, window, label, step, group, schedule, by_mini_batch, self._clock()
+        )
         collection = backend.open(spec)
         ticket = Ticket(ws, label, [step] if window.discrete and step is not None else [])
         with self._lock:

@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from profd.agent.clock_sync import ClockEstimate
 from profd.backends.base import CollectionSpec
 from profd.core.naming import trace_stem
 from profd.core.protocol import AgentInfo, WindowPlan
@@ -16,9 +17,15 @@ __all__ = ["build_spec", "trace_metadata"]
 
 
 def trace_metadata(
-    info: AgentInfo, window: WindowPlan, scope: str, step: int | None, group: Sequence[int]
+    info: AgentInfo,
+    window: WindowPlan,
+    scope: str,
+    step: int | None,
+    group: Sequence[int],
+    clock: ClockEstimate | None = None,
 ) -> dict[str, Any]:
-    """``distributedInfo`` (rank, world size: read by HTA) and profd's own keys."""
+    """``distributedInfo`` (rank, world size: read by HTA) and profd's own keys, with this
+    process's offset to the coordinator's clock when it was measured (``profd.clock``)."""
     from profd.core.constants import __version__
 
     dist: dict[str, Any] = {"rank": info.rank}
@@ -42,6 +49,7 @@ def trace_metadata(
             "node_id": info.node_id,
             "pid": os.getpid(),
             "duration_s": window.duration_s,
+            **({"clock": clock.metadata()} if clock is not None else {}),
         },
     }
 
@@ -54,6 +62,7 @@ def build_spec(
     group: Sequence[int] = (),
     schedule: Mapping[str, int] | None = None,
     name_mini_batches: bool = False,
+    clock: ClockEstimate | None = None,
 ) -> CollectionSpec:
     stem = trace_stem(
         prefix=info.role,
@@ -68,7 +77,7 @@ def build_spec(
     return CollectionSpec(
         save_dir=Path(window.save_dir),
         stem=stem,
-        metadata=trace_metadata(info, window, scope, step, group),
+        metadata=trace_metadata(info, window, scope, step, group, clock),
         schedule=schedule,
         name_mini_batches=name_mini_batches,
     )

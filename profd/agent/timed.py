@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from profd.agent.clock_sync import ClockEstimate
 from profd.agent.export import trace_event
 from profd.agent.specs import build_spec
 from profd.backends import backend_class
@@ -40,10 +41,12 @@ class TimedWindows:
         info: Callable[[], AgentInfo],
         emit: Callable[[AgentEvent], None],
         make_backend: Callable[[str, dict[str, Any]], Backend],
+        clock: Callable[[], ClockEstimate | None] = lambda: None,
     ) -> None:
         self._info = info
         self._emit = emit
         self._make_backend = make_backend
+        self._clock = clock
         self._running: dict[str, tuple[threading.Thread, threading.Event]] = {}
         self._lock = threading.Lock()
 
@@ -78,7 +81,7 @@ class TimedWindows:
         files, errors = [], []
         try:
             backend = self._make_backend(window.tool, window.tool_config)
-            coll = backend.open(build_spec(info, window, TIMED_SCOPE, None))
+            coll = backend.open(build_spec(info, window, TIMED_SCOPE, None, clock=self._clock()))
             self._emit(AgentEvent(EventKind.RECORDING, sid))
             cancel.wait(window.duration_s)
             outputs = coll.close()

@@ -22,6 +22,7 @@ __all__ = [
     "FAR_APART_US",
     "ClockHint",
     "Clocks",
+    "clock_offset_us",
     "hints_for",
     "placed_text",
     "split_clocks",
@@ -31,6 +32,17 @@ __all__ = [
 EPOCH_FLOOR_US = 1e15
 #: Files of one session recorded more than a day apart from the rest are not on its clock.
 FAR_APART_US = 86_400e6
+
+
+def clock_offset_us(header: Mapping[str, object]) -> float:
+    """µs to add to a file's wall clock to put it on the coordinator's: the offset its agent
+    measured when it wrote the file (``profd.clock.offset_us``); 0 without one."""
+    meta = header.get("profd")
+    clock = meta.get("clock") if isinstance(meta, dict) else None
+    value = clock.get("offset_us") if isinstance(clock, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value)
 
 
 def placed_text(hint: ClockHint) -> str:

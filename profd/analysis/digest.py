@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
+from profd.analysis.clocks import clock_offset_us
 from profd.analysis.jsonscan import SEGMENT_BYTES, TraceReadError, TraceStream
 from profd.analysis.ranges import RANGE_CATEGORY, Range, select_stages
 
@@ -361,7 +362,10 @@ def _fill(
 ) -> None:
     digest.header = {k: header[k] for k in _HEADER_KEYS if k in header}
     base = header.get("baseTimeNanoseconds")
-    digest.base_us = float(base) / 1000.0 if isinstance(base, int | float) else 0.0
+    # on the coordinator's clock: the file's wall clock plus its agent's measured offset
+    digest.base_us = (
+        float(base) / 1000.0 + clock_offset_us(header) if isinstance(base, int | float) else 0.0
+    )
     gid, ts, dur = cols.arrays()
     digest.events = len(ts)
     if len(ts) == 0:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from profd.analysis.clocks import clock_offset_us
 from profd.analysis.jsonscan import TraceReadError, TraceStream
 from profd.analysis.ranges import RANGE_CATEGORY
 
@@ -92,7 +93,9 @@ def scan_file(job: ScanJob) -> FileScan:
             k: header[k] for k in ("profd", "distributedInfo", "host_name") if k in header
         }
         base = header.get("baseTimeNanoseconds")
-        out.base_us = float(base) / 1000.0 if isinstance(base, int | float) else 0.0
+        # on the coordinator's clock: the file's wall clock plus its agent's measured offset
+        wall = isinstance(base, int | float)
+        out.base_us = float(base) / 1000.0 + clock_offset_us(header) if wall else 0.0
         meta = header.get("profd") if isinstance(header.get("profd"), dict) else {}
         out.main_pid = meta.get("pid") or (max(pid_count, key=pid_count.get) if pid_count else None)
         out.ts = np.array(ts, np.float64)

@@ -88,3 +88,6 @@ class LocalLink:
 
     def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         return self._call("report", agent_id, events)
+
+    def clock_ns(self) -> int:
+        return self._call("clock_ns", timeout=5.0)
