@@ -99,9 +99,7 @@ class DriverTable:
             )
         return DriverAck(step, len(targets), tuple(sorted(slow)), bool(rollout))
 
-    async def phase(
-        self, step: int, phase: str, timeout: float, job_id: str | None
-    ) -> DriverAck:
+    async def phase(self, step: int, phase: str, timeout: float, job_id: str | None) -> DriverAck:
         """See :meth:`ProfileCoordinator.controller_phase`."""
         if phase not in PHASES:
             raise RequestInvalid.at("phase", f"unknown controller phase {phase!r}")

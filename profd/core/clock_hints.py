@@ -4,13 +4,17 @@ A trace whose header has no ``baseTimeNanoseconds`` and whose ``ts`` count from 
 writes relative time) cannot be placed on the session's timeline by itself. When profd brought
 such a file into the session directory — a rollout engine's trace, relocated after its window —
 it knows when the engine was told to start: the wall-clock times just before and just after the
-start call. That record is kept beside the traces in a hidden JSON-lines file, one line per
-file, so the analysis can place the file's ``ts`` 0 at the start call (uncertain by half the
-call's duration) instead of leaving it off the timeline.
+start call (recorded only for windows that start recording with the call: a token window's
+delay starts it later, at a moment profd does not see). That record is kept beside the traces
+in a hidden JSON-lines file, one line per file, so the analysis can place the file's ``ts`` 0
+at the start call (uncertain by half the call's duration) instead of leaving it off the
+timeline.
 
 The file is hidden (``.``-prefixed), so it is never taken for a trace, never uploaded and never
 served. Lines are appended with one ``write`` each (``O_APPEND``), so replicas that share a
-session directory do not interleave. Pure stdlib; no Ray, no torch.
+session directory on a local disk do not interleave; on NFS appends are not atomic, and a line
+torn there is logged and left out (that file then stays off the timeline, with its reason).
+Pure stdlib; no Ray, no torch.
 """
 
 from __future__ import annotations

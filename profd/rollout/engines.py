@@ -207,10 +207,11 @@ class VllmHttpEngine(_HttpEngine):
 
     def __init__(self, *args: Any, version: str | None = None, **kwargs: Any) -> None:
         """``version``: the server's vLLM version when known (else read from ``/version``
-        at the first start)."""
+        at the first start; the launch settings' version when that cannot be read)."""
         super().__init__(*args, **kwargs)
         self._version = parse_vllm_version(version) if version else None
-        self._version_read = version is not None
+        self._version_read = bool(version)
+        self.launch_version: tuple[int, int, int] | None = None
 
     @property
     def output_dir_per_window(self) -> bool:
@@ -220,19 +221,27 @@ class VllmHttpEngine(_HttpEngine):
         """The server's version (``GET /version``, read once); None when it does not say."""
         if self._version_read:
             return self._version
+        timeout = httpx.Timeout(min(self.timeouts.start_s, 5.0), connect=self.timeouts.connect_s)
         try:
-            resp = self._client.get("/version", timeout=self.timeouts.start_s)
-        except httpx.HTTPError:
-            return None  # not answering now: the start says so, and the next one asks again
-        self._version_read = True
-        try:
+            resp = self._client.get("/version", timeout=timeout)
+            resp.raise_for_status()
             self._version = parse_vllm_version(str(resp.json().get("version", "")))
-        except (ValueError, AttributeError) as exc:
-            log.info("vllm at %s: version unknown (%s); no window body", self.endpoint, exc)
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            # not now (down, a proxy, a key): asked again at the next start
+            log.info("vllm at %s: /version unreadable (%s)", self.endpoint, exc)
+            return self.launch_version
+        self._version_read = True
         return self._version
 
     def start(self, window: EngineWindow) -> list[str]:
-        body = vllm_start_body(self.server_version(), window.options)
+        version = self.server_version()
+        body = vllm_start_body(version, window.options)
+        warnings = []
+        if version is None and window.options.window.is_set:
+            warnings.append(
+                "vllm: the server's version is unknown (GET /version did not answer), so the "
+                "session's iteration window was not sent; the replica records its launch window"
+            )
         resp = self._post("/start_profile", self.timeouts.start_s, body)
         if resp.status_code == 404:
             raise EngineError(
@@ -242,7 +251,7 @@ class VllmHttpEngine(_HttpEngine):
             )
         if not resp.is_success:
             raise self._refusal("/start_profile", resp)
-        return []
+        return warnings
 
     def stop(self) -> list[str]:
         resp = self._post("/stop_profile", self.timeouts.stop_s)

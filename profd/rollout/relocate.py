@@ -50,6 +50,8 @@ __all__ = [
     "WaitResult",
     "collect_engine_files",
     "gzip_complete",
+    "is_chrome_trace",
+    "is_side_file",
     "is_trace_file",
     "read_local_rank",
     "relocate_files",
@@ -243,6 +245,17 @@ def is_trace_file(name: str) -> bool:
     return name.lower().endswith(_TRACE_SUFFIXES)
 
 
+def is_chrome_trace(name: str) -> bool:
+    """A timeline, one per GPU worker (what the wait expects and ranks are found by); SGLang's
+    ``-memory.pickle`` snapshots are traces too, but extra ones."""
+    return name.lower().endswith((".json", ".json.gz"))
+
+
+def is_side_file(name: str) -> bool:
+    """Neither a trace nor an engine's temporary file (a trace still being written)."""
+    return not is_trace_file(name) and not _is_temp(name)
+
+
 def _is_temp(name: str) -> bool:
     return name.startswith(".") or name.lower().endswith(_TEMP_SUFFIXES)
 
@@ -394,7 +407,7 @@ def wait_for_files(
         complete = [n for n, why in status.items() if not why]
         elapsed = now - start
         note = ""
-        traces = sum(is_trace_file(n) for n in status)
+        traces = sum(is_chrome_trace(n) for n in status)
         if status and len(complete) == len(status):
             if expected is None or traces >= expected:
                 return _result(w, complete, status, elapsed, False, note)

@@ -46,7 +46,8 @@ from profd.rollout.relocate import (
     IncompleteFile,
     RelocatedFile,
     collect_engine_files,
-    is_trace_file,
+    is_chrome_trace,
+    is_side_file,
     replica_subdir_name,
     snapshot_stats,
 )
@@ -130,6 +131,7 @@ class RolloutAgent:
             trace_dir = vllm_launch.trace_dir
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self.vllm_launch = vllm_launch
+        self._tell_engine_launch_version(vllm_launch)
         self.flush = flush or FlushWait()
         self._clock = clock
         self._lock = threading.Lock()
@@ -185,7 +187,13 @@ class RolloutAgent:
             options, str(self.trace_dir), vllm_version, frontend_trace=frontend_trace
         )
         self.vllm_launch = settings
+        self._tell_engine_launch_version(settings)
         return settings
+
+    def _tell_engine_launch_version(self, launch: VllmLaunchSettings | None) -> None:
+        """A vLLM adapter falls back to the launch's version when /version is unreadable."""
+        if launch is not None and launch.version and hasattr(self.engine, "launch_version"):
+            self.engine.launch_version = parse_vllm_version(launch.version)
 
     @property
     def busy_with(self) -> str | None:
@@ -220,9 +228,15 @@ class RolloutAgent:
         if window.start_error is None:
             try:
                 engine_window = EngineWindow(str(window.window_dir), options)
+                version = getattr(self.engine, "server_version", None)
+                if version is not None:
+                    version()  # read first, so the clock bracket holds the start call alone
                 before = self._clock()
                 window.warnings.extend(self.engine.start(engine_window))
-                window.start_call = (before, self._clock())
+                if options.window.start is None:
+                    # recording begins with the call; with a delay (vLLM iterations, SGLang
+                    # start_step) it begins later, at a moment profd does not see
+                    window.start_call = (before, self._clock())
             except EngineError as exc:
                 window.start_error = f"start failed: {exc.reason}"
                 window.start_uncertain = exc.kind is EngineErrorKind.TIMEOUT
@@ -364,7 +378,7 @@ class RolloutAgent:
         )
         warnings.extend(reloc.warnings)
         warnings.extend(self._record_start(w, reloc.files))
-        unfinished = [i for i in reloc.incomplete if is_trace_file(Path(i.path).name)]
+        unfinished = [i for i in reloc.incomplete if not is_side_file(Path(i.path).name)]
         if not reloc.files and not unfinished:
             problems.append(self._no_files_reason(w, policy, stopped))
         if unfinished:
@@ -453,7 +467,8 @@ class RolloutAgent:
         """Requested global ranks of this replica that no file was identified for."""
         if w.keep is None or not files:
             return []  # without files the reason already says so
-        found = {f.global_rank for f in files}
+        # a rank is found by its timeline; a memory snapshot alone does not count
+        found = {f.global_rank for f in files if is_chrome_trace(Path(f.path).name)}
         missing = [g for g in sorted(w.keep) if g in self.global_ranks and g not in found]
         if not missing:
             return []

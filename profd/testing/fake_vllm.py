@@ -17,7 +17,7 @@ suite in ``tests/engine`` runs the real one).
 * Files: each worker writes ``[<prefix>_]rank<k>.<ns>.pt.trace.json.gz`` (``k`` the worker's
   rank inside one data-parallel engine, so dp > 1 repeats it) or, for a MoE model,
   ``[<prefix>_]dp<d>_pp<p>_tp<t>_dcp0_ep<e>_rank<g>.<ns>.pt.trace.json.gz``, plus the side file
-  ``rank<k>.profiler_out.txt``; unless ``ignore_frontend`` the API server adds
+  ``<worker name>.profiler_out.txt``; unless ``ignore_frontend`` the API server adds
   ``<host>_<pid>.async_llm.<ns>.pt.trace.json.gz`` and ``<host>_<pid>.async_llm.profiler_out.txt``.
   Headers carry ``vllm_version``, ``host_name``, ``distributedInfo`` (workers) and
   ``baseTimeNanoseconds``. ``legacy_names`` gives old versions' ``<host>_<pid>.<ns>`` names.
@@ -275,8 +275,9 @@ class FakeVllmServer(FakeEngine):
                     annotation=_DECODE,
                 )
                 files.append((out / f"{prefix}{stem}.{time.time_ns()}.pt.trace.json.gz", data))
-                if self.takes_body and not self.legacy_names:
-                    files.append((out / f"{prefix}rank{k}.profiler_out.txt", b"cpu time table\n"))
+                if self.takes_body and not self.legacy_names:  # <worker name>.profiler_out.txt
+                    side = f"{prefix}{stem}.profiler_out.txt"
+                    files.append((out / side, b"cpu time table\n"))
         if self.launch["frontend"]:
             front = f"{self.host}_{os.getpid()}.async_llm"
             data = chrome_trace_bytes("vllm-frontend", 0, 1, [], meta, header=self._header())
@@ -290,7 +291,8 @@ class FakeVllmServer(FakeEngine):
             return f"{self.host}_{os.getpid() + 1 + d * per_engine + k}"
         if self.moe:
             p, t = divmod(k, self.tp)
-            return f"dp{d}_pp{p}_tp{t}_dcp0_ep{d * self.tp + t}_rank{d * per_engine + k}"
+            # rank<k>: the worker's own rank, repeated in each data-parallel engine as dense
+            return f"dp{d}_pp{p}_tp{t}_dcp0_ep{d * self.tp + t}_rank{k}"
         return f"rank{k}"
 
     def _header(self) -> dict[str, Any]:

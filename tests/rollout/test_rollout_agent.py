@@ -361,3 +361,15 @@ def test_traces_without_a_wall_clock_are_placed_by_the_window_start(tmp_path) ->
     (session / WINDOWS_FILE).unlink()  # without the record they cannot be placed
     s = summarize_dir(session)
     assert sorted(x.name for x in s.skipped) == sorted(hints) and not s.aligned
+
+
+def test_no_start_record_when_a_token_window_delays_the_recording(tmp_path) -> None:
+    # with a delay the profiler starts some iterations after the call: its ts 0 is not the
+    # call, so no record places it there
+    opts = EngineProfileOptions(profile_token_start=2, profile_token_end=4)
+    fake, agent = vllm_pair(tmp_path, tp=1, relative_clock=True)
+    session = tmp_path / "session"
+    with fake:
+        out = run(agent, fake, session, opts=opts, iterations=6)
+    assert out.state is PartState.DONE, out.reason
+    assert read_clock_hints(session) == {} and not (session / WINDOWS_FILE).exists()

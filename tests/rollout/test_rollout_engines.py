@@ -4,6 +4,7 @@ engines: the requests the engines receive, and every failure as a typed EngineEr
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -247,3 +248,34 @@ def test_in_process_failures_are_typed(tmp_path) -> None:
         InProcessEngine(object())
     with pytest.raises(ValueError, match="flavor"):
         InProcessEngine(Engine(), "trtllm")  # type: ignore[arg-type]
+
+
+def test_vllm_version_unreadable_is_asked_again_and_falls_back_to_the_launch(tmp_path) -> None:
+    answers = iter([503, 200])
+    bodies: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/version":
+            status = next(answers, 200)
+            return httpx.Response(status, json={"version": "0.32.0"})
+        bodies.append(request.content)
+        return httpx.Response(200)
+
+    win = window(tmp_path, profile_token_start=1, profile_token_end=3)
+    eng = VllmHttpEngine("http://vllm.test", QUICK, transport=httpx.MockTransport(handler))
+    warned = eng.start(win)  # /version answered 503: no body, and the session is told
+    assert bodies == [b""] and any("window was not sent" in w for w in warned)
+    assert eng.start(win) == [] and json.loads(bodies[1]) == {
+        "delay_iterations": 2,
+        "max_iterations": 2,
+    }  # asked again: 0.32, the body goes
+    down = iter([503])
+    eng2 = VllmHttpEngine(
+        "http://vllm.test",
+        QUICK,
+        transport=httpx.MockTransport(
+            lambda r: httpx.Response(next(down, 503)) if r.url.path == "/version" else handler(r)
+        ),
+    )
+    eng2.launch_version = (0, 32, 0)  # what the rollout agent tells it from the launch
+    assert eng2.start(win) == [] and json.loads(bodies[2])["delay_iterations"] == 2

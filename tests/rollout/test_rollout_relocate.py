@@ -309,3 +309,12 @@ def test_a_side_file_rewritten_in_place_is_new_but_a_baseline_trace_never_is(tmp
     assert [p.name for p in wait_for_files(d, frozenset(baseline), FAST, expected=1).complete] == [
         new.name
     ]
+
+
+def test_memory_snapshots_do_not_stand_in_for_missing_timelines(tmp_path) -> None:
+    d = tmp_path / "e"
+    _touch(d, "1.5-TP-0.trace.json.gz", gzip.compress(b"{}"))
+    _touch(d, "1.6-TP-0-memory.pickle", b"snap")
+    _touch(d, "1.6-TP-1-memory.pickle", b"snap")
+    res = wait_for_files(d, (), FAST, expected=2)  # TP-1's timeline never came
+    assert "1 of 2 expected trace file(s)" in res.note and len(res.complete) == 3
