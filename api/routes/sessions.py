@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Path, status
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from profd.analysis.diff import DIFF_TOP_OPS, SessionDiff, diff_summaries
 from profd.analysis.models import SessionSummary, SkippedFile
 from profd.analysis.summary import summarize_files
 from profd.api.client import CoordinatorClient
@@ -38,6 +39,10 @@ router = APIRouter(
 
 SessionId = Path(
     description="Session id, as returned by POST /api/v1/sessions.",
+    pattern=r"^[A-Za-z0-9._\-]{1,64}$",
+)
+OtherSessionId = Path(
+    description="Session B's id: compared against the first one (A).",
     pattern=r"^[A-Za-z0-9._\-]{1,64}$",
 )
 
@@ -163,6 +168,32 @@ async def session_summary(
     trace of an earlier Ray cluster is found by its node's address or host name, and one on
     no node of this cluster is listed in `skipped` with the reason.
     """
+    return await _summary_of(session_id, client, locator, summaries)
+
+
+@router.get(
+    "/{session_id}/diff/{other_id}",
+    response_model=SessionDiff,
+    responses=error_responses(404, 409, 422),
+)
+async def session_diff(
+    client: ClientDep,
+    locator: LocatorDep,
+    summaries: SummariesDep,
+    session_id: str = SessionId,
+    other_id: str = OtherSessionId,
+) -> SessionDiff:
+    """Session `other_id` (B) against `session_id` (A): per stage x role and per rank the
+    median wall time per step, its change and a verdict (slower / faster / same within the
+    noise threshold it names), and the operators and kernels that changed most."""
+    a = await _summary_of(session_id, client, locator, summaries, top=DIFF_TOP_OPS)
+    b = await _summary_of(other_id, client, locator, summaries, top=DIFF_TOP_OPS)
+    return diff_summaries(a, b)
+
+
+async def _summary_of(
+    session_id: str, client: Any, locator: Any, summaries: Any, top: int = 10
+) -> SessionSummary:
     view = await client.call("get_session", session_id)
     traces = [t for t in view.traces if t.file_name.endswith((".json.gz", ".json"))]
     if not traces:
@@ -186,7 +217,7 @@ async def session_summary(
     if any(not p.local for _, p in found):  # Ray tasks; local files stay on this node
         nodes = [p.node_id if not p.local else locator.here_id for _, p in found]
     paths = [t.path for t, _ in found]
-    key = (session_id, tuple(t.trace_id for t in traces), tuple(p.node_id for p in places))
+    key = (session_id, top, tuple(t.trace_id for t in traces), tuple(p.node_id for p in places))
     cached = summaries.get(key)
     if cached is None:
         # One summary at a time: a burst of requests (reads are open on loopback) queues
@@ -195,7 +226,7 @@ async def session_summary(
             cached = summaries.get(key)
             if cached is None:
                 cached = await asyncio.to_thread(
-                    summarize_files, paths, source=view.save_dir, nodes=nodes, workers=1
+                    summarize_files, paths, source=view.save_dir, nodes=nodes, workers=1, top=top
                 )
                 if lost:
                     cached = cached.model_copy(update={"skipped": [*cached.skipped, *lost]})

@@ -11,6 +11,7 @@ grow with the number of profiled steps. Times are milliseconds.
   gaps, their median / max / total, and the largest single gap.
 * :func:`straggler_aggregates`: how often, and by how much, each (stage, role, rank) was late.
 * :func:`mini_batch_aggregates`: each mini-batch index per stage x role over steps and ranks.
+* :func:`gpu_stage_aggregates`: the GPU time of each stage, summed over the tracks.
 * :func:`percentile`, :func:`middle_ellipsis`, :func:`short_names`: the helpers behind them.
 """
 
@@ -23,13 +24,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from profd.analysis.models import IdleGap, SessionSummary, StageTime
+from profd.analysis.models import GpuTime, IdleGap, SessionSummary, StageTime
 
 __all__ = [
+    "GpuStageAggregate",
     "IdleAggregate",
     "MiniBatchAggregate",
     "StageAggregate",
     "StragglerAggregate",
+    "gpu_stage_aggregates",
     "idle_aggregates",
     "middle_ellipsis",
     "mini_batch_aggregates",
@@ -106,6 +109,21 @@ class MiniBatchAggregate:
     median_ms: float
     max_ms: float
     micro_batches: int  # the most micro-batches seen inside it
+
+
+@dataclass(frozen=True)
+class GpuStageAggregate:
+    """The GPU time of one stage (None: outside every stage), summed over the tracks."""
+
+    stage: str | None
+    tracks: int
+    window_ms: float
+    idle_ms: float
+    compute_ms: float
+    non_compute_ms: float
+    communication_ms: float
+    memory_ms: float
+    overlap_pct: float | None  # of the summed communication time; None without any
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -283,6 +301,35 @@ def mini_batch_aggregates(s: SessionSummary) -> list[MiniBatchAggregate]:
             a.index,
         )
     )
+    return out
+
+
+def gpu_stage_aggregates(s: SessionSummary) -> list[GpuStageAggregate]:
+    """Each stage's GPU time over every track (stages as found, then outside every stage)."""
+    rows: dict[str | None, list[GpuTime]] = defaultdict(list)
+    for g in s.gpu:
+        for r in g.stages:
+            rows[r.stage].append(r)
+    stages, _, _ = _orders(s)
+    out = []
+    for stage in sorted(rows, key=lambda n: (n is None, stages.get(n or "", 0), n or "")):
+        xs = rows[stage]
+        comm = sum(x.communication_ms for x in xs)
+        # each track's overlap, in ms, back from its percentage
+        overlap = sum((x.comm_comp_overlap_pct or 0.0) * x.communication_ms / 100 for x in xs)
+        out.append(
+            GpuStageAggregate(
+                stage=stage,
+                tracks=len(xs),
+                window_ms=sum(x.window_ms for x in xs),
+                idle_ms=sum(x.idle_ms for x in xs),
+                compute_ms=sum(x.compute_ms for x in xs),
+                non_compute_ms=sum(x.non_compute_ms for x in xs),
+                communication_ms=comm,
+                memory_ms=sum(x.memory_ms for x in xs),
+                overlap_pct=100 * overlap / comm if comm > 0 else None,
+            )
+        )
     return out
 
 

@@ -33,8 +33,16 @@ import numpy as np
 import orjson
 
 from profd.analysis.clocks import clock_offset_us
+from profd.analysis.gpu import (
+    GpuFile,
+    file_gpu,
+    kernel_class,
+    launch_times,
+    stage_index,
+    stage_pieces,
+)
 from profd.analysis.jsonscan import SEGMENT_BYTES, TraceReadError, TraceStream
-from profd.analysis.ranges import RANGE_CATEGORY, Range, select_stages
+from profd.analysis.ranges import RANGE_CATEGORY, Range, select_stages, step_ranges
 
 __all__ = ["CPU_OP_CATEGORIES", "GPU_OP_CATEGORIES", "FileDigest", "OpTotal", "digest_file"]
 
@@ -52,17 +60,35 @@ GPU_OP_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 # A value never contains a raw newline in JSON, so "[^\n]*" safely skips one. Quantifiers
 # are possessive ("*+": each run stops at a character its class excludes, so nothing is
 # lost), which saves the regex engine its backtracking bookkeeping.
+# After dur, the "args" of a launch or device event (the categories in _LINKED, marked by
+# the empty group "linked") are searched for its "correlation" id: it links a kernel to the
+# cuda_runtime call that launched it. The search steps over whole strings (possessively: no
+# backtracking) and stops at the first "}" outside one: it never leaves the event. Other
+# events' args are not searched (a cpu_op's recorded shapes would cost five times the
+# scan). An id anywhere else is not missed silently: a segment's count of the key must
+# equal the ids captured (_Columns.add_found), else the file takes the generic path.
+_LINKED = (
+    rb'"(?:kernel|gpu_mem(?:cpy|set)|cuda_(?:runtime|driver|sync)|privateuse1_(?:runtime|driver))"'
+    rb"(?=\s*+,)(?P<linked>)"  # the whole value, then the mark
+)
+_ARGS_CORRELATION = (
+    rb'(?(linked)(?:\s*+,\s*+"args"\s*+:\s*+\{(?:[^"}]++|"(?!correlation")(?:[^"\\]++|\\.)*+")*+'
+    rb'"correlation"\s*+:\s*+(\d++))?)'
+)
 _KINETO = re.compile(
-    rb'"ph"\s*+:\s*+"[XBE]"(?:,\n\s*+("cat": [^\n]*+\n[^\n]*+\n[^\n]*+\n[^\n,]*+),\n\s*+'
-    rb'"ts": ([0-9.]++),\n\s*+"dur": ([0-9.]++))?'
+    rb'"ph"\s*+:\s*+"[XBE]"(?:,\n\s*+("cat": (?:' + _LINKED + rb"|)"
+    rb"[^\n]*+\n[^\n]*+\n[^\n]*+\n[^\n,]*+),\n\s*+"
+    rb'"ts": ([0-9.]++),\n\s*+"dur": ([0-9.]++)' + _ARGS_CORRELATION + rb")?"
 )
 _STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
 _NUM = rb"-?[0-9][0-9.eE+\-]*"
 # Any whitespace, same key order (older Kineto, compact writers, profd merge output).
 _FLEXIBLE = re.compile(
-    rb'"ph"\s*:\s*"[XBE]"(?:\s*,\s*("cat"\s*:\s*'
+    rb'"ph"\s*:\s*"[XBE]"(?:\s*,\s*("cat"\s*:\s*(?:'
+    + _LINKED
+    + rb"|"
     + _STR
-    + rb'\s*,\s*"name"\s*:\s*'
+    + rb')\s*,\s*"name"\s*:\s*'
     + _STR
     + rb'\s*,\s*"pid"\s*:\s*(?:'
     + _STR
@@ -73,9 +99,13 @@ _FLEXIBLE = re.compile(
     + _NUM
     + rb')\s*,\s*"dur"\s*:\s*('
     + _NUM
-    + rb"))?"
+    + rb")"
+    + _ARGS_CORRELATION
+    + rb")?"
 )
-_G, _TS, _DUR = itemgetter(0), itemgetter(1), itemgetter(2)
+_CORRELATION_KEY = b'"correlation"'
+# findall's groups: head text, the "linked" mark, ts, dur, correlation id
+_G, _TS, _DUR, _CORR = itemgetter(0), itemgetter(2), itemgetter(3), itemgetter(4)
 MERGED = "a merged trace written by `profd merge` (not a rank's trace)"
 
 
@@ -108,33 +138,58 @@ class FileDigest:
     ranges: list[Range] = field(default_factory=list)
     stages: list[Range] = field(default_factory=list)
     ops: list[OpTotal] = field(default_factory=list)
+    #: Device time (HTA's temporal breakdown), None without device events in its steps.
+    gpu: GpuFile | None = None
     mode: str = ""
     seconds: float = 0.0
     error: str | None = None
 
 
 class _Columns:
-    """Per-event columns of one file: head id (into ``heads``), start and duration."""
+    """Per-event columns of one file: head id (into ``heads``), start, duration and
+    correlation id (-1: none)."""
 
     def __init__(self) -> None:
         self.ids: defaultdict[Any, int] = defaultdict(itertools.count().__next__)
         self.gid: list[np.ndarray] = []
         self.ts: list[np.ndarray] = []
         self.dur: list[np.ndarray] = []
+        self.corr: list[np.ndarray] = []
 
-    def add(self, keys: Iterable[Any], ts: Iterable[Any], dur: Iterable[Any], n: int) -> None:
+    def add(
+        self, keys: Iterable[Any], ts: Iterable[Any], dur: Iterable[Any], corr: np.ndarray, n: int
+    ) -> None:
         """Append ``n`` events; ``ValueError`` (nothing appended) if a number does not parse."""
         d = np.fromiter(map(float, dur), np.float64, n)
         t = np.fromiter(map(float, ts), np.float64, n)
         self.gid.append(np.fromiter(map(self.ids.__getitem__, keys), np.int64, n))
         self.ts.append(t)
         self.dur.append(d)
+        self.corr.append(corr)
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def add_found(self, found: list[tuple[bytes, ...]], correlation_keys: int) -> None:
+        """Append the regex matches of one segment; ``ValueError`` (nothing appended) if a
+        number does not parse or the segment holds a correlation id no match captured."""
+        n = len(found)
+        corr = np.full(n, -1, np.int64)
+        if correlation_keys:  # none in the text: none captured either (CPU-only traces)
+            raw = np.array(list(map(_CORR, found)))  # bytes, b"" where there is none
+            has = raw != b""
+            if int(has.sum()) != correlation_keys:
+                raise ValueError("a correlation id outside the expected place")
+            corr[has] = raw[has].astype(np.int64)
+        self.add(map(_G, found), map(_TS, found), map(_DUR, found), corr, n)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         if not self.gid:
             empty = np.zeros(0)
-            return np.zeros(0, np.int64), empty, empty
-        return np.concatenate(self.gid), np.concatenate(self.ts), np.concatenate(self.dur)
+            return np.zeros(0, np.int64), empty, empty, np.zeros(0, np.int64)
+        return (
+            np.concatenate(self.gid),
+            np.concatenate(self.ts),
+            np.concatenate(self.dur),
+            np.concatenate(self.corr),
+        )
 
 
 class _LayoutMismatch(Exception):
@@ -152,8 +207,9 @@ def _scan_fast(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]:
         found = pattern.findall(seg)
         if not found:
             continue
+        keys = bytes(seg).count(_CORRELATION_KEY)  # a copy, but a fast search
         try:  # an event whose tail did not match has empty fields: float(b"") fails
-            cols.add(map(_G, found), map(_TS, found), map(_DUR, found), len(found))
+            cols.add_found(found, keys)
             continue
         except ValueError:
             if pattern is _FLEXIBLE:
@@ -161,7 +217,7 @@ def _scan_fast(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]:
         pattern = _FLEXIBLE
         found = pattern.findall(seg)
         try:
-            cols.add(map(_G, found), map(_TS, found), map(_DUR, found), len(found))
+            cols.add_found(found, keys)
         except ValueError:
             raise _LayoutMismatch("an event does not follow the expected key order") from None
     heads: list[tuple[Any, ...]] = []
@@ -181,6 +237,7 @@ def _scan_generic(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]
         keys: list[tuple[Any, ...]] = []
         ts: list[float] = []
         dur: list[float] = []
+        corr: list[int] = []
         for e in events:
             if not isinstance(e, dict):
                 continue
@@ -189,6 +246,7 @@ def _scan_generic(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]
                 keys.append((e.get("cat", ""), e.get("name", ""), e.get("pid"), e.get("tid")))
                 ts.append(e.get("ts", 0.0))
                 dur.append(e.get("dur", 0.0))
+                corr.append(_correlation(e))
             elif ph == "B":
                 open_b[(e.get("pid"), e.get("tid"))].append(e)
             elif ph == "E":
@@ -198,9 +256,17 @@ def _scan_generic(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]
                     keys.append((b.get("cat", ""), b.get("name", ""), b.get("pid"), b.get("tid")))
                     ts.append(b.get("ts", 0.0))
                     dur.append(float(e.get("ts", 0.0)) - float(b.get("ts", 0.0)))
+                    corr.append(_correlation(b))
         if keys:
-            cols.add(keys, ts, dur, len(keys))
+            cols.add(keys, ts, dur, np.array(corr, np.int64), len(keys))
     return cols, list(cols.ids)
+
+
+def _correlation(event: dict[str, Any]) -> int:
+    """An event's ``args.correlation`` (a launch's or a device event's), -1 without one."""
+    args = event.get("args")
+    value = args.get("correlation") if isinstance(args, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else -1
 
 
 def self_times(thread: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
@@ -258,11 +324,13 @@ def _event_order(thread: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndar
 def _op_totals(
     heads: Sequence[tuple[Any, ...]],
     gid: np.ndarray,
-    ts: np.ndarray,
+    when: np.ndarray,
     dur: np.ndarray,
     own: np.ndarray,
     stages: Sequence[Range],
 ) -> list[OpTotal]:
+    """Operator time per (stage, category, name); ``when``: the host time that decides an
+    event's stage (its start; a device event's launch)."""
     op_keys: dict[tuple[str, str], int] = {}
     key_of_head = np.full(len(heads), -1, np.int64)
     for i, (cat, name, _pid, _tid) in enumerate(heads):
@@ -276,14 +344,11 @@ def _op_totals(
     label_ix = {name: i for i, name in enumerate(labels)}
     outside = len(labels)
     stage_of = np.full(len(sel), outside, np.int64)
-    if stages:
-        ordered = sorted(stages, key=lambda s: s.ts)
-        starts = np.array([s.ts for s in ordered])
-        ends = np.array([s.end for s in ordered])
-        lab = np.array([label_ix[s.name] for s in ordered])
-        at = np.searchsorted(starts, ts[sel], side="right") - 1
-        inside = (at >= 0) & (ts[sel] < ends[np.maximum(at, 0)])
-        stage_of[inside] = lab[at[inside]]
+    if stages:  # the same rule as the GPU breakdown's (gpu.stage_pieces)
+        starts, ends, names = stage_pieces(stages)
+        lab = np.array([label_ix[name] for name in names])
+        at = stage_index(starts, ends, when[sel])
+        stage_of[at >= 0] = lab[at[at >= 0]]
     k = len(op_keys)
     flat = stage_of * k + key[sel]
     size = (outside + 1) * k
@@ -366,7 +431,7 @@ def _fill(
     digest.base_us = (
         float(base) / 1000.0 + clock_offset_us(header) if isinstance(base, int | float) else 0.0
     )
-    gid, ts, dur = cols.arrays()
+    gid, ts, dur, corr = cols.arrays()
     digest.events = len(ts)
     if len(ts) == 0:
         return
@@ -378,6 +443,38 @@ def _fill(
     )
     digest.threads = list(thread_ids)
     thread = thread_of_head[gid]
+    _fill_ranges(digest, heads, gid, ts, dur, thread)
+    steps = step_ranges(digest.ranges)
+    if isinstance(header.get("profd"), dict):
+        digest.stages = [digest.ranges[i] for i in select_stages(digest.ranges)]
+    elif pseudo_stage and steps:  # torch's ProfilerStep rows: the trace's activity per step
+        digest.stages = [Range(pseudo_stage, r.ts, r.dur, r.thread) for _, r in steps]
+    elif pseudo_stage:
+        span = digest.last_end - digest.first_ts
+        digest.stages = [Range(pseudo_stage, digest.first_ts, span, _busiest(thread))]
+    device = np.array([h[0] in GPU_OP_CATEGORIES for h in heads], bool)[gid]
+    launcher = np.array([str(h[0]).endswith(("_runtime", "_driver")) for h in heads], bool)
+    when = launch_times(ts, corr, device, launcher[gid])
+    own = self_times(thread, ts, dur)
+    digest.ops = _op_totals(heads, gid, when, dur, own, digest.stages)
+    if device.any():
+        cls = np.array(
+            [kernel_class(str(h[0]), str(h[1])) if h[0] in GPU_OP_CATEGORIES else 0 for h in heads],
+            np.int8,
+        )
+        d = np.flatnonzero(device)
+        spans = [(r.ts, r.end) for _, r in steps]
+        digest.gpu = file_gpu(ts[d], dur[d], cls[gid[d]], when[d], spans, digest.stages)
+
+
+def _fill_ranges(
+    digest: FileDigest,
+    heads: list[tuple[Any, ...]],
+    gid: np.ndarray,
+    ts: np.ndarray,
+    dur: np.ndarray,
+    thread: np.ndarray,
+) -> None:
     is_range = np.array([h[0] == RANGE_CATEGORY for h in heads], bool)
     idx = np.flatnonzero(is_range[gid])
     digest.ranges = sorted(
@@ -393,13 +490,6 @@ def _fill(
         ),
         key=lambda r: r.ts,
     )
-    if isinstance(header.get("profd"), dict):
-        digest.stages = [digest.ranges[i] for i in select_stages(digest.ranges)]
-    elif pseudo_stage:
-        span = digest.last_end - digest.first_ts
-        digest.stages = [Range(pseudo_stage, digest.first_ts, span, _busiest(thread))]
-    own = self_times(thread, ts, dur)
-    digest.ops = _op_totals(heads, gid, ts, dur, own, digest.stages)
 
 
 def _busiest(thread: np.ndarray) -> int:

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "AlignedFile",
     "FileInfo",
+    "GpuBreakdown",
+    "GpuStageBreakdown",
+    "GpuTime",
     "IdleGap",
     "LateCause",
     "MiniBatchTime",
@@ -194,6 +197,43 @@ class StageOps(_Frozen):
     ops: list[OpStat] = Field(description="The top operators, largest self time first.")
 
 
+class GpuTime(_Frozen):
+    """Device time of a set of device events (kernels, memcpys, memsets), as HTA's temporal
+    breakdown and communication-computation overlap define it (docs/gpu-breakdown.md).
+    idle + compute + non-compute = window."""
+
+    kernels: int = Field(description="Device events counted (kernel, gpu_memcpy, gpu_memset).")
+    window_ms: float = Field(
+        description="First start to last end of those events, per file, summed over files "
+        "(per stage: its busy time plus the idle time while the host was in the stage)."
+    )
+    idle_ms: float = Field(description="Time of the window with no device event running.")
+    compute_ms: float = Field(description="Time some computation kernel runs (union).")
+    non_compute_ms: float = Field(
+        description="Time only communication or memory events run: no computation overlaps."
+    )
+    communication_ms: float = Field(description="Time some communication kernel runs (union).")
+    memory_ms: float = Field(description="Time some memcpy / memset runs (union).")
+    comm_comp_overlap_pct: float | None = Field(
+        description="Share of the communication time during which computation also runs, in "
+        "percent; None without communication."
+    )
+
+
+class GpuStageBreakdown(GpuTime):
+    """Device time of one RL stage on one track: the events launched in the stage, and the
+    idle time while the host was in it."""
+
+    stage: str | None = Field(description="Stage label (None: outside every stage).")
+
+
+class GpuBreakdown(GpuTime):
+    """Device time of one track (its files' device events inside their profiled steps)."""
+
+    track: str = Field(description="Track label.")
+    stages: list[GpuStageBreakdown] = Field(description="The same figures per stage.")
+
+
 class LateCause(StrEnum):
     """Why a straggler's stage ended late: it started late (an earlier stage ran late, its own
     duration is normal), it ran longer than its peers, or both."""
@@ -283,6 +323,11 @@ class SessionSummary(_Frozen):
     mini_batches: list[MiniBatchTime] = Field(description="Mini-batch ranges.")
     idle_gaps: list[IdleGap] = Field(description="Gaps between stages inside each step.")
     top_ops: list[StageOps] = Field(description="Top operators by self time per stage.")
+    gpu: list[GpuBreakdown] = Field(
+        default_factory=list,
+        description="Device time per track that has device events: idle, compute, non-compute, "
+        "communication, memory, overlap, per stage (empty for CPU-only traces).",
+    )
     stragglers: list[Straggler] = Field(description="Late ranks, latest first.")
     straggler_rule: StragglerRule = Field(description="The rule used to call a rank late.")
     processing: ProcessingStats = Field(description="How the summary was computed.")

@@ -13,15 +13,17 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["RANGE_CATEGORY", "Range", "marker", "select_stages"]
+__all__ = ["RANGE_CATEGORY", "Range", "marker", "select_stages", "step_ranges"]
 
 RANGE_CATEGORY = "user_annotation"
+#: How torch.profiler names its own step rows (``prof.step()``; ``user_annotation`` too).
+PROFILER_STEP = "ProfilerStep#"
 
 _MARKERS = (
     ("step", re.compile(r"^step(\d+)$")),
     ("mini_batch", re.compile(r"^mini_batch(\d+)$")),
     ("micro_batch", re.compile(r"^micro_batch(\d+)$")),
-    ("step", re.compile(r"^ProfilerStep#(\d+)$")),  # torch's own step rows, if a user enabled them
+    ("step", re.compile(r"^ProfilerStep#(\d+)$")),  # torch's own step rows (prof.step())
 )
 
 
@@ -61,3 +63,12 @@ def select_stages(ranges: Sequence[Range]) -> list[int]:
             chosen.append(i)
             top_end[r.thread] = r.end
     return sorted(chosen, key=lambda i: ranges[i].ts)
+
+
+def step_ranges(ranges: Sequence[Range]) -> list[tuple[int, Range]]:
+    """The file's steps as (number, range): profd's ``step<n>`` ranges, or, in a file that has
+    none (any torch.profiler trace), torch's ``ProfilerStep#<n>`` rows. Never both: a file
+    with profd's steps and torch's rows would otherwise count each step twice."""
+    steps = [(m[1], r) for r in ranges if (m := marker(r.name)) and m[0] == "step"]
+    own = [(n, r) for n, r in steps if not r.name.startswith(PROFILER_STEP)]
+    return own or steps

@@ -3,7 +3,8 @@ scripts, no network — it opens from a file, a mail attachment or an artefact s
 
 Top down: a warning when some file is not on the shared clock (kept apart, or placed by
 metadata), the stragglers with the cause of their lateness, the stage timeline per track,
-the mean wall time per step of each stage per track, then the tables. The plots are in
+the mean wall time per step of each stage per track, then the tables, and the GPU time per
+track (HTA's temporal breakdown) where the traces have device events. The plots are in
 :mod:`profd.analysis.report_svg`.
 """
 
@@ -16,13 +17,22 @@ from html import escape
 from pathlib import Path
 
 from profd.analysis.clocks import EPOCH_FLOOR_US
-from profd.analysis.models import SessionSummary, SkipKind, SkippedFile, StageTime, Straggler
+from profd.analysis.models import (
+    GpuTime,
+    SessionSummary,
+    SkipKind,
+    SkippedFile,
+    StageTime,
+    Straggler,
+)
 from profd.analysis.report_svg import (
+    GPU_PARTS,
     LATE,
     LATE_START,
     STEP_BG,
     bar_caption,
     fmt,
+    gpu_bars_svg,
     stage_bars_svg,
     stage_colors,
     timeline_svg,
@@ -236,6 +246,48 @@ def _ops(s: SessionSummary) -> str:
     return "".join(out) or "<p class='muted'>No operator events.</p>"
 
 
+_GPU_HEAD = (
+    "window ms", "idle ms", "idle", "compute ms", "non-compute ms", "communication ms",
+    "memory ms", "comm. overlapped by compute", "kernels",
+)  # fmt: skip
+
+
+def _gpu_cells(g: GpuTime) -> tuple[object, ...]:
+    idle = f"{100 * g.idle_ms / g.window_ms:.1f}%" if g.window_ms > 0 else "-"
+    overlap = "-" if g.comm_comp_overlap_pct is None else f"{g.comm_comp_overlap_pct:.1f}%"
+    return (
+        fmt(g.window_ms), fmt(g.idle_ms), idle, fmt(g.compute_ms), fmt(g.non_compute_ms),
+        fmt(g.communication_ms), fmt(g.memory_ms), overlap, g.kernels,
+    )  # fmt: skip
+
+
+def _gpu(s: SessionSummary) -> str:
+    """The GPU time section: a stacked bar and a row per track, the stages folded away."""
+    if not s.gpu:
+        return "<p class='muted'>No device events (kernels, memcpys, memsets): CPU-only traces.</p>"
+    legend = "".join(
+        f'<span><i class="sw" style="background:{c}"></i>{escape(name)}</span>'
+        for name, c in GPU_PARTS
+    )
+    tracks = _table(("track", *_GPU_HEAD), ((g.track, *_gpu_cells(g)) for g in s.gpu))
+    stages = _table(
+        ("track", "stage", *_GPU_HEAD),
+        ((g.track, r.stage or "(outside stages)", *_gpu_cells(r)) for g in s.gpu for r in g.stages),
+        left=2,
+    )
+    return (
+        "<p class='muted'>As HTA (Holistic Trace Analysis) defines them, per file: the window "
+        "runs from the first kernel start to the last kernel end inside the profiled steps; "
+        "idle is the window with no kernel, memcpy or memset running (on any stream); "
+        "non-compute is time only communication or memory kernels run; the overlap is the "
+        "share of communication time with computation running. A track adds up its files. "
+        "Per stage, a kernel counts in the stage that launched it and idle time in the stage "
+        "the host was in (docs/gpu-breakdown.md).</p>"
+        f'<div class="legend">{legend}</div>{gpu_bars_svg(s)}{tracks}'
+        f"<details><summary>Per stage</summary>{stages}</details>"
+    )
+
+
 _STATS_HEAD = (
     "step", "stage", "role", "ranks", "min ms", "median ms", "max ms", "end spread ms", "ended last"
 )  # fmt: skip
@@ -320,6 +372,7 @@ mean in ms. The notes name the steps in which the track was a straggler, and why
 <details><summary>Idle gaps between stages ({len(s.idle_gaps)})</summary>{t["gaps"]}</details>
 <h2>Mini-batches</h2>
 <details><summary>{len(s.mini_batches)} mini-batch ranges</summary>{t["minis"]}</details>
+<h2 id="gpu">GPU time</h2>{_gpu(s)}
 <h2>Top operators by self time</h2>{_ops(s)}
 <h2 id="files">Files</h2>{t["files"]}{t["skipped"]}
 </body></html>

@@ -17,6 +17,7 @@ from profd.analysis.models import SessionSummary, StageTime, Straggler
 
 __all__ = [
     "BAR_W",
+    "GPU_PARTS",
     "LATE",
     "LATE_START",
     "PALETTE",
@@ -26,6 +27,7 @@ __all__ = [
     "bar_caption",
     "bar_rows",
     "fmt",
+    "gpu_bars_svg",
     "late_marks",
     "nice_step",
     "short",
@@ -50,6 +52,8 @@ PALETTE = (
 LATE = "#d62728"  # ran long: the stage itself is slow
 LATE_START = "#ff7f0e"  # started late: pushed by an earlier stage
 STEP_BG = "#e9edf2"
+#: GPU time parts: computation, communication / memory alone, idle.
+GPU_PARTS = (("compute", "#4e79a7"), ("non-compute", "#b07aa1"), ("idle", "#d9d9d9"))
 LABEL_W = 260
 PLOT_W = 960
 BAR_W = 560
@@ -305,3 +309,32 @@ def stage_bars_svg(s: SessionSummary, stage: str, rows: Sequence[StageTime]) -> 
         )
     w = LABEL_W + BAR_W + 420
     return _svg(w, height + AXIS_H, f"{stage}: mean wall time per step, per track", "".join(parts))
+
+
+def gpu_bars_svg(s: SessionSummary) -> str:
+    """One bar per track with GPU time: its window split into compute, non-compute (only
+    communication or memory running) and idle, as shares; the idle share written after it."""
+    rows = s.gpu
+    height = len(rows) * ROW_H
+    scale = BAR_W / 100.0
+    parts = [_axis(100.0, LABEL_W, BAR_W, 0, height, "share of the GPU window (%)")]
+    for i, g in enumerate(rows):
+        y = i * ROW_H
+        x = float(LABEL_W)
+        parts.append(_row_label(y, g.track))
+        values = (g.compute_ms, g.non_compute_ms, g.idle_ms)
+        for (label, color), ms in zip(GPU_PARTS, values, strict=True):
+            pct = 100.0 * ms / g.window_ms if g.window_ms > 0 else 0.0
+            tip = f"{label} on {g.track}: {fmt(ms)} ms, {pct:.1f}% of {fmt(g.window_ms)} ms"
+            parts.append(
+                f'<rect class="gpu-part" data-part="{label}" x="{x:.2f}" y="{y + 5}" '
+                f'width="{pct * scale:.2f}" height="{ROW_H - 10}" fill="{color}">'
+                f"<title>{escape(tip)}</title></rect>"
+            )
+            x += pct * scale
+        idle = 100.0 * g.idle_ms / g.window_ms if g.window_ms > 0 else 0.0
+        parts.append(
+            f'<text class="value" x="{LABEL_W + BAR_W + 6}" y="{y + ROW_H / 2 + 4:.1f}">'
+            f"{idle:.1f}% idle of {fmt(g.window_ms)} ms</text>"
+        )
+    return _svg(LABEL_W + BAR_W + 240, height + AXIS_H, "GPU time per track", "".join(parts))

@@ -19,6 +19,7 @@ from typing import Any
 
 from profd.analysis.clocks import ClockHint, hints_for, split_clocks
 from profd.analysis.digest import GPU_OP_CATEGORIES, FileDigest, digest_file
+from profd.analysis.gpu import gpu_breakdowns
 from profd.analysis.jsonscan import json_size_hint
 from profd.analysis.models import (
     AlignedFile,
@@ -38,7 +39,7 @@ from profd.analysis.models import (
     TrackInfo,
 )
 from profd.analysis.parallel import MapStats, map_files, map_files_ray, resolve_workers
-from profd.analysis.ranges import Range, marker
+from profd.analysis.ranges import Range, marker, step_ranges
 from profd.analysis.sources import TrackIdentity, discover, identify
 from profd.analysis.stragglers import detect_stragglers
 
@@ -157,15 +158,16 @@ class _FileView:
         self.d = d
         self.ident = ident
         self.offset = d.base_us - t0
-        self.steps = [(m[1], r) for r in d.ranges if (m := marker(r.name)) and m[0] == "step"]
+        self.steps = step_ranges(d.ranges)
 
     def ms(self, ts: float) -> float:
         return (self.offset + ts) / 1000.0
 
     def step_at(self, ts: float) -> int | None:
-        for n, r in self.steps:
-            if r.ts <= ts <= r.end:
-                return n
+        # the latest step that started: torch's ProfilerStep rows share their boundaries
+        inside = [(r.ts, n) for n, r in self.steps if r.ts <= ts <= r.end]
+        if inside:
+            return max(inside)[1]
         return None if self.steps else self.ident.step
 
     def stage_at(self, ts: float) -> Range | None:
@@ -252,6 +254,9 @@ def summarize_digests(
         mini_batches=minis,
         idle_gaps=sorted(gaps, key=lambda g: (g.step is None, g.step, g.track, g.start_ms)),
         top_ops=_top_ops(ok, top, order),
+        gpu=gpu_breakdowns(
+            ((label[idents[d.path].key], d.gpu) for d in ok), [i.label for i in ordered], order
+        ),
         stragglers=detect_stragglers(stage_rows, rule),
         straggler_rule=rule,
         processing=_processing(digests, stats, started),

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from profd.cli import analysis, service
+from profd.cli import analysis, diff_view, service
 from profd.cli.client import ApiClient, CliError, format_bytes
 from profd.cli.common import (
     JsonOpt,
@@ -363,6 +363,7 @@ def demo(
 
 service.register(app)
 analysis.register(app)  # profd merge / profd summarize
+app.command("diff")(diff_view.diff)
 
 
 def main() -> None:

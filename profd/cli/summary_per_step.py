@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -121,6 +122,52 @@ def _print_minis(s: SessionSummary, out: Console) -> None:
     out.print(table)
 
 
+def _pct(part: float | None, whole: float = 100.0) -> str:
+    return "-" if part is None or whole <= 0 else f"{100 * part / whole:.1f}%"
+
+
+_GPU_COLUMNS = ("window", "idle", "compute", "non-comp", "comm", "mem", "overlap")
+
+
+def _gpu_cells(g: Any) -> list[str]:
+    return [
+        f"{g.window_ms:,.1f}",
+        _pct(g.idle_ms, g.window_ms),
+        f"{g.compute_ms:,.1f}",
+        f"{g.non_compute_ms:,.1f}",
+        f"{g.communication_ms:,.1f}",
+        f"{g.memory_ms:,.1f}",
+        _pct(g.comm_comp_overlap_pct),
+    ]
+
+
+def _gpu_table(title: str, text: tuple[str, ...], numbers: tuple[str, ...]) -> Table:
+    """Borderless, as the default view's tables: ten columns fit 80 characters."""
+    table = Table(
+        title=title, box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True,
+        title_justify="left",
+    )  # fmt: skip
+    for col in text:
+        table.add_column(col, overflow="fold")
+    for col in numbers:
+        table.add_column(col, no_wrap=True, justify="right")
+    return table
+
+
+def _print_gpu(s: SessionSummary, out: Console) -> None:
+    """Every track's GPU time, then every (track, stage)."""
+    if not s.gpu:
+        return
+    tracks = _gpu_table("GPU time per track (ms)", ("track",), ("kernels", *_GPU_COLUMNS))
+    stages = _gpu_table("GPU time per track x stage (ms)", ("track", "stage"), _GPU_COLUMNS)
+    for g in s.gpu:
+        tracks.add_row(short_track(g.track), f"{g.kernels:,}", *_gpu_cells(g))
+        for r in g.stages:
+            stages.add_row(short_track(g.track), r.stage or "(outside)", *_gpu_cells(r))
+    out.print(tracks)
+    out.print(stages)
+
+
 def short_track(track: str) -> str:
     """A track's label without its node (``actor rank 0 @host`` -> ``actor rank 0``)."""
     return track.split(" @", 1)[0]
@@ -129,4 +176,5 @@ def short_track(track: str) -> str:
 def print_per_step(s: SessionSummary, out: Console) -> None:
     for part in (_print_stats, _print_grid, _print_minis, _print_stragglers, _print_gaps):
         part(s, out)
+    _print_gpu(s, out)
     _print_ops(s, out)

@@ -81,7 +81,7 @@ class _Names:
 
 
 _TEXT_COLUMNS = frozenset(
-    {"stage", "role", "rank", "slowest", "dev", "operator", "after", "before"}
+    {"stage", "role", "rank", "slowest", "dev", "operator", "after", "before", "track"}
 )
 
 
@@ -106,6 +106,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
+def _pct(part: float | None, whole: float = 100.0) -> str:
+    return "-" if part is None or whole <= 0 else f"{100 * part / whole:.1f}%"
+
+
 def print_summary(
     s: SessionSummary, out: Console | None = None, per_step: bool = False, wide: bool = False
 ) -> None:
@@ -127,7 +131,13 @@ def print_summary(
         names = _Names.of(s, wide)
         _print_stage_aggregates(s, out, names)
         _print_legend(out, names)
-        for section in (_print_straggler_aggregates, _print_idle_aggregates, _print_minis_folded):
+        sections = (
+            _print_straggler_aggregates,
+            _print_idle_aggregates,
+            _print_minis_folded,
+            _print_gpu,
+        )
+        for section in sections:
             out.print()
             section(s, out, names)
         out.print()
@@ -270,6 +280,64 @@ def _print_minis_folded(s: SessionSummary, out: Console, names: _Names) -> None:
             str(a.micro_batches),
         )
     out.print(table)
+
+
+GPU_TRACKS = 16  # rows of the default GPU table; --per-step and --json have every track
+
+
+def _print_gpu(s: SessionSummary, out: Console, names: _Names) -> None:
+    """GPU time per track and per stage (HTA's temporal breakdown), when a trace has any."""
+    from profd.analysis.aggregate import gpu_stage_aggregates
+
+    if not s.gpu:
+        return
+    info = {t.track: t for t in s.tracks}
+    table = _table(
+        "GPU time per track (ms)",
+        *("track", "window", "idle", "compute", "non-comp", "comm", "mem", "overlap"),
+    )
+    # the idlest first: with many ranks, the ones to look at
+    rows = sorted(s.gpu, key=lambda g: -(g.idle_ms / g.window_ms if g.window_ms else 0.0))
+    for g in rows[:GPU_TRACKS]:
+        t = info.get(g.track)
+        who = names.rank(t.rank if t else None, g.track)
+        if t is not None and t.role and t.rank is not None:
+            who = f"{names.ro(t.role)} {who}"
+        table.add_row(
+            who,
+            _ms(g.window_ms),
+            _pct(g.idle_ms, g.window_ms),
+            _ms(g.compute_ms),
+            _ms(g.non_compute_ms),
+            _ms(g.communication_ms),
+            _ms(g.memory_ms),
+            _pct(g.comm_comp_overlap_pct),
+        )
+    out.print(table)
+    if len(rows) > GPU_TRACKS:
+        out.print(f"… {len(rows) - GPU_TRACKS} more tracks (--per-step or --json: all).")
+    out.print(
+        "idle: share of the window (first kernel start to last kernel end) with no kernel; "
+        "overlap: share of comm time with computation running (as HTA defines them)."
+    )
+    stages = _table(
+        "GPU time per stage, summed over tracks (ms)",
+        *("stage", "window", "idle", "compute", "non-comp", "comm", "overlap"),
+    )
+    for a in gpu_stage_aggregates(s):
+        stages.add_row(
+            names.st(a.stage),
+            _ms(a.window_ms),
+            _pct(a.idle_ms, a.window_ms),
+            _ms(a.compute_ms),
+            _ms(a.non_compute_ms),
+            _ms(a.communication_ms),
+            _pct(a.overlap_pct),
+        )
+    out.print(stages)
+    out.print(
+        "A kernel counts in the stage that launched it, idle time in the stage the host was in."
+    )
 
 
 def _print_top_ops(s: SessionSummary, out: Console, names: _Names, wide: bool) -> None:
