@@ -4,10 +4,13 @@ every test, profiled through profd's public API as a job would do it.
 * **Install overlap.** When the run selected any ``engine`` test, installing vLLM (about
   4 minutes on a clean clone) starts on a background thread at the end of collection
   (:func:`pytest_collection_modifyitems`), so it runs while the rest of the suite does;
-  :func:`vllm_py` waits for it. A hook of this sub-directory conftest is called for a
-  whole-repo ``python -m pytest`` too (``pytest_collection_modifyitems`` goes to every
-  conftest registered by then, and this one is registered when ``tests/engine`` is
-  collected); ``trylast`` makes it see the items after ``-m`` / ``-k`` deselection.
+  :func:`vllm_py` waits for it. Right after it, the same thread launches the suite's server
+  (:func:`_launch_into`, at nice 19), so its model load and warm-up overlap the suite too;
+  :func:`vllm_server` takes that process and waits for ``/ping``. A hook of this
+  sub-directory conftest is called for a whole-repo ``python -m pytest`` too
+  (``pytest_collection_modifyitems`` goes to every conftest registered by then, and this
+  one is registered when ``tests/engine`` is collected); ``trylast`` makes it see the items
+  after ``-m`` / ``-k`` deselection.
 * **Order.** The same hook moves the engine tests to the end of the run (the install has the
   whole rest of the suite to finish) and, among them, the tests using
   :func:`vllm_server_to_kill` last of all: they kill the shared server.
@@ -35,6 +38,7 @@ import pytest
 from engine_helpers import (
     VLLM_VERSION,
     EngineInstallError,
+    EngineStartError,
     RealReplicaHost,
     VllmServer,
     abort_installs,
@@ -61,16 +65,25 @@ FLUSH = FlushWait(
 #: The fixture whose tests kill the shared server: they run last.
 KILLER_FIXTURE = "vllm_server_to_kill"
 
+#: Niceness of the server while it starts beside the rest of the suite.
+BACKGROUND_NICE = 19
+
 _install: concurrent.futures.Future[Path] | None = None
+_server: concurrent.futures.Future[VllmServer] | None = None
+_engine_tmp: Path | None = None
 _install_lock = threading.Lock()
 
 
-def start_vllm_install() -> concurrent.futures.Future[Path]:
-    """Install vLLM's venv on a background thread (once per run); its future."""
-    global _install
+def start_vllm_install(engine_tmp: Path | None = None) -> concurrent.futures.Future[Path]:
+    """Install vLLM's venv on a background thread (once per run) and, given ``engine_tmp``,
+    launch the suite's server right after it (:func:`launched_server`); the install's future."""
+    global _install, _server
     with _install_lock:
         if _install is None:
             fut: concurrent.futures.Future[Path] = concurrent.futures.Future()
+            srv: concurrent.futures.Future[VllmServer] | None = None
+            if engine_tmp is not None:
+                srv = _server = concurrent.futures.Future()
 
             def run() -> None:
                 t0 = time.monotonic()
@@ -79,10 +92,45 @@ def start_vllm_install() -> concurrent.futures.Future[Path]:
                 except BaseException as exc:
                     fut.set_exception(exc)
                 log.info("vllm install thread done in %.1fs", time.monotonic() - t0)
+                if srv is not None and engine_tmp is not None:
+                    _launch_into(srv, engine_tmp, fut)
 
             threading.Thread(target=run, name="profd-vllm-install", daemon=True).start()
             _install = fut
         return _install
+
+
+def _server_for(engine_tmp: Path, python: Path) -> VllmServer:
+    """The suite's server (not started): replica 0 with profd's launch settings."""
+    launch = _launch_settings(Path(coordinator_settings(engine_tmp).save_root))
+    Path(launch.trace_dir).mkdir(parents=True, exist_ok=True)
+    return VllmServer(
+        tiny_model_dir(engine_tmp),
+        extra_args=launch.cli_args(),
+        python=python,
+        log_path=engine_tmp / "vllm-server.log",
+        ready_timeout_s=420,
+    )
+
+
+def _launch_into(
+    srv: concurrent.futures.Future[VllmServer],
+    engine_tmp: Path,
+    install: concurrent.futures.Future[Path],
+) -> None:
+    """Launch the server as soon as the install is done: its model load and warm-up (a
+    minute or two on 2 cores) then overlap the rest of the suite, at the lowest priority."""
+    try:
+        server = _server_for(engine_tmp, install.result())
+        srv.set_result(server.launch(nice=BACKGROUND_NICE))
+    except BaseException as exc:
+        srv.set_exception(exc)
+
+
+def _launch_settings(save_root: Path) -> Any:
+    return vllm_launch_settings(
+        EngineProfileOptions(), str(engine_trace_dir(save_root, 0)), VLLM_VERSION
+    )
 
 
 def _is_engine(item: pytest.Item) -> bool:
@@ -106,13 +154,21 @@ def pytest_collection_modifyitems(
     engine.sort(key=_engine_order)  # stable: file order within each rank
     items[:] = [i for i in items if not _is_engine(i)] + engine
     if not config.option.collectonly:
-        start_vllm_install()
+        global _engine_tmp
+        _engine_tmp = config._tmp_path_factory.mktemp("engine")  # the engine_tmp fixture's
+        start_vllm_install(_engine_tmp if any(_uses_server(i) for i in engine) else None)
+
+
+def _uses_server(item: pytest.Item) -> bool:
+    return "vllm_server" in getattr(item, "fixturenames", ())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _install is not None and not _install.done():
         killed = abort_installs()
         log.warning("the run ended before the vLLM install did: killed %d install step(s)", killed)
+    if _server is not None and _server.done() and _server.exception() is None:
+        _server.result().stop()  # a run that ended before the engine tests used it
 
 
 # -- the engine ----------------------------------------------------------------------------
@@ -132,7 +188,8 @@ def vllm_py() -> Path:
 
 @pytest.fixture(scope="session")
 def engine_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine")
+    """The suite's directory (made at collection when the server starts in the background)."""
+    return _engine_tmp or tmp_path_factory.mktemp("engine")
 
 
 @pytest.fixture(scope="session")
@@ -144,24 +201,35 @@ def save_root(engine_tmp: Path) -> Path:
 @pytest.fixture(scope="session")
 def vllm_launch(save_root: Path) -> Any:
     """profd's launch settings for replica 0: no token window, profd's default contents."""
-    trace_dir = engine_trace_dir(save_root, 0)
-    return vllm_launch_settings(EngineProfileOptions(), str(trace_dir), VLLM_VERSION)
+    return _launch_settings(save_root)
 
 
 @pytest.fixture(scope="session")
 def vllm_server(vllm_py: Path, vllm_launch: Any, engine_tmp: Path) -> Iterator[VllmServer]:
-    """The one real vLLM server of the suite, launched with profd's flags."""
-    Path(vllm_launch.trace_dir).mkdir(parents=True, exist_ok=True)
-    srv = VllmServer(
-        tiny_model_dir(engine_tmp),
-        extra_args=vllm_launch.cli_args(),
-        python=vllm_py,
-        log_path=engine_tmp / "vllm-server.log",
-        ready_timeout_s=420,
-    )
-    with srv:
+    """The one real vLLM server of the suite, launched with profd's flags: the one the
+    install thread launched in the background when there is one, else launched now."""
+    if _server is not None and engine_tmp == _engine_tmp:
+        srv = _server.result()
+        assert srv.extra_args == vllm_launch.cli_args()
+        reniced = srv.renice(0)  # serving now: no longer behind the suite (needs privileges)
+        log.info("background vllm server (reniced to 0: %s)", reniced)
+    else:
+        srv = _server_for(engine_tmp, vllm_py).launch()
+    try:
+        try:
+            srv.wait_ready()
+        except EngineStartError as exc:
+            if srv is not (_server.result() if _server is not None else None):
+                raise
+            # the background one died (its port taken while it imported, say): once more,
+            # in the foreground
+            log.warning("the background vllm server failed; launching another: %s", exc)
+            srv = _server_for(engine_tmp, vllm_py).launch()
+            srv.wait_ready()
         log.info("vllm server ready in %.1fs", srv.ready_s)
         yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ without it. Whatever they hold: no 5xx, every response conforms to the schema (s
 content type, body), bodies that break the schema are rejected, operations that declare the
 bearer scheme refuse requests without it, and a rejected request (4xx) changes no session.
 
-``PROFD_FUZZ_EXAMPLES`` (default 80) bounds the examples per operation and generation mode.
+``PROFD_FUZZ_EXAMPLES`` (default 50) bounds the examples per operation and generation mode.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from schemathesis.specs.openapi.checks import (
 
 from helpers import AUTH, start_agents
 
-EXAMPLES = int(os.environ.get("PROFD_FUZZ_EXAMPLES", "80"))
+EXAMPLES = int(os.environ.get("PROFD_FUZZ_EXAMPLES", "50"))
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
