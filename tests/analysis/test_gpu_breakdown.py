@@ -24,10 +24,22 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
+from gpu_traces import (
+    CPU_PID,
+    CPU_TID,
+    HOST,
+    MS,
+    NCCL,
+    cpu_only_events,
+    gpu_events,
+    header,
+    kineto_text,
+    shifted,
+    x,
+)
 from typer.testing import CliRunner
 
 from profd.analysis import render_html, summarize_dir
@@ -36,109 +48,7 @@ from profd.analysis.gpu import GpuTimes, KernelClass, kernel_class
 from profd.analysis.models import SessionSummary
 from profd.cli.main import app
 
-MS = 1000.0  # µs
-T0 = 7_000_000.0  # µs: the files' ts origin (Kineto ts are relative to baseTimeNanoseconds)
-BASE_NS = 1_790_000_000_000_000_000
-HOST = "h<1>"  # markup in the host name: the HTML must escape it
-CPU_PID, CPU_TID = 4242, 4242
-NCCL = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
 TRACK0 = f"actor rank 0 @{HOST}"
-
-
-# -- writing traces in torch 2.13's layout ------------------------------------------------------
-def x(cat: str, name: str, pid: int, tid: int, start_ms: float, dur_ms: float, **args: Any):
-    """One complete ('X') event; ``args`` in the order given."""
-    e = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid}
-    e |= {"ts": T0 + start_ms * MS, "dur": dur_ms * MS}
-    return e | ({"args": args} if args else {})
-
-
-def kineto_text(header: dict[str, Any], events: list[dict[str, Any]]) -> str:
-    """The text torch.profiler writes: one key per line, "args" after a lone comma."""
-    out = []
-    for e in events:
-        lines = [f'    "{k}": {json.dumps(e[k])},' for k in ("ph", "cat", "name", "pid", "tid")]
-        lines += [f'    "ts": {e["ts"]:.3f},', f'    "dur": {e["dur"]:.3f}']
-        if "args" in e:
-            inner = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in e["args"].items())
-            lines += ["    ,", '    "args": {', f"      {inner}", "    }"]
-        out.append("  {\n" + "\n".join(lines) + "\n  }")
-    head = ",\n".join(f'  "{k}": {json.dumps(v)}' for k, v in header.items())
-    return "{\n" + head + ',\n  "traceEvents": [\n' + ",\n".join(out) + '\n  ],\n  "x": 0\n}\n'
-
-
-def launch(at_ms: float, corr: int) -> dict[str, Any]:
-    return x(
-        "cuda_runtime", "cudaLaunchKernel", CPU_PID, CPU_TID, at_ms, 0.5,
-        **{"External id": corr + 500, "cbid": 211, "correlation": corr},
-    )  # fmt: skip
-
-
-def device(
-    name: str, stream: int, start: float, end: float, corr: int | None, cat: str = "kernel"
-) -> dict[str, Any]:
-    args: dict[str, Any] = {"External id": 9, "queued": 0, "device": 0, "context": 1}
-    args["stream"] = stream
-    if corr is not None:
-        args["correlation"] = corr
-    args |= {"registers per thread": 32, "grid": [8, 1, 1], "block": [128, 1, 1]}
-    return x(cat, name, 0, stream, start, end - start, **args)
-
-
-# (name, category, stream, start, end, correlation, launched at); None: no launch event
-GPU_EVENTS = [
-    ("gemm_a", "kernel", 7, 5, 15, 1, 2),
-    ("gemm_side", "kernel", 20, 10, 18, 7, 3),
-    ("gemm_b", "kernel", 7, 20, 30, 2, 18),
-    ("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 7, 32, 34, None, None),
-    ("gemm_c", "kernel", 7, 45, 60, 4, 38),
-    (NCCL, "kernel", 20, 55, 70, 5, 52),
-    ("add_kernel", "kernel", 7, 62, 64, 6, 45),
-    ("Memset (Device)", "gpu_memset", 7, 72, 73, 10, 71),
-    ("relu_kernel", "kernel", 7, 80, 90, 999, None),
-    ("late_kernel", "kernel", 7, 106, 108, 8, 105),
-]
-
-
-def shifted(events: list[dict[str, Any]], ms: float) -> list[dict[str, Any]]:
-    return [e | {"ts": e["ts"] + ms * MS} for e in events]
-
-
-def gpu_events(step: int) -> list[dict[str, Any]]:
-    """Host ranges, a few operators, the launches and the device events of one step."""
-    events = [
-        x("user_annotation", f"step{step}", CPU_PID, CPU_TID, 0, 100),
-        x("user_annotation", "generate", CPU_PID, CPU_TID, 0, 40),
-        x("cpu_op", "aten::mm", CPU_PID, CPU_TID, 1, 3, **{"External id": 1}),
-        x("user_annotation", "update", CPU_PID, CPU_TID, 50, 50),
-        x("cpu_op", "aten::add", CPU_PID, CPU_TID, 51, 2, **{"External id": 2}),
-    ]
-    for name, cat, stream, start, end, corr, at in GPU_EVENTS:
-        if at is not None:
-            events.append(launch(at, corr))
-        events.append(device(name, stream, start, end, corr, cat))
-    return sorted(events, key=lambda e: e["ts"])
-
-
-def header(rank: int, step: int) -> dict[str, Any]:
-    meta = {"role": "actor", "rank": rank, "world_size": 2, "step": step, "scope": "train"}
-    return {
-        "schemaVersion": 1,
-        "deviceProperties": [{"id": 0, "name": "NVIDIA H200"}],
-        "profd": meta | {"session_id": "s-gpu", "pid": CPU_PID},
-        "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": 2},
-        "baseTimeNanoseconds": BASE_NS,
-        "host_name": HOST,
-    }
-
-
-def cpu_only_events(step: int) -> list[dict[str, Any]]:
-    return [
-        x("user_annotation", f"step{step}", 77, 77, 0, 100),
-        x("user_annotation", "generate", 77, 77, 0, 40),
-        x("cpu_op", "aten::mm", 77, 77, 1, 30, **{"External id": 1}),
-        x("user_annotation", "update", 77, 77, 50, 50),
-    ]
 
 
 @pytest.fixture(scope="module")
