@@ -13,14 +13,18 @@ from profd.core.ray_env import find_actor, find_coordinator, find_sidecar
 
 __all__ = [
     "get_or_create_coordinator",
+    "get_or_create_relay",
     "get_or_create_sidecar",
     "kill_named",
+    "kill_relays",
 ]
 
 log = logging.getLogger(__name__)
 
 #: Enough concurrent calls for every agent's long-poll plus API traffic.
 COORDINATOR_MAX_CONCURRENCY = 100_000
+#: A node's agents: their long-polls, event reports and registrations at once.
+RELAY_MAX_CONCURRENCY = 10_000
 
 
 def _alive(handle: Any, timeout: float = 10.0) -> bool:
@@ -108,6 +112,44 @@ def get_or_create_sidecar(config: Any, *, detached: bool = True) -> tuple[Any, b
         ray.kill(handle)
         raise
     return handle, True
+
+
+def get_or_create_relay(node_id: str) -> Any:
+    """The relay of Ray node ``node_id`` (started there when missing; Ray restarts it when
+    its process dies). Detached: it outlives the job that started it, until ``profd down``."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from profd.actors.relay import NodeRelay, relay_name
+
+    return (
+        ray.remote(NodeRelay)
+        .options(
+            name=relay_name(node_id),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_restarts=-1,
+            max_concurrency=RELAY_MAX_CONCURRENCY,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(node_id)
+    )
+
+
+def kill_relays() -> list[str]:
+    """Kill every node relay; their names."""
+    import ray
+
+    from profd.actors.relay import RELAY_PREFIX
+
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        ours = entry.get("namespace") == NAMESPACE and entry["name"].startswith(RELAY_PREFIX)
+        if ours and kill_named(entry["name"]):
+            killed.append(entry["name"])
+    return killed
 
 
 def kill_named(name: str) -> bool:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from profd.actors.trace_index import TraceRefused
 from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PollReply, TraceWritten
+from profd.core.states import AgentLink
 
 if TYPE_CHECKING:
     from profd.actors.planbook import PlanBook
@@ -106,6 +107,8 @@ class AgentDesk:
         if rec is None:
             return PollReply(plan=None, known=False)
         rec.touch(self._clock(), step)
+        rec.link = AgentLink.DIRECT
+        self._plans.take_woken((agent_id,))  # its own poll: the step it carries is fresh
         self._on_fresh_step(agent_id)
         plan = await self._plans.wait(agent_id, known_version, min(timeout, MAX_POLL_S))
         if (rec := self._registry.get(agent_id)) is not None:
@@ -113,21 +116,32 @@ class AgentDesk:
         return PollReply(plan=plan)
 
     async def poll_many(
-        self, known: dict[str, int], steps: dict[str, int | None], timeout: float
+        self,
+        known: dict[str, int],
+        steps: dict[str, int | None],
+        timeout: float,
+        via: str | None = None,
     ) -> dict[str, PollReply]:
         """See :meth:`ProfileCoordinator.poll_many`."""
+        link = AgentLink.RELAY if via else AgentLink.SHARED
         now = self._clock()
         replies: dict[str, PollReply] = {}
         waiting: dict[str, int] = {}
+        # woken since the last shared poll: the steps this one carries may be older than
+        # the wake-up, so they are not fresh; it returns at once and the next one has them
+        woken = self._plans.take_woken(known)
         for aid, version in known.items():
             rec = self._registry.get(aid)
             if rec is None:
                 replies[aid] = PollReply(plan=None, known=False)
                 continue
             rec.touch(now, steps.get(aid))
-            self._on_fresh_step(aid)
+            rec.link = link
+            if aid not in woken:
+                self._on_fresh_step(aid)
             waiting[aid] = version
-        plans = await self._plans.wait_any(waiting, 0 if replies else min(timeout, MAX_POLL_S))
+        wait_s = 0 if (replies or woken) else min(timeout, MAX_POLL_S)
+        plans = await self._plans.wait_any(waiting, wait_s)
         now = self._clock()
         for aid in waiting:
             rec = self._registry.get(aid)

@@ -208,14 +208,24 @@ class ProfileCoordinator:
         return await self._agents.poll(agent_id, known_version, step, timeout)
 
     async def poll_many(
-        self, known: dict[str, int], steps: dict[str, int | None], timeout: float
+        self,
+        known: dict[str, int],
+        steps: dict[str, int | None],
+        timeout: float,
+        via: str | None = None,
     ) -> dict[str, PollReply]:
-        """One long-poll for every agent of a process (see :mod:`profd.agent.multiplex`):
-        the replies of the agents whose plan changed (or who must register again)."""
-        return await self._agents.poll_many(known, steps, timeout)
+        """One long-poll for many agents: a node's relay (``via``: its name; see
+        :mod:`profd.actors.relay`) or every agent of a process (:mod:`profd.agent.multiplex`).
+        The replies of the agents whose plan changed (or who must register again)."""
+        return await self._agents.poll_many(known, steps, timeout, via)
 
     async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         return await self._agents.report(agent_id, events)
+
+    async def report_many(self, batches: dict[str, list[AgentEvent]]) -> dict[str, bool]:
+        """A relay's batch: each agent's events, applied as :meth:`report` does; whether
+        each agent is known."""
+        return {aid: await self._agents.report(aid, events) for aid, events in batches.items()}
 
     async def list_agents(self) -> list[AgentView]:
         now = self._clock()

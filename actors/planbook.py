@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
 from profd.core.protocol import AgentPlan, WindowPlan
 
@@ -19,7 +20,7 @@ _EMPTY = AgentPlan(version=0)
 
 
 class _Entry:
-    __slots__ = ("acked", "delivered", "plan", "waiters")
+    __slots__ = ("acked", "delivered", "plan", "waiters", "woken")
 
     def __init__(self) -> None:
         self.plan = _EMPTY
@@ -29,6 +30,8 @@ class _Entry:
         self.waiters: list[asyncio.Event] | None = None
         #: Events of ``wait_delivered`` calls.
         self.acked: list[asyncio.Event] | None = None
+        #: Woken while no poll was parked: the next poll returns at once.
+        self.woken = False
 
 
 def _signal(events: list[asyncio.Event] | None) -> None:
@@ -85,10 +88,24 @@ class PlanBook:
         _signal(entry.waiters)
 
     def wake(self, agent_id: str) -> None:
-        """Release the agent's parked long-poll without a new plan (it re-polls at once)."""
+        """Release the agent's parked long-poll without a new plan (it re-polls at once).
+        With none parked (a relay between two shared polls) the next poll returns at once."""
         entry = self._entries.get(agent_id)
         if entry is not None:
-            _signal(entry.waiters)
+            if entry.waiters:
+                _signal(entry.waiters)
+            else:
+                entry.woken = True
+
+    def take_woken(self, agent_ids: Iterable[str]) -> set[str]:
+        """The agents woken while no poll of theirs was parked (the flags are cleared)."""
+        woken = set()
+        for aid in agent_ids:
+            entry = self._entries.get(aid)
+            if entry is not None and entry.woken:
+                entry.woken = False
+                woken.add(aid)
+        return woken
 
     def _ack(self, entry: _Entry, known_version: int) -> None:
         if known_version != entry.delivered:

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from profd.core.protocol import AgentInfo
-from profd.core.states import AgentState
+from profd.core.states import AgentLink, AgentState
 from profd.core.views import AgentView, ReplicaView
 
 __all__ = ["AgentRecord", "AgentRegistry"]
@@ -20,6 +20,7 @@ class AgentRecord:
     last_seen: float
     current_step: int | None = None
     state: AgentState = AgentState.ALIVE
+    link: AgentLink | None = None  # how its last poll came (None before the first)
 
     def touch(self, now: float, step: int | None, revive: bool = True) -> None:
         """Heard from now. ``revive=False`` for the end of a long-poll parked before the
@@ -56,6 +57,7 @@ class AgentRecord:
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             capabilities=dict(i.capabilities),
             labels=dict(i.labels),
+            link=self.link,
             replica=ReplicaView(**dataclasses.asdict(i.replica)) if i.replica else None,
         )
 

@@ -26,7 +26,15 @@ from profd.core.errors import CoordinatorUnavailable
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
 from profd.core.ray_env import call_coordinator, find_coordinator
 
-__all__ = ["Channel", "CoordinatorLink", "LinkDown", "RayLink", "Registration", "find_ray_link"]
+__all__ = [
+    "Channel",
+    "CoordinatorLink",
+    "LinkDown",
+    "LinkMoved",
+    "RayLink",
+    "Registration",
+    "find_ray_link",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,10 @@ _MAX_QUEUED_EVENTS = 100_000
 
 class LinkDown(Exception):
     """The coordinator cannot be reached right now (absent, restarting, dead)."""
+
+
+class LinkMoved(LinkDown):
+    """A better link exists now (a node's relay is back): connect again, without back-off."""
 
 
 class Registration(Protocol):
@@ -235,6 +247,10 @@ class Channel:
                     self._link = None
                     continue
                 self._accept(reply.plan)
+            except LinkMoved as exc:
+                self._registered.clear()
+                self._link = None
+                log.info("profd: agent %s: %s; connecting again", self.info.agent_id, exc)
             except LinkDown as exc:
                 self._registered.clear()
                 self._link = None

@@ -272,14 +272,14 @@ def start_services(
 
 
 def stop_services() -> list[str]:
-    """Stop the sidecar and the coordinator; return the names of what was stopped."""
-    from profd.actors import kill_named
+    """Stop the sidecar, the coordinator and the node relays; the names of what was stopped."""
+    from profd.actors import kill_named, kill_relays
 
     stopped = []
     for name in (SIDECAR_NAME, COORDINATOR_NAME):
         if kill_named(name):
             stopped.append(name)
-    return stopped
+    return stopped + kill_relays()
 
 
 def _private(path: Path) -> None:

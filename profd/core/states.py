@@ -6,6 +6,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 __all__ = [
+    "AgentLink",
     "AgentState",
     "ControllerPhase",
     "HookState",
@@ -75,6 +76,15 @@ class AgentState(StrEnum):
     ALIVE = "alive"
     LOST = "lost"  # its process is gone, or it went silent
     CLOSED = "closed"  # it shut down
+
+
+class AgentLink(StrEnum):
+    """How an agent's plans reach it: its own long-poll at the coordinator, its node's relay,
+    or one poll shared by the agents of its process."""
+
+    DIRECT = "direct"
+    RELAY = "relay"
+    SHARED = "shared"
 
 
 class ControllerPhase(StrEnum):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from profd.core.states import AgentState, HookState, PartState, SessionState, UploadState
+from profd.core.states import AgentLink, AgentState, HookState, PartState, SessionState, UploadState
 
 __all__ = [
     "AgentView",
@@ -63,6 +63,12 @@ class AgentView(_View):
         default_factory=dict,
         description="What else the agent said about itself: a rollout replica's engine "
         "(engine_kind, engine_flavor), endpoint and trace_dir.",
+    )
+    link: AgentLink | None = Field(
+        None,
+        description="How its plans reach it: 'relay' (its node's relay), 'direct' (its own "
+        "long-poll at the coordinator, e.g. while the relay is down) or 'shared' (one poll "
+        "for the agents of its process); null before its first poll.",
     )
     replica: ReplicaView | None = Field(
         None, description="A rollout replica's size, global GPU ranks and timing (else null)."

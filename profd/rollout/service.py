@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
+from profd.agent.channel import Channel, CoordinatorLink
+from profd.agent.relay_link import default_link_finder
 from profd.core.protocol import (
     AgentEvent,
     AgentPlan,
@@ -107,7 +108,7 @@ class RolloutService:
         self._timed_stop: dict[str, threading.Event] = {}
         self._channel = Channel(
             self.info,
-            find_link or find_ray_link,
+            find_link or default_link_finder(),
             lambda: None,  # no step of its own: the job's step is its driver's
             self._work.put,
             poll_timeout_s=poll_timeout_s,

@@ -1,0 +1,306 @@
+"""The per-node relay: one actor per Ray node that hosts agents (``profd_relay_<node id>``).
+
+Agents on the node long-poll the relay instead of the coordinator, and send it their
+events; the relay holds **one** ``poll_many`` at the coordinator for all of them and sends
+the node's events in batches (``report_many``), so the coordinator's load grows with nodes,
+not processes (each call in flight costs it tens of kilobytes). Registration and clock
+readings are forwarded as they are (rare). The relay keeps no state that matters: when it
+dies its agents fall back to the coordinator (:mod:`profd.agent.relay_link`) and move back
+once it is there again; when the coordinator restarts, the relay's agents are told to
+register again, as a direct poll would tell them.
+
+Plain class: made an actor by :func:`profd.actors.get_or_create_relay`; tests drive it
+directly with any :class:`CoordinatorCaller`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
+
+__all__ = [
+    "RELAY_PREFIX",
+    "CoordinatorCaller",
+    "NodeRelay",
+    "RayCoordinatorCaller",
+    "RelayStats",
+    "relay_name",
+]
+
+log = logging.getLogger(__name__)
+
+#: Wait this long after an agent joins before re-issuing the shared poll with it, so a
+#: node's agents starting together cost one re-issue, not eight.
+JOIN_DEBOUNCE_S = 0.05
+#: The longest the relay parks its shared poll at the coordinator (the registration's
+#: ``poll_timeout_s`` when shorter): each return refreshes its agents' steps there.
+SHARED_POLL_S = 30.0
+#: After a shared poll came back empty (a wake-up, or its time was up), how long the relay
+#: waits for its released agents to poll again with their current steps.
+REPOLL_WAIT_S = 0.5
+
+
+#: Relay actor names: this, then the Ray node id.
+RELAY_PREFIX = "profd_relay_"
+
+
+def _discard(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception never retrieved" warning
+
+
+def relay_name(node_id: str) -> str:
+    """The relay's actor name for a Ray node (hex node ids are 56 characters)."""
+    return RELAY_PREFIX + node_id
+
+
+class CoordinatorCaller(Protocol):
+    """Awaitable calls to the coordinator; raises ``ConnectionError`` when it is unreachable."""
+
+    async def call(self, method: str, *args: Any, timeout: float, **kw: Any) -> Any: ...
+
+
+class RayCoordinatorCaller:
+    """The coordinator by its name, found again after any failure (it may have restarted)."""
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+
+    async def call(self, method: str, *args: Any, timeout: float, **kw: Any) -> Any:
+        from profd.core.ray_env import find_coordinator
+
+        if self._handle is None:
+            self._handle = find_coordinator()
+            if self._handle is None:
+                raise ConnectionError("no coordinator")
+        try:
+            ref = getattr(self._handle, method).remote(*args, **kw)
+            return await asyncio.wait_for(ref, timeout)
+        except Exception as exc:  # Ray errors, timeouts: the coordinator is not there now
+            self._handle = None
+            raise ConnectionError(f"{method}: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass
+class _Slot:
+    """One agent of the node: the version it knows, its last step, what changed."""
+
+    version: int
+    step: int | None = None
+    plan: AgentPlan | None = None
+    unknown: bool = False
+    #: Its poll is to return empty (so the agent polls again with its current step).
+    release: bool = False
+    parked: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+@dataclass(frozen=True, slots=True)
+class RelayStats:
+    """What the relay does now (for tests, benches and ``profd status``)."""
+
+    node_id: str
+    agents: int
+    parked_polls: int
+    shared_polls: int
+    reports_sent: int
+    events_sent: int
+    coordinator_errors: int
+
+
+class NodeRelay:
+    def __init__(self, node_id: str, caller: CoordinatorCaller | None = None) -> None:
+        self.node_id = node_id
+        self.name = relay_name(node_id)
+        self._caller = caller or RayCoordinatorCaller()
+        self._slots: dict[str, _Slot] = {}
+        self._poll_s = SHARED_POLL_S
+        self._loop_task: asyncio.Task[None] | None = None
+        self._joined = asyncio.Event()
+        self._pending: dict[str, list[AgentEvent]] = {}
+        self._waiters: dict[str, list[asyncio.Future[bool]]] = {}
+        self._flush_task: asyncio.Task[None] | None = None
+        self._parked = 0
+        self._shared_polls = 0
+        self._reports = 0
+        self._events = 0
+        self._errors = 0
+
+    # -- agent-facing (the CoordinatorLink calls) -----------------------------------------
+    async def register(self, info: AgentInfo, step: int | None) -> Any:
+        reg = await self._caller.call("register", info, step, timeout=30.0)
+        self._poll_s = min(SHARED_POLL_S, float(getattr(reg, "poll_timeout_s", SHARED_POLL_S)))
+        slot = self._slots.get(info.agent_id)
+        if slot is None:
+            self._slots[info.agent_id] = _Slot(version=reg.plan.version, step=step)
+        else:
+            slot.version, slot.unknown, slot.plan = reg.plan.version, False, None
+        self._ensure_loop()
+        self._joined.set()
+        return reg
+
+    async def poll(
+        self, agent_id: str, version: int, step: int | None, timeout: float
+    ) -> PollReply:
+        slot = self._slots.get(agent_id)
+        if slot is None:
+            return PollReply(plan=None, known=False)
+        slot.version, slot.step = version, step
+        slot.arrived.set()
+        deadline = time.monotonic() + timeout
+        self._parked += 1
+        slot.parked = True
+        try:
+            while True:
+                if slot.unknown:
+                    self._slots.pop(agent_id, None)
+                    return PollReply(plan=None, known=False)
+                if slot.plan is not None and slot.plan.version != version:
+                    return PollReply(plan=slot.plan)
+                left = deadline - time.monotonic()
+                if left <= 0 or slot.release:
+                    slot.release = False
+                    return PollReply(plan=None)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(slot.changed.wait(), left)
+        finally:
+            self._parked -= 1
+            slot.parked = False
+
+    async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
+        """Queue the events for the node's next batch; answers once the coordinator took
+        them (False: it does not know the agent, which registers again)."""
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(agent_id, []).extend(events)
+        self._waiters.setdefault(agent_id, []).append(fut)
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.create_task(self._flush())
+        return await fut
+
+    async def clock_ns(self) -> int:
+        return await self._caller.call("clock_ns", timeout=5.0)
+
+    async def ping(self) -> str:
+        return "ok"
+
+    async def stats(self) -> RelayStats:
+        return RelayStats(
+            node_id=self.node_id,
+            agents=len(self._slots),
+            parked_polls=self._parked,
+            shared_polls=self._shared_polls,
+            reports_sent=self._reports,
+            events_sent=self._events,
+            coordinator_errors=self._errors,
+        )
+
+    # -- the shared poll --------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        while True:
+            slots = {a: s for a, s in self._slots.items() if not s.unknown}
+            if not slots:
+                self._joined.clear()
+                await self._joined.wait()
+                continue
+            known = {
+                a: (s.plan.version if s.plan is not None else s.version) for a, s in slots.items()
+            }
+            steps = {a: s.step for a, s in slots.items()}
+            self._joined.clear()
+            poll = asyncio.create_task(
+                self._caller.call(
+                    "poll_many", known, steps, self._poll_s, timeout=self._poll_s + 30,
+                    via=self.name,
+                )
+            )  # fmt: skip
+            joined = asyncio.create_task(self._joined.wait())
+            done, _ = await asyncio.wait({poll, joined}, return_when="FIRST_COMPLETED")
+            joined.cancel()
+            if poll not in done:  # an agent joined: a new shared poll with it, soon
+                await asyncio.sleep(JOIN_DEBOUNCE_S)
+                if not poll.done():
+                    # left to end at the coordinator (cancelling a Ray call in flight is not
+                    # worth its edge cases); the new poll asks for everything it would answer
+                    poll.add_done_callback(_discard)
+                    continue
+            try:
+                replies = poll.result()
+            except ConnectionError as exc:
+                self._coordinator_lost(slots, exc)
+                await asyncio.sleep(1.0)
+                continue
+            self._shared_polls += 1
+            if replies:
+                self._apply(slots, replies)
+            else:
+                await self._refresh_steps(slots)
+
+    def _apply(self, slots: dict[str, _Slot], replies: dict[str, PollReply]) -> None:
+        for aid, reply in replies.items():
+            slot = slots.get(aid)
+            if slot is None:
+                continue
+            if not reply.known:
+                slot.unknown = True
+            elif reply.plan is not None:
+                slot.plan = reply.plan
+            slot.wake()
+
+    async def _refresh_steps(self, slots: dict[str, _Slot]) -> None:
+        """The coordinator woke the poll (it wants fresh steps: a ``next_steps`` session
+        being placed) or its time was up: release the parked agents and wait (a moment) for
+        every agent to poll again with its current step, which the next shared poll carries."""
+        for slot in slots.values():  # one not parked now (between two polls) comes soon
+            slot.arrived.clear()
+            if slot.parked:
+                slot.release = True
+                slot.wake()
+        waits = [asyncio.create_task(s.arrived.wait()) for s in slots.values()]
+        _, pending = await asyncio.wait(waits, timeout=REPOLL_WAIT_S)
+        for t in pending:
+            t.cancel()
+
+    def _coordinator_lost(self, slots: dict[str, _Slot], exc: Exception) -> None:
+        """Every agent re-registers (through here, or directly) once it answers again."""
+        self._errors += 1
+        if self._errors == 1:
+            log.warning("relay %s: coordinator unreachable (%s)", self.name, exc)
+        for slot in slots.values():
+            slot.unknown = True
+            slot.wake()
+
+    # -- batched events ---------------------------------------------------------------------
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, waiters = self._pending, self._waiters
+            self._pending, self._waiters = {}, {}
+            try:
+                known = await self._caller.call("report_many", batch, timeout=30.0)
+            except ConnectionError as exc:
+                self._errors += 1
+                for futs in waiters.values():
+                    for f in futs:
+                        if not f.done():
+                            f.set_exception(ConnectionError(str(exc)))
+                continue
+            self._reports += 1
+            self._events += sum(len(v) for v in batch.values())
+            for aid, futs in waiters.items():
+                for f in futs:
+                    if not f.done():
+                        f.set_result(bool(known.get(aid, False)))

@@ -1,0 +1,126 @@
+"""The node relay's logic (profd.actors.relay.NodeRelay) with real agents and a real
+coordinator in this process: the relay runs on the coordinator's event-loop thread and calls
+it directly, the agents reach the relay through a link with the blocking Ray-link interface.
+(tests/e2e/test_relay.py runs it as a Ray actor per node, with its fallback.)"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from profd.actors.relay import NodeRelay
+from profd.agent import ProfilerAgent
+from profd.agent.channel import LinkDown
+from profd.core.states import AgentLink
+
+from helpers import wait_terminal, wait_until
+
+
+class DirectCaller:
+    """The coordinator object itself, awaited on its own loop; counts calls per method."""
+
+    def __init__(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+        self.calls: dict[str, int] = {}
+        self.down = False
+
+    async def call(self, method: str, *args: Any, timeout: float, **kw: Any) -> Any:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if self.down:
+            raise ConnectionError("coordinator down")
+        return await asyncio.wait_for(getattr(self.coordinator, method)(*args, **kw), timeout)
+
+
+class RelayLink:
+    """What an agent's Ray link to the relay does, on the relay's loop."""
+
+    def __init__(self, relay: NodeRelay, loop: asyncio.AbstractEventLoop) -> None:
+        self._relay, self._loop = relay, loop
+
+    def _call(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(getattr(self._relay, method)(*args), self._loop)
+        try:
+            return fut.result(timeout)
+        except ConnectionError as exc:
+            raise LinkDown(str(exc)) from exc
+
+    def register(self, info, step):
+        return self._call("register", info, step)
+
+    def poll(self, agent_id, version, step, timeout):
+        return self._call("poll", agent_id, version, step, timeout, timeout=timeout + 30)
+
+    def report(self, agent_id, events):
+        return self._call("report", agent_id, events)
+
+    def clock_ns(self):
+        return self._call("clock_ns")
+
+
+@pytest.fixture
+def relayed(local_coordinator: Any) -> Any:
+    """Three agents of one node behind one relay; yields (owner, relay, caller, agents)."""
+    owner = local_coordinator
+    caller = DirectCaller(owner.coordinator)
+    relay = owner.run(lambda: NodeRelay("node-a", caller))
+    agents = [
+        ProfilerAgent("actor", r, 3, find_link=lambda: RelayLink(relay, owner.loop)).start()
+        for r in range(3)
+    ]
+    wait_until(lambda: all(a.connected for a in agents), 10, what="agents registered")
+    yield owner, relay, caller, agents
+    for a in agents:
+        a.close(timeout=10)
+
+
+def stats(owner: Any, relay: NodeRelay) -> Any:
+    return asyncio.run_coroutine_threadsafe(relay.stats(), owner.loop).result(10)
+
+
+def test_one_shared_poll_carries_the_nodes_agents_and_their_events(relayed) -> None:
+    owner, relay, caller, agents = relayed
+    wait_until(lambda: stats(owner, relay).parked_polls == 3, 10, 0.02, what="polls parked")
+    views = owner.call("list_agents")
+    assert {v.link for v in views} == {AgentLink.RELAY}
+    polls_before = caller.calls.get("poll_many", 0)
+    view = owner.call("create_session", {"steps": [3], "roles": {"actor": {"all_ranks": True}}})
+    wait_until(
+        lambda: all(any(w.session_id == view.session_id for w in a.plan.windows) for a in agents),
+        10,
+        0.02,
+        what="every agent armed",
+    )
+    for step in range(1, 5):
+        for a in agents:
+            with a.step(step):
+                pass
+    final = wait_terminal(owner, view.session_id)
+    assert final.state == "done", final.reason
+    assert sorted(t.rank for t in final.traces) == [0, 1, 2]
+    s = stats(owner, relay)
+    # every agent's events went up in batches, and the coordinator never saw an agent's poll
+    assert s.events_sent >= 6 and s.reports_sent < s.events_sent
+    assert caller.calls.get("report", 0) == 0 and caller.calls.get("poll", 0) == 0
+    assert caller.calls["poll_many"] - polls_before < 20  # one shared poll at a time
+
+
+def test_next_steps_are_placed_from_fresh_steps_through_the_relay(relayed) -> None:
+    owner, _, _, agents = relayed
+    for step in range(1, 41):  # steps the coordinator has not been told of yet
+        for a in agents:
+            with a.step(step):
+                pass
+    view = owner.call("create_session", {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}})
+    assert view.steps[0] > 40, view.steps  # placed after the steps the agents are at now
+
+
+def test_a_lost_coordinator_makes_the_relays_agents_register_again(relayed) -> None:
+    owner, relay, caller, agents = relayed
+    wait_until(lambda: stats(owner, relay).parked_polls == 3, 10, 0.02, what="polls parked")
+    caller.down = True
+    wait_until(lambda: not any(a.connected for a in agents), 20, 0.05, what="agents told")
+    caller.down = False
+    wait_until(lambda: all(a.connected for a in agents), 30, 0.05, what="registered again")
+    assert stats(owner, relay).coordinator_errors >= 1
