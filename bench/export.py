@@ -1,25 +1,41 @@
 """Training-thread stall when a ~100 MB torch.profiler window ends: profd vs torch's export.
 
-The same CPU workload is recorded three times (same op count), and the time the training
-thread is blocked from the end of the window until it may continue is measured:
+Two variants record the same CPU workload (same op count) and end the window:
 
-* ``torch_gz``   – ``prof.stop()`` then torch's own ``export_chrome_trace("x.json.gz")``;
-* ``torch_json`` – ``prof.stop()`` then ``export_chrome_trace("x.json")`` (plain JSON);
-* ``profd``      – profd's torch collection: ``close()`` (stops the profiler and writes plain
-  JSON, since Kineto's export must not overlap the next window's start) and hand-off; gzip,
-  the device-event check and publishing run on profd's exporter thread (timed separately).
+* ``torch_json``: ``prof.stop()`` then torch's own ``export_chrome_trace("x.json")`` (plain
+  JSON, the cheapest export torch has), both on the training thread;
+* ``profd``: profd's torch collection ``close()`` (stops the profiler) and the hand-off to
+  profd's exporter thread, which then runs Kineto's JSON export, gzip (level 6) and
+  publishing while the training thread goes on.
 
-Targets: profd stall ≤ 1.2x the plain-JSON stall; profd's file ≤ 1.15x torch's .json.gz.
+Measured per run, on the training thread:
 
-    python bench/export.py [--iters 40000]
+* ``stall``: from the end of the window until the training thread may continue;
+* ``delay``: how much longer the training work right after the window takes than the same
+  work before it (chunks of CPU-bound torch ops, run until the export is over). Kineto's export
+  holds the GIL, so a CPU-bound loop waits for it either way; a GPU loop waiting on its device
+  (GIL released) would not.
 
-Last line: ``RESULT stall_s=... torch_gz_s=... torch_json_s=... ratio_vs_json=... size_ratio=...``
+The variants run interleaved, each run in a fresh process (earlier windows' memory cannot
+slow a later one), in an order that rotates from round to round. Medians over the rounds and
+their spread are reported; ``stall_ratio`` is the median of the per-round profd/torch ratios.
+Size: profd's file vs a gzip of torch's JSON at profd's level (6); torch's own ``.json.gz``
+(level 9, about 9 s per 100 MB) is computed once, off the clock.
+
+Targets: stall ≤ 0.3x torch's plain-JSON export, file ≤ 1.15x torch's gzip.
+
+    python bench/export.py [--iters 40000] [--rounds 5]     # --iters 4000: a 10 MB window
+
+Last line: ``RESULT stall_ratio=... size_ratio=... busy_ratio=... stall_s=... torch_json_s=...
+load=...`` (``busy_ratio``: stall + delay, profd over torch; ``load``: 1-minute load average
+at the end).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,6 +50,10 @@ from torch.profiler import ProfilerActivity, profile
 from profd.agent.export import Exporter, ExportJob
 from profd.backends.base import CollectionSpec
 from profd.backends.torch_backend import TorchBackend
+from profd.core.files import gzip_file
+
+VARIANTS = ("torch_json", "profd")
+CHUNK_ITERS = 2000  # one chunk of follow-up work: a few tens of ms
 
 
 def workload(iters: int) -> None:
@@ -42,23 +62,58 @@ def workload(iters: int) -> None:
         x = x.add(1).mul(1)
 
 
-def torch_stall(iters: int, path: Path) -> float:
+def chunk_baseline() -> float:
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        workload(CHUNK_ITERS)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def follow_up(done: threading.Event, baseline: float) -> float:
+    """Run chunks until ``done`` is set; the time beyond what they cost before the window."""
+    t0, chunks = time.perf_counter(), 0
+    while True:
+        workload(CHUNK_ITERS)
+        chunks += 1
+        if done.is_set():
+            return max(0.0, time.perf_counter() - t0 - chunks * baseline)
+
+
+def run_torch_json(iters: int, out_dir: Path, level9: bool) -> dict[str, float]:
+    baseline = chunk_baseline()
+    path = out_dir / "t.json"
     prof = profile(activities=[ProfilerActivity.CPU])
     prof.start()
     workload(iters)
     t0 = time.perf_counter()
     prof.stop()
+    t1 = time.perf_counter()
     prof.export_chrome_trace(str(path))
-    return time.perf_counter() - t0
+    stall = time.perf_counter() - t0
+    finished = threading.Event()
+    finished.set()
+    delay = follow_up(finished, baseline)
+    gz6 = out_dir / "t6.json.gz"
+    gzip_file(path, gz6, level=6)
+    result = {"stall": stall, "stop": t1 - t0, "delay": delay, "background": 0.0}
+    result.update(json_bytes=path.stat().st_size, gz6_bytes=gz6.stat().st_size)
+    if level9:
+        gzip_file(path, out_dir / "t9.json.gz", level=9)
+        result["gz9_bytes"] = (out_dir / "t9.json.gz").stat().st_size
+    return result
 
 
-def profd_stall(iters: int, out_dir: Path) -> tuple[float, float, Path]:
+def run_profd(iters: int, out_dir: Path) -> dict[str, float]:
+    baseline = chunk_baseline()
     done = threading.Event()
     written: list[Path] = []
+    errors: list[str] = []
 
     def on_done(job, files, error) -> None:
         if error:
-            raise RuntimeError(error)
+            errors.append(error)
         written.extend(f.path for f in files)
         done.set()
 
@@ -68,67 +123,102 @@ def profd_stall(iters: int, out_dir: Path) -> tuple[float, float, Path]:
     workload(iters)
     t0 = time.perf_counter()
     outputs = coll.close()
+    t1 = time.perf_counter()
     for out in outputs:
         exporter.submit(ExportJob("bench", (1,), "train", "torch", out))
     stall = time.perf_counter() - t0
+    delay = follow_up(done, baseline)
     done.wait()
     background = time.perf_counter() - t0
-    return stall, background, written[0]
+    if errors:
+        raise RuntimeError(errors[0])
+    return {
+        "stall": stall,
+        "stop": t1 - t0,
+        "delay": delay,
+        "background": background,
+        "bytes": written[0].stat().st_size,
+    }
 
 
-def run_one(variant: str, iters: int, out_dir: Path) -> dict[str, float]:
-    """One measurement; run in a fresh process so earlier windows' memory cannot slow it."""
+def run_one(variant: str, iters: int, out_dir: Path, level9: bool) -> dict[str, float]:
     torch.set_num_threads(1)
     workload(100)  # warm up kineto and the allocator
     if variant == "profd":
-        stall, background, path = profd_stall(iters, out_dir)
-        return {"stall": stall, "background": background, "bytes": path.stat().st_size}
-    path = out_dir / ("t.json.gz" if variant == "torch_gz" else "t.json")
-    stall = torch_stall(iters, path)
-    return {"stall": stall, "background": 0.0, "bytes": path.stat().st_size}
+        return run_profd(iters, out_dir)
+    return run_torch_json(iters, out_dir, level9)
 
 
-def measure(variant: str, iters: int, repeats: int) -> dict[str, float]:
-    runs = []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, __file__, "--one", variant, "--iters", str(iters), "--dir", tmp]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            runs.append(json.loads(out.strip().splitlines()[-1]))
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+def measure(variant: str, iters: int, level9: bool) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, __file__, "--one", variant, "--iters", str(iters), "--dir", tmp]
+        if level9:
+            cmd.append("--level9")
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+
+def run_rounds(iters: int, rounds: int) -> dict[str, list[dict[str, float]]]:
+    runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        for variant in order:
+            runs[variant].append(measure(variant, iters, level9=(r == 0)))
+            print(f"round {r + 1}/{rounds} {variant}: " + json.dumps(runs[variant][-1]))
+    return runs
+
+
+def med(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def span(values: list[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}"
+
+
+def report(runs: dict[str, list[dict[str, float]]], iters: int) -> None:
+    t, p = runs["torch_json"], runs["profd"]
+    stall_r = [a["stall"] / b["stall"] for a, b in zip(p, t, strict=True)]
+    busy_r = [
+        (a["stall"] + a["delay"]) / (b["stall"] + b["delay"]) for a, b in zip(p, t, strict=True)
+    ]
+    size_r = [a["bytes"] / b["gz6_bytes"] for a, b in zip(p, t, strict=True)]
+    stall_ratio, busy_ratio = statistics.median(stall_r), statistics.median(busy_r)
+    size_ratio = statistics.median(size_r)
+    gz9 = next(r["gz9_bytes"] for r in t if "gz9_bytes" in r)
+    print(
+        f"window: {med(t, 'json_bytes') / 1e6:.0f} MB of JSON ({iters} iterations); "
+        f"{len(t)} interleaved rounds, a fresh process per run; median (min-max)"
+    )
+    for name, rows in (("torch_json", t), ("profd", p)):
+        for key in ("stall", "stop", "delay", "background"):
+            values = [r[key] for r in rows]
+            print(f"{name:>10} {key:>10}: {statistics.median(values):7.3f} s  ({span(values)})")
+    print(f"stall ratio profd/torch: {stall_ratio:.2f} ({span(stall_r)}; target <= 0.3x)")
+    print(f"stall + delay ratio (CPU-bound loop): {busy_ratio:.2f} ({span(busy_r)})")
+    print(f"profd file / gzip-6 of torch's JSON: {size_ratio:.3f}x (target <= 1.15x)")
+    print(f"profd file / torch's own .json.gz (level 9): {med(p, 'bytes') / gz9:.3f}x")
+    load = os.getloadavg()
+    print("load average (1/5/15 min) at the end: " + "/".join(f"{x:.2f}" for x in load))
+    print(
+        f"RESULT stall_ratio={stall_ratio:.3f} size_ratio={size_ratio:.3f} "
+        f"busy_ratio={busy_ratio:.3f} stall_s={med(p, 'stall'):.3f} "
+        f"torch_json_s={med(t, 'stall'):.3f} load={load[0]:.2f}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=40_000, help="add+mul pairs (≈ 2.6 KB/pair)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--one", choices=["torch_gz", "torch_json", "profd"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--one", choices=VARIANTS)
     parser.add_argument("--dir", type=Path)
+    parser.add_argument("--level9", action="store_true")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.iters, args.dir)))
+        print(json.dumps(run_one(args.one, args.iters, args.dir, args.level9)))
         return
-    json_r = measure("torch_json", args.iters, args.repeats)
-    gz_r = measure("torch_gz", args.iters, args.repeats)
-    ours = measure("profd", args.iters, args.repeats)
-    ratio = ours["stall"] / json_r["stall"]
-    size_ratio = ours["bytes"] / gz_r["bytes"]
-    print(
-        f"window: {json_r['bytes'] / 1e6:.0f} MB of JSON ({args.iters} iterations), "
-        f"median of {args.repeats} fresh processes each"
-    )
-    print(f"torch .json.gz stall   : {gz_r['stall']:7.2f} s")
-    print(f"torch .json stall      : {json_r['stall']:7.2f} s")
-    print(
-        f"profd stall            : {ours['stall']:7.2f} s  "
-        f"({ratio:.2f}x plain JSON; target <= 1.2x)"
-    )
-    print(f"profd background write : {ours['background']:7.2f} s  (off the training thread)")
-    print(f"profd file / torch gz  : {size_ratio:7.2f}x  (target <= 1.15x)")
-    print(
-        f"RESULT stall_s={ours['stall']:.3f} torch_gz_s={gz_r['stall']:.3f} "
-        f"torch_json_s={json_r['stall']:.3f} ratio_vs_json={ratio:.3f} size_ratio={size_ratio:.3f}"
-    )
+    report(run_rounds(args.iters, args.rounds), args.iters)
 
 
 if __name__ == "__main__":

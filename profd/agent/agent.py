@@ -52,13 +52,24 @@ class _StepMark:
         agent._current_step = step
         agent._spmd = True
         armed = agent._armed
-        if armed.plan.windows or agent._recorder.has_windows:
+        recorder = agent._recorder
+        # O(1) on every mark: a plan not adopted yet, or a step some window waits for
+        try:
+            due = armed is not recorder.seen or step >= recorder.wake_at
+        except TypeError:  # a step that is not a number: nothing can be due at it
+            due = False
+        if due:
             agent._enter_step(step, armed)
 
     def __exit__(self, *exc_info: Any) -> bool:
         agent = self._agent
-        if agent._recorder.has_windows:
-            agent._exit_step(agent._current_step)
+        step = agent._current_step
+        try:
+            due = step >= agent._recorder.wake_at
+        except TypeError:
+            due = False
+        if due:
+            agent._exit_step(step)
         return False
 
 

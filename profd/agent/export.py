@@ -1,4 +1,10 @@
-"""The exporter thread: writes stopped collections to disk so the training loop never waits."""
+"""The exporter thread: writes stopped collections to disk so the training loop never waits.
+
+Jobs are written one at a time, in the order they were submitted (a torch window's Kineto
+export then runs before the next window's, see ``profd.backends.torch_backend.KinetoGate``).
+A failed job is reported through ``on_done``; its traceback is logged once per session and
+kind of failure, later ones of the same kind at debug level.
+"""
 
 from __future__ import annotations
 
@@ -66,6 +72,7 @@ class Exporter:
         self._jobs: queue.Queue[ExportJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._failures_logged: set[tuple[str, str]] = set()
 
     def submit(self, job: ExportJob) -> None:
         with self._lock:
@@ -91,22 +98,40 @@ class Exporter:
             try:
                 if job is None:
                     return
-                started = time.perf_counter()
-                try:
-                    files = job.output.write()
-                except Exception as exc:
-                    log.exception("profd: writing the trace of session %s failed", job.session_id)
-                    self._on_done(job, [], f"export failed: {type(exc).__name__}: {exc}")
-                    continue
-                for f in files:
-                    log.info(
-                        "profd: trace saved to %s (%.1f MB, %.2f s)",
-                        f.path,
-                        f.bytes / 1e6,
-                        time.perf_counter() - started,
-                    )
-                self._on_done(job, files, None)
+                self._write(job)
             except Exception:  # the callback itself must never kill the thread
                 log.exception("profd: exporter callback failed")
             finally:
+                job = None  # drop the window's events before waiting for the next job
                 self._jobs.task_done()
+
+    def _write(self, job: ExportJob) -> None:
+        started = time.perf_counter()
+        try:
+            files = job.output.write()
+        except Exception as exc:
+            self._log_failure(job, exc)
+            self._on_done(job, [], f"export failed: {type(exc).__name__}: {exc}")
+            return
+        for f in files:
+            log.info(
+                "profd: trace saved to %s (%.1f MB, %.2f s)",
+                f.path,
+                f.bytes / 1e6,
+                time.perf_counter() - started,
+            )
+        self._on_done(job, files, None)
+
+    def _log_failure(self, job: ExportJob, exc: Exception) -> None:
+        key = (job.session_id, type(exc).__name__)
+        if key in self._failures_logged:
+            log.debug("profd: writing a trace of session %s failed again: %r", job.session_id, exc)
+            return
+        self._failures_logged.add(key)
+        log.warning(
+            "profd: writing the trace of session %s failed (reported to the session; later "
+            "failures of this kind are logged at debug level): %r",
+            job.session_id,
+            exc,
+            exc_info=exc,
+        )

@@ -34,7 +34,7 @@ from profd.agent.export import Exporter, ExportJob, trace_event
 from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope, TimedScope
 from profd.agent.specs import build_spec
 from profd.agent.timed import is_timed_thread_free
-from profd.agent.window_state import IDLE, ArmedPlan, Ticket, WindowState
+from profd.agent.window_state import IDLE, NO_STEP, ArmedPlan, Ticket, WindowState
 from profd.backends.base import Backend, Collection, WrittenFile
 from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PartDone, StepsMissed
 from profd.core.schedule import continuous_schedule, discrete_schedule
@@ -46,7 +46,11 @@ log = logging.getLogger(__name__)
 
 class Recorder:
     """Window logic of one agent. ``enter_step`` / ``exit_step`` / ``close`` run on the
-    training thread; export callbacks run on the exporter thread (state shared under a lock)."""
+    training thread; export callbacks run on the exporter thread (state shared under a lock).
+
+    Step marks call in only when :attr:`seen` is not the agent's current plan or the step
+    reached :attr:`wake_at`: two attribute reads and a comparison on every other mark, so an
+    agent holding a window for a later step costs what an idle one does."""
 
     def __init__(
         self,
@@ -62,7 +66,10 @@ class Recorder:
         self._exporter = Exporter(self._on_export_done)
         self._windows: dict[str, WindowState] = {}
         self._finished: set[str] = set()
-        self._seen: ArmedPlan = IDLE
+        #: The plan last adopted (training thread; marks compare it with the agent's).
+        self.seen: ArmedPlan = IDLE
+        #: The first step at which a step mark has work here (see ``WindowState.wake_step``).
+        self.wake_at: int = NO_STEP
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
         #: The scope stage marks talk to; ``None`` while nothing records.
@@ -75,7 +82,7 @@ class Recorder:
     # -- plan ---------------------------------------------------------------------------
     def sync(self, armed: ArmedPlan) -> None:
         """Adopt a newly installed plan: add new windows, wind down removed ones."""
-        self._seen = armed
+        self.seen = armed
         wanted = {w.session_id: w for w in armed.windows}
         for sid, ws in list(self._windows.items()):
             if sid not in wanted:
@@ -89,7 +96,17 @@ class Recorder:
     # -- timed windows of thread-bound backends --------------------------------------------
     def attend(self, armed: ArmedPlan) -> None:
         """At a mark: adopt a new plan, open pending timed windows, close expired ones."""
-        if armed is not self._seen:
+        try:
+            self._attend(armed)
+        finally:
+            self._refresh_wake()
+
+    def _refresh_wake(self) -> None:
+        """Training thread, after anything that may add windows or resolve steps."""
+        self.wake_at = min((ws.wake_step() for ws in list(self._windows.values())), default=NO_STEP)
+
+    def _attend(self, armed: ArmedPlan) -> None:
+        if armed is not self.seen:
             self.sync(armed)
         for ws in list(self._windows.values()):
             if ws.window.duration_s is None or ws.timed_done:
@@ -119,12 +136,15 @@ class Recorder:
 
     # -- step boundaries ----------------------------------------------------------------
     def enter_step(self, step: int, armed: ArmedPlan) -> None:
-        self.attend(armed)
-        for ws in list(self._windows.values()):
-            try:
-                self._enter(ws, step)
-            except Exception as exc:
-                self.fault(ws, exc)
+        try:
+            self._attend(armed)
+            for ws in list(self._windows.values()):
+                try:
+                    self._enter(ws, step)
+                except Exception as exc:
+                    self.fault(ws, exc)
+        finally:
+            self._refresh_wake()
 
     def _enter(self, ws: WindowState, step: int) -> None:
         scope = ws.scope
@@ -152,11 +172,14 @@ class Recorder:
         self.active = ws.scope
 
     def exit_step(self, step: int) -> None:
-        for ws in list(self._windows.values()):
-            try:
-                self._exit(ws, step)
-            except Exception as exc:
-                self.fault(ws, exc)
+        try:
+            for ws in list(self._windows.values()):
+                try:
+                    self._exit(ws, step)
+                except Exception as exc:
+                    self.fault(ws, exc)
+        finally:
+            self._refresh_wake()
 
     def _exit(self, ws: WindowState, step: int) -> None:
         scope = ws.scope
@@ -221,6 +244,7 @@ class Recorder:
         )
         collection = backend.open(spec)
         ticket = Ticket(ws, label, [step] if window.discrete and step is not None else [])
+        ticket.stall_s = collection.export_wait_s  # waited for an earlier window's export
         with self._lock:
             ws.open_tickets += 1
         return collection, ticket
@@ -414,8 +438,9 @@ class Recorder:
 
         ``armed`` is the latest plan, so windows that arrived after the last mark are
         resolved (and reported) too."""
-        if armed is not None and armed is not self._seen:
+        if armed is not None and armed is not self.seen:
             self.sync(armed)
         for ws in list(self._windows.values()):
             self._abandon(ws, "the job ended before these steps")
+        self._refresh_wake()
         return self._exporter.drain(timeout)

@@ -12,7 +12,22 @@ from typing import Any, Protocol
 from profd.backends.base import Collection
 from profd.core.protocol import AgentPlan, WindowPlan
 
-__all__ = ["IDLE", "ArmedPlan", "RecordingScope", "ScopeHost", "Ticket", "WindowState"]
+__all__ = [
+    "ANY_STEP",
+    "IDLE",
+    "NO_STEP",
+    "ArmedPlan",
+    "RecordingScope",
+    "ScopeHost",
+    "Ticket",
+    "WindowState",
+]
+
+#: :meth:`WindowState.wake_step` when no step mark has work for the window, and when every
+#: one has. Ints beyond any planned step (at most 2**53 - 1): a mark compares its int step with
+#: them, which is faster than with a float infinity.
+NO_STEP = 1 << 62
+ANY_STEP = -NO_STEP
 
 
 class RecordingScope(Protocol):
@@ -59,6 +74,14 @@ class WindowState:
             return self.timed_done
         return self.handled >= set(self.window.steps)
 
+    def wake_step(self) -> int:
+        """The first step whose mark has work for this window: its first unresolved step
+        (a step mark past it reports it missed). :data:`ANY_STEP`: every mark (a timed window
+        checks its deadline); :data:`NO_STEP`: none."""
+        if self.window.duration_s is not None:
+            return NO_STEP if self.timed_done else ANY_STEP
+        return min((s for s in self.window.steps if s not in self.handled), default=NO_STEP)
+
 
 @dataclass
 class Ticket:
@@ -72,7 +95,8 @@ class Ticket:
     errors: list[str] = field(default_factory=list)
     closed: bool = False
     settled: bool = False
-    #: Seconds the training thread spent stopping the collection (the export stall).
+    #: Seconds the training thread spent on this collection's export: stopping it, and at its
+    #: start waiting for an earlier window's export (the export stall).
     stall_s: float = 0.0
 
 

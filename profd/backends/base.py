@@ -68,6 +68,10 @@ class PendingOutput(ABC):
 class Collection(ABC):
     """An open recording. Methods run on the training thread and must stay cheap."""
 
+    #: Seconds :meth:`Backend.open` waited for an earlier window's export to finish first
+    #: (torch: Kineto's export must not overlap a profiler start); part of the export stall.
+    export_wait_s: float = 0.0
+
     def annotate(self, label: str) -> AbstractContextManager[Any]:
         """A named range inside the recording."""
         return NULL_RANGE

@@ -7,8 +7,18 @@ Reference §5 semantics: CPU activity is always on (stage ranges need it); CUDA 
 while the profiler runs, because torch drops metadata added after ``stop()``.
 
 Export: torch's own ``.json.gz`` export gzips at level 9 on the calling thread (about 9 s per
-100 MB here). profd writes plain JSON when the window ends (Kineto's export is not thread-safe
-against the next window's start) and gzips at level 6 on the agent's exporter thread.
+100 MB here). When a window ends profd only stops the profiler on the training thread; Kineto's
+JSON export, gzip at level 6 and publishing run on the agent's exporter thread. Kineto's export
+must not overlap the next profiler start in the process (see :class:`KinetoGate`), so that
+start waits for it. Windows a schedule saves while the collection stays open (the profiler
+restarts inside the same ``step()``) are still exported on the training thread.
+
+Two limits, measured (``bench/export.py``): ``_disable_profiler`` inside ``stop()`` turns the
+recorded events into Kineto's trace and costs more than the JSON export itself; it must run on
+the thread that started the profiler. ``trace_only`` (where torch has it; not with
+``with_stack``) skips building Python-side events nobody here reads and shortens it by about a
+quarter. And Kineto's export holds the GIL: a CPU-bound loop waits for it anyway, a loop
+blocked on its device (GIL released) does not.
 """
 
 from __future__ import annotations
@@ -18,7 +28,9 @@ import json
 import logging
 import re
 import threading
+import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -35,7 +47,7 @@ from profd.core.files import TRACE_EXT, gzip_file, publish_unique, temp_path
 from profd.core.request import ToolKind, TorchToolConfig
 from profd.core.schedule import window_suffix
 
-__all__ = ["TorchBackend", "torch_profiler_kwargs"]
+__all__ = ["KINETO_GATE", "KinetoGate", "TorchBackend", "torch_profiler_kwargs"]
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +59,30 @@ def torch_profiler_kwargs(options: TorchToolConfig, cuda_available: bool) -> dic
     activities = [tp.ProfilerActivity.CPU]
     if options.with_cuda and cuda_available:
         activities.append(tp.ProfilerActivity.CUDA)
-    return {
+    kwargs: dict[str, Any] = {
         "activities": activities,
         "record_shapes": options.record_shapes,
         "profile_memory": options.profile_memory,
         "with_stack": options.with_stack,
     }
+    if not options.with_stack:  # torch turns trace_only off (with a warning) under with_stack
+        config = _trace_only_config()
+        if config is not None:
+            kwargs["experimental_config"] = config
+    return kwargs
+
+
+def _trace_only_config() -> Any:
+    """``_ExperimentalConfig(trace_only=True)`` where this torch has it, else ``None``.
+
+    The exported trace is the same (checked event by event); only the Python-side events
+    (``prof.events()``, ``key_averages()``), which profd never reads, are not built."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return _ExperimentalConfig(trace_only=True)
+    except (ImportError, TypeError):  # an older torch without it
+        return None
 
 
 def _distributed_info_present() -> bool:
@@ -83,14 +113,65 @@ def _quiet(fn: Any, **kwargs: Any) -> Any:
         return fn(**kwargs)
 
 
-class _TorchOutput(PendingOutput):
-    """One saved window.
+class KinetoGate:
+    """Orders Kineto's trace exports against profiler starts in this process.
 
-    Kineto's trace export is not safe to run while another window starts on the training
-    thread (adding trace metadata races with the export and corrupts the heap), so the plain
-    JSON is written right away, on the thread that ended the window — as fast as torch's own
-    plain-JSON export. Compression, the device-event check and publishing run later on the
-    exporter thread.
+    Kineto's export is not safe while a profiler starts in the same process (adding the new
+    window's trace metadata races with the export and corrupts the heap), and torch.profiler
+    is process-wide. So profd keeps one rule: **a window's trace is exported off the training
+    thread only while no profiler runs here.** A window that ends registers its export
+    (:meth:`hold`, on the training thread, inside ``close()``) before anything else can start;
+    the next profiler start first waits until no registered export is left
+    (:meth:`wait_clear`), at most ``wait_s`` seconds; past that it raises, so that window is
+    reported as failed and training goes on, rather than risk the heap.
+
+    The step the start waits for is Kineto's ``export_chrome_trace`` (``_ProfilerResult.save``)
+    only: gzip, the device-event scan and publishing run after :meth:`release`.
+    """
+
+    def __init__(self, wait_s: float = 60.0) -> None:
+        self.wait_s = wait_s
+        self._cond = threading.Condition()
+        self._pending = 0
+
+    @property
+    def pending(self) -> int:
+        """Exports registered and not finished yet."""
+        return self._pending
+
+    def hold(self) -> None:
+        with self._cond:
+            self._pending += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._cond.notify_all()
+
+    def wait_clear(self) -> float:
+        """Wait until no export is registered; return the seconds waited."""
+        started = time.perf_counter()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending == 0, timeout=self.wait_s):
+                raise RuntimeError(
+                    f"the previous torch window's trace was still being exported after "
+                    f"{self.wait_s:g} s; this window is not recorded (Kineto's export must "
+                    "not overlap a profiler start)"
+                )
+        return time.perf_counter() - started
+
+
+#: The gate of this process (torch.profiler is process-wide, so is its export).
+KINETO_GATE = KinetoGate()
+
+
+class _TorchOutput(PendingOutput):
+    """One saved window: Kineto's JSON, then gzip and publishing, all in :meth:`write`.
+
+    ``deferred`` (the window ended with the collection): the trace stays in Kineto's memory
+    until :meth:`write` exports it on the exporter thread, under :data:`KINETO_GATE`.
+    Otherwise (a window a schedule saved while the profiler restarts in the same ``step()``)
+    the plain JSON is written at once, on the training thread, as before the gate existed.
     """
 
     def __init__(
@@ -100,6 +181,7 @@ class _TorchOutput(PendingOutput):
         suffix: str,
         expect_device: bool,
         notes: tuple[str, ...] = (),
+        deferred: bool = False,
     ) -> None:
         self._spec = spec
         self._suffix = suffix
@@ -107,17 +189,42 @@ class _TorchOutput(PendingOutput):
         self._notes = notes
         self._error: Exception | None = None
         self._raw = temp_path(spec.save_dir, spec.stem, ".json")
+        self._window: Any = None
+        self._unhold: Any = None
+        if deferred:
+            KINETO_GATE.hold()
+            self._window = window
+            # an output dropped unwritten must not keep every later window from starting
+            self._unhold = weakref.finalize(self, KINETO_GATE.release)
+        else:
+            try:
+                self._export(window)
+            except Exception as exc:  # reported by write(), on the exporter thread
+                self._error = exc
+
+    def _export(self, window: Any) -> None:
         try:
-            spec.save_dir.mkdir(parents=True, exist_ok=True)
+            self._spec.save_dir.mkdir(parents=True, exist_ok=True)
             window.export_chrome_trace(str(self._raw))
-        except Exception as exc:  # reported by write(), on the exporter thread
+        except BaseException:
             with contextlib.suppress(OSError):
                 self._raw.unlink(missing_ok=True)
-            self._error = exc
+            raise
 
     def write(self) -> list[WrittenFile]:
+        if self._unhold is not None:
+            window, self._window = self._window, None
+            try:
+                self._export(window)
+            finally:
+                del window  # free the events as soon as they are on disk
+                self._unhold()  # runs release() once
+                self._unhold = None
         if self._error is not None:
             raise self._error
+        return self._pack()
+
+    def _pack(self) -> list[WrittenFile]:
         spec = self._spec
         packed = temp_path(spec.save_dir, spec.stem, TRACE_EXT)
         try:
@@ -168,6 +275,7 @@ class _TorchCollection(Collection):
         self._notes = notes  # warnings every window of this collection carries
         _OneProfilerPerProcess.acquire(spec.stem)
         try:
+            self.export_wait_s = KINETO_GATE.wait_clear()
             self._setup(spec, kwargs)
         except BaseException:
             _OneProfilerPerProcess.release()
@@ -178,6 +286,7 @@ class _TorchCollection(Collection):
 
         self._spec = spec
         self._closed = False
+        self._closing = False  # inside close(): the last window's export is deferred
         self._record_function = tp.record_function
         self._ready: list[PendingOutput] = []
         self._saves = 0
@@ -215,7 +324,14 @@ class _TorchCollection(Collection):
             self._spec.name_mini_batches,
         )
         self._ready.append(
-            _TorchOutput(prof.profiler, self._spec, suffix, self._expect_device, self._notes)
+            _TorchOutput(
+                prof.profiler,
+                self._spec,
+                suffix,
+                self._expect_device,
+                self._notes,
+                deferred=self._closing,
+            )
         )
         self._saves += 1
         self._last_saved_step = step_num
@@ -235,6 +351,7 @@ class _TorchCollection(Collection):
         if self._closed:
             return self.take_ready()
         self._closed = True
+        self._closing = True
         # torch saves a window cut short in RECORD on stop() (the partial-window flush).
         try:
             self._prof.stop()

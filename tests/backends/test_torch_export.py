@@ -1,0 +1,88 @@
+"""The torch backend's window end: Kineto's export deferred to the exporter thread and
+ordered before the next profiler start (``KINETO_GATE``); ``trace_only`` where torch has it."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from profd.backends.base import CollectionSpec
+from profd.backends.torch_backend import (
+    KINETO_GATE,
+    TorchBackend,
+    read_trace,
+    torch_profiler_kwargs,
+)
+from profd.core.request import TorchToolConfig
+
+from helpers import user_ranges
+
+
+def spec(save_dir: Path, step: int = 1, schedule: dict | None = None) -> CollectionSpec:
+    stem = f"actor_train_step{step}_rank0_pid1_20260101000000000"
+    return CollectionSpec(save_dir=save_dir, stem=stem, metadata={}, schedule=schedule)
+
+
+def record(save_dir: Path, step: int = 1) -> list:
+    coll = TorchBackend({"contents": ["cpu"]}).open(spec(save_dir, step))
+    with coll.annotate(f"step{step}"):
+        torch.ones(4).sum()
+    return coll.close()
+
+
+def test_the_window_end_registers_its_export_until_it_is_written(tmp_path) -> None:
+    (out,) = record(tmp_path)
+    assert KINETO_GATE.pending == 1  # nothing exported on the training thread
+    assert list(tmp_path.iterdir()) == []
+    (written,) = out.write()
+    assert KINETO_GATE.pending == 0
+    assert "step1" in user_ranges(read_trace(written.path))
+
+
+def test_a_failed_or_dropped_export_lets_the_next_window_start(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(KINETO_GATE, "wait_s", 0.5)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    (out,) = record(blocker)
+    with pytest.raises(OSError):
+        out.write()
+    assert KINETO_GATE.pending == 0
+    (dropped,) = record(tmp_path, 2)
+    del dropped  # never written (a caller that lost it): releases when collected
+    gc.collect()
+    assert KINETO_GATE.pending == 0
+    (out,) = record(tmp_path, 3)  # starts at once: nothing left to wait for
+    (written,) = out.write()
+    assert written.path.name.startswith("actor_train_step3_")
+
+
+def test_windows_a_schedule_saves_while_open_are_exported_at_once(tmp_path) -> None:
+    """The profiler restarts inside the same step(): those exports stay on the training
+    thread; only the window that ends with the collection is deferred."""
+    schedule = {"wait": 0, "warmup": 0, "active": 1, "repeat": 0, "skip_first": 0}
+    coll = TorchBackend({"contents": ["cpu"]}).open(spec(tmp_path, schedule=schedule))
+    for i in range(2):
+        with coll.annotate(f"mini_batch{i}"):
+            torch.ones(4).sum()
+        coll.step()
+    ready = coll.take_ready()
+    assert len(ready) == 2 and KINETO_GATE.pending == 0
+    with coll.annotate("mini_batch2"):
+        torch.ones(4).sum()
+    (last,) = coll.close()
+    assert KINETO_GATE.pending == 1
+    names = [user_ranges(read_trace(o.write()[0].path)) for o in (*ready, last)]
+    assert names == [["mini_batch0"], ["mini_batch1"], ["mini_batch2"]]
+    assert KINETO_GATE.pending == 0
+
+
+def test_trace_only_is_asked_for_except_with_stacks() -> None:
+    plain = torch_profiler_kwargs(TorchToolConfig(contents=["cpu"]), False)
+    stacks = torch_profiler_kwargs(TorchToolConfig(contents=["cpu", "stack"]), False)
+    assert "experimental_config" not in stacks  # torch would turn it off with a warning
+    config = plain.get("experimental_config")
+    if hasattr(torch._C._profiler._ExperimentalConfig(), "trace_only"):
+        assert config is not None and config.trace_only
