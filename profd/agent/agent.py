@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from profd.agent.channel import Channel, CoordinatorLink, find_ray_link
+from profd.agent.channel import Channel, CoordinatorLink
 from profd.agent.clock_sync import ClockEstimate
 from profd.agent.recorder import Recorder
 from profd.agent.timed import TimedWindows
@@ -330,4 +330,9 @@ class ProfilerAgent:
 
 
 def _default_find_link() -> Callable[[], CoordinatorLink | None] | None:
-    return find_ray_link if ray_up() else None
+    """Inside Ray: the coordinator (through the node's relay with ``PROFD_RELAY=1``)."""
+    if not ray_up():
+        return None
+    from profd.agent.relay_link import default_link_finder
+
+    return default_link_finder()
