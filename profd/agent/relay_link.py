@@ -25,6 +25,7 @@ from profd.agent.channel import (
     CoordinatorLink,
     LinkDown,
     LinkMoved,
+    RayLink,
     Registration,
     find_ray_link,
 )
@@ -45,15 +46,12 @@ def relays_enabled() -> bool:
     return os.environ.get("PROFD_RELAY", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-class RelayLink:
-    """:class:`~profd.agent.channel.CoordinatorLink` over the node's relay actor; any failure
-    of the relay is :class:`LinkDown`."""
+class RelayLink(RayLink):
+    """:class:`~profd.agent.channel.CoordinatorLink` over the node's relay actor (the calls
+    of :class:`~profd.agent.channel.RayLink`); any failure of the relay is
+    :class:`LinkDown`."""
 
     kind = "relay"
-
-    def __init__(self, handle: Any, call_timeout_s: float = 30.0) -> None:
-        self._handle = handle
-        self._timeout = call_timeout_s
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         import ray
@@ -63,18 +61,6 @@ class RelayLink:
             return ray.get(ref, timeout=timeout or self._timeout)
         except Exception as exc:  # the relay died, restarts, or lost the coordinator
             raise LinkDown(f"relay {method}: {type(exc).__name__}") from exc
-
-    def register(self, info: AgentInfo, step: int | None) -> Registration:
-        return self._call("register", info, step)
-
-    def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> PollReply:
-        return self._call("poll", agent_id, version, step, timeout, timeout=timeout + self._timeout)
-
-    def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
-        return self._call("report", agent_id, events)
-
-    def clock_ns(self) -> int:
-        return self._call("clock_ns", timeout=5.0)
 
 
 class DirectLink:
