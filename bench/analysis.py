@@ -1,36 +1,79 @@
-"""Benchmark: ``profd summarize`` against HTA's ``TraceAnalysis`` load, same files, same run.
+"""Benchmark: ``profd summarize`` with its GPU breakdown against HTA doing the same work, on
+the same files, in fresh processes, in alternating rounds.
 
-    python bench/analysis.py [--ranks 8] [--target-mb 100] [--rounds 3] [--keep DIR | --reuse DIR]
+    python bench/analysis.py [--ranks 8] [--steps 4] [--target-mb 100] [--rounds 3]
+                             [--gzip] [--keep DIR | --reuse DIR] [--no-sample]
 
-1. Records a trace set with profd: ``--ranks`` real ``ProfilerAgent`` s (in-process
-   coordinator, CPU loop with generate / compute_log_prob / update_actor stages and
-   mini-/micro-batches), one profiled step each, sized to about ``--target-mb`` MB of JSON
-   in total (a probe window calibrates the loop length). Written by profd: ``.json.gz`` files.
-2. Alternates, ``--rounds`` times, a fresh process running ``summarize_dir`` on the directory
-   and a fresh process running ``hta.trace_analysis.TraceAnalysis(trace_dir=...)`` on the same
-   directory. Imports are done before the clock starts in both. The best round of each is
-   reported.
-3. Checks that HTA read each file's rank from ``distributedInfo`` (its rank set equals the
-   ranks written inside the traces).
+1. Writes a trace set (``gpu_trace_set.py``): one Kineto-layout file per rank, in the text torch
+   2.13 writes, ``--target-mb`` MB of JSON in total (``.json``; ``--gzip``: ``.json.gz``),
+   with ``ProfilerStep#<n>`` rows, profd stage ranges, kernels on two compute streams, NCCL
+   kernels on a communication stream partly overlapping them, memcpy / memset events, their
+   ``cuda_runtime`` launches (correlation ids) and flow events. Its figures are known by
+   construction (``gpu_trace_set.expected``). ``--reuse DIR`` reads any trace set instead
+   (real traces: only the tools' agreement is checked).
+2. Alternates, ``--rounds`` times, a fresh process per measurement, imports done before the
+   clock starts in both:
 
-Memory (profd_peak_mb, the largest over rounds): the summarising process's peak resident
-memory above what it held before the call (``VmHWM`` after resetting it through
-``/proc/self/clear_refs``, minus ``VmRSS`` before), plus, for each worker process, its peak
-resident memory above what it held when it started (the same reset, done by profd in each
-worker). Summing the workers' peaks assumes they all peaked at once: an upper bound. Target:
-at most 2x the raw JSON size.
+   * profd: ``summarize_dir(DIR)``, the default summary, which includes the GPU breakdown per
+     track and per stage (``SessionSummary.gpu``; nothing to switch on) besides the step,
+     stage and operator tables;
+   * HTA 0.5.0: ``TraceAnalysis(trace_dir=DIR, include_last_profiler_step=True)`` (reading:
+     parse, align, filter; ``hta_read_s``), then ``get_temporal_breakdown``,
+     ``get_gpu_kernel_breakdown`` and ``get_comm_comp_overlap`` (``visualize=False``, other
+     arguments HTA's defaults). ``include_last_profiler_step``: profd counts every profiled
+     step, so HTA is told to keep the last one too.
 
-HTA is installed for this script only, without its declared dependencies (see
-``../shared/reference/environment.md``); it is not a dependency of profd.
+   Timing headline: the median of the rounds' wall times (``profd_s``, ``hta_s``,
+   ``speedup``); the best round is reported beside it (``*_best_s``, ``speedup_best``), and
+   the median CPU time (user + system, workers included: ``profd_cpu_s``, ``hta_cpu_s``,
+   ``cpu_ratio``), which other work on the machine disturbs less than the wall time. Both
+   tools parse in one process per CPU (HTA: a pool of ``min(ranks, CPUs)``; profd: one
+   worker per CPU, at most 8).
+3. Checks, and exits non-zero without a RESULT line when one fails: for every rank, idle,
+   compute and non-compute time as % of the window and the communication-computation overlap
+   % of both tools within 1 percentage point of each other and (generated sets) of the
+   figures by construction; each kernel's total time summed over ranks (profd's device
+   operator tables against HTA's kernel breakdown) within 1 % of the total kernel time; and
+   HTA's ranks equal to the ``distributedInfo`` ranks of the files.
 
-The last line is ``RESULT bytes=... profd_s=... hta_s=... speedup=... profd_peak_mb=...``.
+Memory. ``peak_abs_mb``: the absolute peak of the summarising process tree, interpreter
+included: the summarising process's own peak resident memory over its whole life
+(``VmHWM``: imports and the call), plus, for each worker process, its peak above what it
+held when it started (profd's ``worker_memory_mb``: each worker resets ``VmHWM`` through
+``/proc/self/clear_refs`` when it starts). The workers are forked from the summarising
+process, so the pages they start with are its pages, counted once, in its figure; summing
+the workers' peaks assumes they all peaked at once. A worker's copy-on-write copy of a page
+it inherited does not raise its resident size (the page was counted already), so one more,
+untimed, round per tool samples the proportional set size (``Pss`` of
+``/proc/PID/smaps_rollup``: shared pages split among the processes sharing them) of the
+whole process tree every 10 ms: ``profd_pss_mb`` / ``hta_pss_mb``, the largest sum seen
+(``--no-sample`` skips it). The target is checked on the larger of ``peak_abs_mb`` and
+``profd_pss_mb``: at most 2x the raw JSON size. HTA's peaks from the timed rounds:
+``hta_self_mb`` (its process) and ``hta_child_mb`` (its largest parsing worker), both
+absolute.
+
+Targets: at least 20x faster than HTA, every figure within 1 percentage point, peak at most
+2x the raw JSON size. The speed target is judged on the smaller of the median wall-time
+ratio and the CPU-time ratio: other work on the machine stretches wall times unevenly (HTA's
+run is the longer, so it catches more of it), which can flatter the wall-time ratio.
+HTA is installed for this script only, without its declared
+dependencies (``tests/hta_install.py``); it is not a dependency of profd.
+
+The last line is ``RESULT hta_work=breakdown ranks=... bytes=... profd_s=... hta_s=...
+speedup=... (best rounds) profd_cpu_s=... hta_cpu_s=... cpu_ratio=... rank0_profd_idle_pct=...
+rank0_hta_idle_pct=... (compute, non-compute, overlap) max_diff_pp=... peak_abs_mb=...
+raw_mb=... peak_ratio=... targets=... load=...`` (``load``: the 1-minute load average when
+it ended; ``load_start`` when it began).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,93 +82,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
-ROLE = "actor_rollout_ref"
-
-
-# -- recording ------------------------------------------------------------------------------
-def _wait(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise SystemExit(f"timed out waiting for {what}")
-
-
-def rl_step(agent: Any, model: Any, n: int, inner: int) -> None:
-    """One RL-shaped training step: generation, log-probs, an update loop of mini-batches."""
-    import torch
-
-    with agent.step(n):
-        with agent.stage("generate_sequences"), torch.no_grad():
-            for _ in range(inner // 2):
-                model(torch.randn(8, 16))
-        with agent.stage("compute_log_prob"), torch.no_grad():
-            for _ in range(inner // 2):
-                model(torch.randn(8, 16))
-        with agent.stage("update_actor", update_loop=True):
-            for i in range(2):
-                with agent.mini_batch(i):
-                    for j in range(2):
-                        with agent.micro_batch(j):
-                            for _ in range(max(1, inner // 8)):
-                                model(torch.randn(4, 16)).sum().backward()
-
-
-def profile_window(owner: Any, agents: list[Any], model: Any, step: int, inner: int) -> list[Path]:
-    """Profile ``step`` on ``agents`` (one after the other: one profiler per process)."""
-    roles = {"actor": {"ranks": [a.info.rank for a in agents]}}
-    view = owner.call("create_session", {"steps": [step], "roles": roles})
-    for a in agents:
-        _wait(lambda a=a: any(w.session_id == view.session_id for w in a.plan.windows), 30, "plan")
-    for n in (step, step + 1):
-        for a in agents:
-            rl_step(a, model, n, inner)
-
-    def written() -> Any:
-        v = owner.call("get_session", view.session_id)
-        busy = any(t.state in ("armed", "recording", "collecting") for t in v.targets)
-        return v if v.state.is_terminal and not busy else None
-
-    return [Path(t.path) for t in _wait(written, 300, "traces written").traces]
-
-
-def record(out: Path, ranks: int, target_mb: float) -> None:
-    """Record one profiled step per rank with real profd agents (runs in its own process)."""
-    import torch
-
-    from profd.actors.coordinator import ProfileCoordinator
-    from profd.agent import ProfilerAgent
-    from profd.analysis.jsonscan import json_size_hint
-    from profd.core.settings import CoordinatorSettings
-    from profd.testing.coordinator import InProcessCoordinator
-
-    torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    settings = CoordinatorSettings(
-        save_root=str(out / "profile"), base_dir=str(out), poll_timeout_s=1.0, tick_s=0.2
-    )
-    owner = InProcessCoordinator(ProfileCoordinator(settings))
-    agents = [
-        ProfilerAgent(ROLE, r, ranks, {"tp": r % 2, "dp": r // 2}, find_link=owner.link).start()
-        for r in range(ranks)
-    ]
-    _wait(lambda: all(a.connected for a in agents), 30, "agents registered")
-    for a in agents:
-        rl_step(a, model, 0, 4)
-    probe_inner = 40  # a probe window calibrates bytes per loop iteration
-    (probe,) = profile_window(owner, agents[:1], model, 1, probe_inner)
-    per_inner = json_size_hint(probe) / probe_inner
-    probe.unlink()
-    inner = max(8, int(target_mb * 1e6 / ranks / per_inner))
-    files = profile_window(owner, agents, model, 3, inner)
-    for a in agents:
-        a.close()
-    owner.close()
-    for f in files:
-        shutil.move(str(f), out / f.name)
-    print(f"recorded {len(files)} traces, loop length {inner}", flush=True)
+REPO = HERE.parents[1]
+LAYOUT = "bench-layout.txt"  # the generator's parameters, beside the traces (not a trace)
+FIGURES = ("idle", "compute", "non_compute", "overlap")
+MAX_PP = 1.0
+TARGET_SPEEDUP = 20.0
+TARGET_PEAK_RATIO = 2.0
 
 
 # -- measuring (each in a fresh process) -----------------------------------------------------
@@ -137,59 +99,207 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(field)
 
 
-def measure_profd(directory: Path) -> dict[str, Any]:
-    from profd.analysis.summary import summarize_dir
+def _cpu_s() -> float:
+    """CPU time (user + system) of this process and of its children that have ended."""
+    import resource
 
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _pct(window: float, idle: float, compute: float, non_compute: float, overlap: float | None):
+    return {
+        "window_us": window,
+        "idle": 100 * idle / window,
+        "compute": 100 * compute / window,
+        "non_compute": 100 * non_compute / window,
+        "overlap": overlap,
+    }
+
+
+def measure_profd(directory: Path) -> dict[str, Any]:
+    import resource
+
+    from profd.analysis import summarize_dir
+
+    start_hwm = _status_kb("VmHWM:")  # the interpreter and the imports
     before = _status_kb("VmRSS:")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM so the peak below is this call's
     except OSError:
         pass
-    t = time.perf_counter()
+    cpu, t = _cpu_s(), time.perf_counter()
     summary = summarize_dir(directory)
-    elapsed = time.perf_counter() - t
-    parent_mb = max(0, _status_kb("VmHWM:") - before) / 1024
+    elapsed, cpu = time.perf_counter() - t, _cpu_s() - cpu
+    call_hwm = _status_kb("VmHWM:")
+    parent_abs = max(start_hwm, call_hwm) / 1024
     workers_mb = summary.processing.worker_memory_mb or 0.0
+    rank_of = {t.track: t.rank for t in summary.tracks}
+    ranks = {}
+    for g in summary.gpu:
+        if rank_of.get(g.track) is None:
+            continue  # a file with no rank (not a training rank's trace): HTA reads it as 0
+        ranks[rank_of[g.track]] = _pct(
+            g.window_ms * 1e3,
+            g.idle_ms * 1e3,
+            g.compute_ms * 1e3,
+            g.non_compute_ms * 1e3,
+            g.comm_comp_overlap_pct,
+        )
+    kernels: dict[str, float] = {}
+    for group in summary.top_ops:
+        if group.device == "gpu":
+            for op in group.ops:
+                kernels[op.name] = kernels.get(op.name, 0.0) + op.total_ms * 1e3
     return {
         "seconds": elapsed,
-        "parent_mb": parent_mb,
+        "cpu_s": cpu,
+        "parent_abs_mb": parent_abs,
+        "parent_growth_mb": max(0, call_hwm - before) / 1024,
         "workers_mb": workers_mb,
-        "peak_mb": parent_mb + workers_mb,
+        "largest_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "peak_abs_mb": parent_abs + workers_mb,
         "mode": summary.processing.mode,
         "workers": summary.processing.workers,
         "start_method": summary.processing.start_method,
-        "tracks": len(summary.tracks),
         "parse": sorted({f.parse for f in summary.files}),
+        "ranks": ranks,
+        "kernels": kernels,
     }
 
 
 def measure_hta(directory: Path) -> dict[str, Any]:
     import logging
     import resource
+    import warnings
 
     logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
     from hta.trace_analysis import TraceAnalysis
 
-    t = time.perf_counter()
-    analysis = TraceAnalysis(trace_dir=str(directory))
-    elapsed = time.perf_counter() - t
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    cpu, t = _cpu_s(), time.perf_counter()
+    analysis = TraceAnalysis(trace_dir=str(directory), include_last_profiler_step=True)
+    loaded = time.perf_counter()
+    temporal = analysis.get_temporal_breakdown(visualize=False)
+    t_temporal = time.perf_counter()
+    _, per_kernel = analysis.get_gpu_kernel_breakdown(visualize=False)
+    t_kernels = time.perf_counter()
+    overlap = analysis.get_comm_comp_overlap(visualize=False)
+    end, cpu = time.perf_counter(), _cpu_s() - cpu
+    ranks = {}
+    overlap_of = dict(zip(overlap["rank"], overlap["comp_comm_overlap_pctg"], strict=True))
+    for row in temporal.to_dict("records"):
+        rank = int(row["rank"])
+        pct = overlap_of.get(row["rank"])
+        ranks[rank] = _pct(
+            float(row["kernel_time(us)"]),
+            float(row["idle_time(us)"]),
+            float(row["compute_time(us)"]),
+            float(row["non_compute_time(us)"]),
+            None if pct is None or pct != pct else float(pct),  # NaN: no communication
+        )
+    kernels = per_kernel.groupby("name")["sum (us)"].sum()
     return {
-        "seconds": elapsed,
-        "ranks": sorted(int(r) for r in analysis.t.traces),
-        "self_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "largest_child_peak_mb": children,
+        "seconds": end - t,
+        "cpu_s": cpu,
+        "read_s": loaded - t,
+        "temporal_s": t_temporal - loaded,
+        "kernels_s": t_kernels - t_temporal,
+        "overlap_s": end - t_kernels,
+        "hta_ranks": sorted(int(r) for r in analysis.t.traces),
+        "self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "child_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "ranks": ranks,
+        "kernels": {str(k): float(v) for k, v in kernels.items()},
     }
 
 
-def _child(flag: str, directory: Path) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, str(HERE), flag, str(directory)], capture_output=True, text=True
+def _command(flag: str, directory: Path) -> list[str]:
+    return [sys.executable, str(HERE), flag, str(directory)]
+
+
+def _parse(flag: str, rc: int, out: str, err: str) -> dict[str, Any]:
+    if rc != 0:
+        raise SystemExit(f"{flag} failed:\n{out[-2000:]}\n{err[-4000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["ranks"] = {int(k): v for k, v in result["ranks"].items()}
+    return result
+
+
+def _child(flag: str, directory: Path, env: dict[str, str] | None) -> dict[str, Any]:
+    proc = subprocess.run(_command(flag, directory), capture_output=True, text=True, env=env)
+    return _parse(flag, proc.returncode, proc.stdout, proc.stderr)
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux ``/proc/PID/task/TID/children``)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass  # it just ended
+    return out
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def sampled(flag: str, directory: Path, env: dict[str, str] | None) -> tuple[dict, float]:
+    """One untimed run whose process tree's summed PSS is sampled every 10 ms; its peak."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(_command(flag, directory), stdout=out, stderr=err, env=env)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, sum(_pss_kb(p) for p in _tree(proc.pid)))
+            time.sleep(0.01)
+        out.seek(0)
+        err.seek(0)
+        return _parse(flag, proc.returncode, out.read(), err.read()), peak / 1024
+
+
+# -- the trace set ------------------------------------------------------------------------------
+def prepare(args: argparse.Namespace) -> tuple[Path, Path | None, dict[str, int] | None]:
+    """The trace directory, what to delete afterwards, and the generator's layout (None for
+    traces the generator did not write)."""
+    if args.reuse:
+        layout = args.reuse / LAYOUT
+        return args.reuse, None, json.loads(layout.read_text()) if layout.exists() else None
+    import gpu_trace_set
+
+    directory = args.keep or Path(tempfile.mkdtemp(prefix="profd-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    layers, files = gpu_trace_set.write_set(directory, args.ranks, args.steps, args.target_mb)
+    if args.gzip:
+        for f in files:
+            with open(f, "rb") as src, gzip.open(f"{f}.gz", "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst)
+            f.unlink()
+    layout = {"ranks": args.ranks, "steps": args.steps, "layers": layers}
+    (directory / LAYOUT).write_text(json.dumps(layout))
+    print(
+        f"wrote {len(files)} traces ({args.steps} steps x {layers} layers per rank) "
+        f"in {time.perf_counter() - t:.1f} s",
+        flush=True,
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"{flag} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return directory, None if args.keep else directory, layout
 
 
 def distributed_ranks(directory: Path) -> list[int]:
@@ -204,20 +314,95 @@ def distributed_ranks(directory: Path) -> list[int]:
     return sorted(ranks)
 
 
+# -- checks -------------------------------------------------------------------------------------
+def compare(
+    profd: dict[str, Any], hta: dict[str, Any], layout: dict[str, int] | None
+) -> tuple[float, float, float, list[str]]:
+    """(max profd-HTA difference in pp, max difference from the expected figures in pp,
+    kernel-time difference in % of the total, problems)."""
+    problems: list[str] = []
+    expected = {}
+    if layout is not None:
+        import gpu_trace_set
+
+        for r in range(layout["ranks"]):
+            expected[r] = gpu_trace_set.expected(r, layout["steps"], layout["layers"])
+    if sorted(profd["ranks"]) != sorted(hta["ranks"]):
+        problems.append(
+            f"ranks with GPU figures: profd {sorted(profd['ranks'])}, HTA {sorted(hta['ranks'])}"
+        )
+    diff = off = 0.0
+    for rank in sorted(set(profd["ranks"]) & set(hta["ranks"])):
+        p, h = profd["ranks"][rank], hta["ranks"][rank]
+        want = expected[rank].pct() if rank in expected else None
+        for k in FIGURES:
+            if (p[k] is None) != (h[k] is None):
+                problems.append(f"rank {rank} {k}: profd {p[k]}, HTA {h[k]}")
+                continue
+            if p[k] is None:
+                continue
+            d = abs(p[k] - h[k])
+            diff = max(diff, d)
+            if d > MAX_PP:
+                problems.append(f"rank {rank} {k}: profd {p[k]:.3f} %, HTA {h[k]:.3f} %")
+            if want is not None:
+                e = max(abs(p[k] - want[k]), abs(h[k] - want[k]))
+                off = max(off, e)
+                if e > MAX_PP:
+                    problems.append(
+                        f"rank {rank} {k}: expected {want[k]:.3f} %, profd {p[k]:.3f} %, "
+                        f"HTA {h[k]:.3f} %"
+                    )
+    total = sum(hta["kernels"].values()) or 1.0
+    names = set(profd["kernels"]) | set(hta["kernels"])
+    gaps = [abs(profd["kernels"].get(n, 0.0) - hta["kernels"].get(n, 0.0)) for n in names]
+    kdiff = 100 * max(gaps, default=0.0) / total
+    # profd lists the top operators of each stage: complete on the generated sets only
+    if layout is not None and kdiff > MAX_PP:
+        problems.append(f"kernel time per name differs by {kdiff:.3f} % of the total")
+    if expected:
+        want_total = sum(e.sum_comp + e.sum_comm + e.sum_mem for e in expected.values())
+        for tool, kernels in (("profd", profd["kernels"]), ("HTA", hta["kernels"])):
+            got = sum(kernels.values())
+            if abs(got - want_total) > 1e-6 * want_total:
+                problems.append(f"{tool}: kernel time {got:.0f} us, expected {want_total} us")
+    return diff, off, kdiff, problems
+
+
+# -- running ------------------------------------------------------------------------------------
+def rounds(
+    directory: Path, n: int, hta_env: dict[str, str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Alternate profd and HTA, each in a fresh process, so both see the same machine load."""
+    profd_runs, hta_runs = [], []
+    for i in range(n):
+        profd_runs.append(_child("--measure-profd", directory, None))
+        hta_runs.append(_child("--measure-hta", directory, hta_env))
+        p, h = profd_runs[-1], hta_runs[-1]
+        print(
+            f"round {i + 1}: profd {p['seconds']:.3f} s (CPU {p['cpu_s']:.2f} s, peak "
+            f"{p['peak_abs_mb']:.0f} MB), HTA {h['seconds']:.2f} s (CPU {h['cpu_s']:.1f} s; "
+            f"read {h['read_s']:.2f}, temporal {h['temporal_s']:.2f}, "
+            f"kernels {h['kernels_s']:.2f}, overlap {h['overlap_s']:.2f}), "
+            f"load average {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+    return profd_runs, hta_runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--target-mb", type=float, default=100.0)
+    ap.add_argument("--steps", type=int, default=4, help="ProfilerStep rows per rank.")
+    ap.add_argument("--target-mb", type=float, default=100.0, help="JSON in total, all ranks.")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--keep", type=Path, help="Record into this directory and keep it.")
-    ap.add_argument("--reuse", type=Path, help="Skip recording; use the traces in this directory.")
-    ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--gzip", action="store_true", help="Write .json.gz instead of .json.")
+    ap.add_argument("--keep", type=Path, help="Write the traces into this directory, keep them.")
+    ap.add_argument("--reuse", type=Path, help="Skip writing; use the traces in this directory.")
+    ap.add_argument("--no-sample", action="store_true", help="Skip the sampled-memory rounds.")
     ap.add_argument("--measure-profd", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--measure-hta", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.record:
-        record(args.record, args.ranks, args.target_mb)
-        return
     if args.measure_profd:
         print(json.dumps(measure_profd(args.measure_profd)))
         return
@@ -227,87 +412,149 @@ def main() -> None:
     run(args)
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, Path | None]:
-    """The trace directory, and what to delete afterwards."""
-    if args.reuse:
-        return args.reuse, None
-    directory = args.keep or Path(tempfile.mkdtemp(prefix="profd-bench-"))
-    directory.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    rec = [
-        sys.executable,
-        str(HERE),
-        "--record",
-        str(directory),
-        "--ranks",
-        str(args.ranks),
-        "--target-mb",
-        str(args.target_mb),
-    ]
-    subprocess.run(rec, check=True, stderr=subprocess.DEVNULL)
-    print(f"recording took {time.perf_counter() - t:.1f} s", flush=True)
-    return directory, None if args.keep else directory
-
-
-def rounds(directory: Path, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Alternate profd and HTA, each in a fresh process, so both see the same machine load."""
-    profd_runs, hta_runs = [], []
-    for i in range(n):
-        profd_runs.append(_child("--measure-profd", directory))
-        hta_runs.append(_child("--measure-hta", directory))
-        print(
-            f"round {i + 1}: profd {profd_runs[-1]['seconds']:.3f} s "
-            f"(peak {profd_runs[-1]['peak_mb']:.1f} MB), HTA {hta_runs[-1]['seconds']:.3f} s",
-            flush=True,
-        )
-    return profd_runs, hta_runs
-
-
 def run(args: argparse.Namespace) -> None:
     from profd.analysis.jsonscan import json_size_hint
     from profd.analysis.sources import discover
 
-    directory, scratch = prepare(args)
+    sys.path.insert(0, str(HERE.parent))  # gpu_trace_set
+    sys.path.insert(0, str(REPO / "tests"))  # hta_install
+    import hta_install
+
+    load_start = os.getloadavg()[0]
+    hta_env = hta_install.hta_env()
+    directory, scratch, layout = prepare(args)
     try:
         files = discover(directory)
         raw = sum(json_size_hint(f) for f in files)
         on_disk = sum(f.stat().st_size for f in files)
-        print(f"{len(files)} traces, {raw / 1e6:.1f} MB of JSON ({on_disk / 1e6:.1f} MB gzip)")
-        profd_runs, hta_runs = rounds(directory, args.rounds)
-        expected = distributed_ranks(directory)
+        print(f"{len(files)} traces, {raw / 1e6:.1f} MB of JSON ({on_disk / 1e6:.1f} MB on disk)")
+        profd_runs, hta_runs = rounds(directory, args.rounds, hta_env)
+        pss_p = pss_h = None
+        if not args.no_sample:
+            _, pss_p = sampled("--measure-profd", directory, None)
+            _, pss_h = sampled("--measure-hta", directory, hta_env)
+            print(f"sampled PSS peak of the process tree: profd {pss_p:.0f} MB, HTA {pss_h:.0f} MB")
+        expected_ranks = distributed_ranks(directory)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    best_p = min(profd_runs, key=lambda r: r["seconds"])
-    best_h = min(hta_runs, key=lambda r: r["seconds"])
-    peak = max(r["peak_mb"] for r in profd_runs)
-    speedup = best_h["seconds"] / best_p["seconds"]
-    ranks_ok = all(r["ranks"] == expected for r in hta_runs)
+    report(raw, profd_runs, hta_runs, pss_p, pss_h, expected_ranks, layout, load_start)
+
+
+def report(
+    raw: int,
+    profd_runs: list[dict[str, Any]],
+    hta_runs: list[dict[str, Any]],
+    pss_p: float | None,
+    pss_h: float | None,
+    expected_ranks: list[int],
+    layout: dict[str, int] | None,
+    load_start: float,
+) -> None:
+    p_s = statistics.median(r["seconds"] for r in profd_runs)
+    h_s = statistics.median(r["seconds"] for r in hta_runs)
+    p_cpu = statistics.median(r["cpu_s"] for r in profd_runs)
+    h_cpu = statistics.median(r["cpu_s"] for r in hta_runs)
+    p_best = min(r["seconds"] for r in profd_runs)
+    h_best = min(r["seconds"] for r in hta_runs)
+    speedup, speedup_best = h_s / p_s, h_best / p_best
+    first_p, first_h = profd_runs[0], hta_runs[0]
+    problems = []
+    for r in hta_runs:
+        if r["hta_ranks"] != expected_ranks:
+            problems.append(f"HTA ranks {r['hta_ranks']}, distributedInfo {expected_ranks}")
+    for p in profd_runs[1:]:
+        if p["ranks"] != first_p["ranks"]:
+            problems.append("profd's figures changed between rounds")
+    diff, off, kdiff, found = compare(first_p, first_h, layout)
+    problems += found
     print(
-        f"profd: {best_p['mode']} x{best_p['workers']} ({best_p['start_method']}), parse "
-        f"{best_p['parse']}; memory: summarising process +{best_p['parent_mb']:.1f} MB, "
-        f"workers +{best_p['workers_mb']:.1f} MB"
+        f"profd: {first_p['mode']} x{first_p['workers']} ({first_p['start_method']}), parse "
+        f"{first_p['parse']}; memory: summarising process {first_p['parent_abs_mb']:.0f} MB "
+        f"absolute (+{first_p['parent_growth_mb']:.0f} MB in the call), workers "
+        f"+{first_p['workers_mb']:.0f} MB above their start (largest worker "
+        f"{first_p['largest_worker_mb']:.0f} MB absolute)"
     )
+    h_self = max(r["self_mb"] for r in hta_runs)
+    h_child = max(r["child_mb"] for r in hta_runs)
+    print(f"HTA: peak {h_self:.0f} MB in its process, {h_child:.0f} MB in its largest worker")
+    print("rank  figure        profd %     HTA %  expected %")
+    want = {}
+    if layout is not None:
+        import gpu_trace_set
+
+        want = {
+            r: gpu_trace_set.expected(r, layout["steps"], layout["layers"]).pct()
+            for r in range(layout["ranks"])
+        }
+    for rank in sorted(first_p["ranks"]):
+        for k in FIGURES:
+            pv, hv = first_p["ranks"][rank][k], first_h["ranks"].get(rank, {}).get(k)
+            ev = want.get(rank, {}).get(k)
+            cells = [f"{v:10.3f}" if v is not None else f"{'-':>10}" for v in (pv, hv, ev)]
+            print(f"{rank:>4}  {k:<12}{''.join(cells)}")
+    peak = max(r["peak_abs_mb"] for r in profd_runs)
+    checked_peak = max(peak, pss_p or 0.0)
+    raw_mb = raw / 1e6
+    ratio = checked_peak / raw_mb
+    judged = min(speedup, h_cpu / p_cpu)
+    missed = [
+        name
+        for name, ok in (
+            ("speedup", judged >= TARGET_SPEEDUP),
+            ("agreement", diff <= MAX_PP),
+            ("peak", ratio <= TARGET_PEAK_RATIO),
+        )
+        if not ok
+    ]
     print(
-        f"HTA: peak {best_h['self_peak_mb']:.0f} MB in its process, "
-        f"{best_h['largest_child_peak_mb']:.0f} MB in its largest worker"
+        f"targets: speedup {judged:.1f} (wall: median {speedup:.1f}, best {speedup_best:.1f}; "
+        f"CPU {h_cpu / p_cpu:.1f}) >= {TARGET_SPEEDUP:.0f} "
+        f"{'ok' if judged >= TARGET_SPEEDUP else 'MISSED'}; figures within {diff:.4f} pp "
+        f"(expected: {off:.4f} pp, kernel time {kdiff:.4f} %) <= {MAX_PP} "
+        f"{'ok' if diff <= MAX_PP else 'MISSED'}; peak {checked_peak:.0f} MB = {ratio:.2f}x raw "
+        f"<= {TARGET_PEAK_RATIO:.0f}x {'ok' if ratio <= TARGET_PEAK_RATIO else 'MISSED'}"
     )
-    print(
-        f"HTA ranks {hta_runs[0]['ranks']} vs distributedInfo ranks {expected}: "
-        f"{'match' if ranks_ok else 'MISMATCH'}"
-    )
-    limit = 2 * raw / 1e6
-    print(
-        f"targets: speedup {speedup:.1f} >= 10 {'ok' if speedup >= 10 else 'MISSED'}; "
-        f"peak {peak:.1f} MB <= {limit:.0f} MB {'ok' if peak <= limit else 'MISSED'}"
-    )
-    print(
-        f"RESULT bytes={raw} profd_s={best_p['seconds']:.3f} hta_s={best_h['seconds']:.3f} "
-        f"speedup={speedup:.1f} profd_peak_mb={peak:.1f}",
-        flush=True,
-    )
-    if not ranks_ok:
-        sys.exit("HTA did not read the ranks written in distributedInfo")
+    if problems:
+        for line in problems:
+            print("MISMATCH:", line)
+        sys.exit(f"{len(problems)} check(s) failed: no RESULT")
+    r0p, r0h = first_p["ranks"][min(first_p["ranks"])], first_h["ranks"][min(first_p["ranks"])]
+    fields = {
+        "hta_work": "breakdown",
+        "ranks": len(expected_ranks),
+        "bytes": raw,
+        "profd_s": f"{p_s:.3f}",
+        "hta_s": f"{h_s:.2f}",
+        "speedup": f"{speedup:.1f}",
+        "profd_best_s": f"{p_best:.3f}",
+        "hta_best_s": f"{h_best:.2f}",
+        "speedup_best": f"{speedup_best:.1f}",
+        "profd_cpu_s": f"{p_cpu:.2f}",
+        "hta_cpu_s": f"{h_cpu:.1f}",
+        "cpu_ratio": f"{h_cpu / p_cpu:.1f}",
+        "hta_read_s": f"{statistics.median(r['read_s'] for r in hta_runs):.2f}",
+    }
+    for k in FIGURES:
+        fields[f"rank0_profd_{k}_pct"] = "-" if r0p[k] is None else f"{r0p[k]:.2f}"
+        fields[f"rank0_hta_{k}_pct"] = "-" if r0h[k] is None else f"{r0h[k]:.2f}"
+    fields |= {
+        "max_diff_pp": f"{diff:.4f}",
+        "expected_diff_pp": f"{off:.4f}" if layout is not None else "-",
+        "kernel_diff_pct": f"{kdiff:.4f}",
+        "peak_abs_mb": f"{peak:.1f}",
+        "profd_pss_mb": f"{pss_p:.1f}" if pss_p is not None else "-",
+        "raw_mb": f"{raw_mb:.1f}",
+        "peak_ratio": f"{ratio:.2f}",
+        "hta_self_mb": f"{h_self:.0f}",
+        "hta_child_mb": f"{h_child:.0f}",
+        "hta_pss_mb": f"{pss_h:.0f}" if pss_h is not None else "-",
+        "rounds": len(profd_runs),
+        "targets": "met" if not missed else "missed:" + ",".join(missed),
+        "load_start": f"{load_start:.2f}",
+        "load": f"{os.getloadavg()[0]:.2f}",
+    }
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
 if __name__ == "__main__":
