@@ -1,29 +1,47 @@
-"""Load on the HTTP sidecar: polling clients plus session create / cancel churn.
+"""Load on the HTTP sidecar as users make it: dashboards and scripts reading a store of past
+sessions while sessions are created, recorded and cancelled on agents that train.
 
-A server process runs the real sidecar (uvicorn on 127.0.0.1, the app of ``profd up``, token
-on) in front of a real coordinator (the ``ProfileCoordinator`` class on its own event-loop
-thread, with its SQLite store), with ``--agents`` real agents that recorded one session (so the
-trace index is not empty). This process runs ``--clients`` concurrent clients (asyncio +
-httpx, one keep-alive connection each) for ``--duration`` seconds:
+A server process runs ``profd up``'s stack (default, ``--ray``): a local Ray on 127.0.0.1, the
+coordinator and sidecar actors started by ``start_services`` with the config ``profd up``
+builds (token file in the state directory, SQLite store, reads shared for
+``read_cache_s``), and ``--agents`` training processes (Ray actors, ``profd.attach`` once each,
+a small MLP step in stages every 0.5 s). Before the coordinator starts, its state directory is
+given ``--past`` finished sessions (copies of sessions recorded for real, with their parts,
+history and trace files; see ``bench/_api_stack.py``), which it restores at start.
+``--in-process`` serves the same app and coordinator in one process without Ray (agents as
+threads there): the sidecar's own cost, reported separately.
 
-* pollers: ``GET /api/v1/status`` and ``GET /api/v1/traces`` in turn, one request every
-  ``--interval`` seconds each (with random phase, as independent dashboards or scripts);
-* ``--churn`` of the clients instead create a session and cancel it, every ``--interval``.
-  Agents in one process cannot be held by two live sessions at once, so churn client 0
-  targets the agents (explicit steps far ahead) and the others create launch-time sessions
-  that wait for a role of their own (``wait_for_agents``), which hold no agent.
+This process runs ``--clients`` concurrent clients (asyncio + httpx, one keep-alive
+connection each) for ``--duration`` seconds after ``--warmup`` seconds not counted:
 
-Latency is measured per request in the client, after ``--warmup`` seconds in which the
-clients connect (those requests are not counted); an error is any non-2xx answer, a timeout
-or a connection failure; the load generator freezes its heap at the end of the warm-up so
-that its own garbage collections are not counted. Targets: 0 errors, p99 <= 50 ms. The
-server also prints its own view (request start to response end inside uvicorn), which tells
-the server's share of the latency from the clients' and the machine's.
+* ``--churn`` writers (with the token) create a session on 1 random rank (4 ranks one time in
+  five) for the next step, follow it to its end (``GET /sessions/{id}`` every 0.5 s, as
+  ``profd profile --wait`` does) and cancel one in four once armed; one session per
+  ``--churn-interval`` seconds each at most.
+  A 409 (a target busy with another live session, or a cancel that came after the end) is
+  the API's correct answer: counted as ``conflicts_409``, not as an error.
+* the others read, one request every ``--interval`` seconds each (random phase), drawn by
+  :data:`MIX`: a past session (any of ``--past``), a live one, pages of sessions and of traces
+  (following ``next_cursor`` half the time; traces also by session or by rank), a summary
+  (half of them of one of the 8 newest past sessions, half of any), the agents, the status,
+  ``/metrics`` and ``/healthz``.
+
+Latency is measured per request in the client; an error is any other non-2xx answer, a
+timeout (10 s) or a connection failure. ``uncached_share`` is the share of requests the
+sidecar cannot answer from what it holds, as the client can tell: reads are shared by
+(route, arguments) for ``read_cache_s`` after a first request and dropped by any change
+(``SharedReads``), summaries of finished sessions are kept for the 32 last asked
+(``SummaryCache``); the bench replays both rules on the requests it sends. Per-route p50/p99,
+and the p99 of each 10-s window (median and range) as the run's spread. Targets: 0 errors,
+p99 <= 50 ms.
 
     python bench/api_load.py [--clients 100] [--duration 60] [--interval 0.5] [--churn 4]
-    python bench/api_load.py --ray   # as `profd up` serves: sidecar and coordinator actors
+        [--churn-interval 1] [--agents 16] [--past 1000] [--in-process]
 
-Last line: ``RESULT clients=100 requests=... errors=... p50_ms=... p99_ms=...``.
+Last line: ``RESULT mode=ray clients=100 requests=... errors=... p50_ms=... p99_ms=...
+p99_window_median_ms=... p99_window_range_ms=...-... rps=... uncached_share=...
+churn_sessions=... conflicts_409=... past_sessions=1000 agents=16 targets=met|missed
+load_start=... load=...`` (load: the 1-minute load average, os.getloadavg()).
 """
 
 from __future__ import annotations
@@ -31,254 +49,404 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import logging
+import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
-TOKEN = "bench-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-FAR_STEP = 10**9
+TARGET_P99_MS = 50.0
+#: Reader routes and their weights (percent of reads).
+MIX = {
+    "GET session (past)": 25,
+    "GET session (live)": 10,
+    "GET sessions page": 15,
+    "GET traces page": 15,
+    "GET summary": 4,
+    "GET agents": 10,
+    "GET status": 8,
+    "GET metrics": 6,
+    "GET healthz": 7,
+}
+#: The sidecar's caches, as its code has them (api/client.py, api/summaries.py).
+SUMMARY_CACHE_SIZE = 32
+HOT_SESSIONS = 8
+WINDOW_S = 10.0
+#: How often a churn writer looks at its session (as `profd profile --wait` does).
+FOLLOW_S = 0.5
+NOISE = (b"STAGE:", b"USDT:")  # torch.profiler's own lines on stderr, one per window
 
 
-# -- server process ---------------------------------------------------------------------------
-class ThreadLoopClient:
-    """The sidecar's coordinator client for a coordinator on another thread's event loop."""
+# -- the server process --------------------------------------------------------------------------
+def serve(args: argparse.Namespace) -> None:
+    import _api_stack
 
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner
-
-    async def call(self, method: str, *args: Any) -> Any:
-        coro = getattr(self.owner.coordinator, method)(*args)
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.owner.loop))
-
-
-def _record_one_session(owner: Any, agents: list[Any]) -> None:
-    import torch
-
-    view = owner.call("create_session", {"steps": [1], "roles": {"actor": {"all_ranks": True}}})
-    deadline = time.monotonic() + 20
-    while not all(a.plan.windows for a in agents) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for a in agents:
-        for n in (1, 2):
-            with a.step(n), a.stage("work"):
-                torch.ones(64, 64) @ torch.ones(64, 64)
-    while time.monotonic() < deadline:
-        if owner.call("get_session", view.session_id).state.is_terminal:
-            return
-        time.sleep(0.1)
-    raise RuntimeError("the warm-up session did not finish")
-
-
-class ServerTiming:
-    """ASGI wrapper: time from request start to the end of the response, inside the server
-    (tells the server's share of the latency from the clients' and the machine's)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.seconds: list[float] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.seconds.append(time.perf_counter() - t0)
-
-
-def serve(port_file: Path, n_agents: int, workdir: Path) -> None:
-    import uvicorn
-
-    from profd.actors.coordinator import ProfileCoordinator
-    from profd.agent import ProfilerAgent
-    from profd.api import create_app
-    from profd.core.settings import CoordinatorSettings, SidecarConfig
-    from profd.testing.coordinator import InProcessCoordinator
-
-    settings = CoordinatorSettings(
-        save_root=str(workdir / "profile"), base_dir=str(workdir), state_dir=str(workdir / "state")
-    )
-    owner = InProcessCoordinator(ProfileCoordinator(settings))
-    agents = [
-        ProfilerAgent("actor", r, n_agents, find_link=owner.link).start() for r in range(n_agents)
-    ]
-    deadline = time.monotonic() + 20
-    while not all(a.connected for a in agents):
-        if time.monotonic() > deadline:
-            raise RuntimeError("agents did not register")
-        time.sleep(0.05)
-    _record_one_session(owner, agents)
-    app = ServerTiming(
-        create_app(
-            SidecarConfig(token=TOKEN, port=0, freeze_gc=True),  # as `profd up` starts it
-            client=ThreadLoopClient(owner),
-        )
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", access_log=False, lifespan="on"
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    port_file.write_text(str(port))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    logging.getLogger("profd").setLevel(logging.ERROR)  # agents closing: nothing to report
-    server.should_exit = True
-    thread.join(10)
-    if app.seconds:
+
+    def until_eof() -> None:  # the load generator closes our stdin when done (or dies)
+        while os.read(0, 4096):  # unbuffered: no lock held at interpreter shutdown
+            pass
+        stop.set()
+
+    threading.Thread(target=until_eof, daemon=True).start()
+
+    def ready(info: dict[str, Any]) -> None:
+        tmp = args.serve.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(args.serve)
+
+    run = _api_stack.serve_in_process if args.in_process else _api_stack.serve_ray
+    out = run(args.workdir, args.agents, args.past, ready, stop)
+    seconds = out.get("server_seconds")
+    if seconds:
         print(
-            f"server side: n={len(app.seconds)} p50={pct(app.seconds, 0.5):.2f} ms "
-            f"p99={pct(app.seconds, 0.99):.2f} ms",
+            f"server side: n={len(seconds)} p50={pct(seconds, 0.5):.2f} ms "
+            f"p99={pct(seconds, 0.99):.2f} ms",
             flush=True,
         )
-    for a in agents:
-        a.close(timeout=5)
-    owner.close()
+    print(f"agents stepped {out['agent_steps']} steps in all", flush=True)
 
 
-class RayOwner:
-    """``owner.call(...)`` on the coordinator actor (as :class:`InProcessCoordinator` offers)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def call(self, method: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get(getattr(self.handle, method).remote(*args), timeout=60)
+def _forward(stream: Any) -> None:
+    """The server's stderr without torch.profiler's per-window lines."""
+    for line in stream:
+        if not line.startswith(NOISE):
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
 
 
-def serve_ray(port_file: Path, n_agents: int, workdir: Path) -> None:
-    """What `profd up` runs: the sidecar actor (uvicorn inside it) calling the coordinator
-    actor through Ray on every request, on a local Ray on 127.0.0.1."""
-    from profd.cli.ray_cluster import start_services, stop_services
-    from profd.core.ray_env import init_local_ray
+# -- what the client can tell of the sidecar's caches -------------------------------------------
+class CacheModel:
+    """Replays ``SharedReads`` (a read held ``ttl_s`` from the request that asked for it, all
+    dropped by a change) and ``SummaryCache`` (the last 32 summaries of finished sessions) on
+    the requests sent, to count the ones the sidecar has to work for."""
 
-    init_local_ray()  # before the agents: they find the coordinator through Ray
-    import ray
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.held: dict[tuple[Any, ...], float] = {}
+        self.changed = 0.0
+        self.summaries: OrderedDict[str, None] = OrderedDict()
 
-    from profd.agent import ProfilerAgent
-    from profd.core.settings import CoordinatorSettings, SidecarConfig
+    def read(self, key: tuple[Any, ...] | None) -> bool:
+        """Whether this read is answered from what is held; ``None``: never shared."""
+        if key is None:
+            return False
+        now = time.monotonic()
+        at = self.held.get(key)
+        if at is not None and now - at < self.ttl_s and at >= self.changed:
+            return True
+        self.held[key] = now
+        return False
 
-    settings = CoordinatorSettings(
-        save_root=str(workdir / "profile"), base_dir=str(workdir), state_dir=str(workdir / "state")
-    )
-    services = start_services(
-        settings, SidecarConfig(token=TOKEN, port=0, freeze_gc=True), detached=False
-    )
-    agents = [ProfilerAgent("actor", r, n_agents).start() for r in range(n_agents)]
-    deadline = time.monotonic() + 60
-    while not all(a.connected for a in agents):
-        if time.monotonic() > deadline:
-            raise RuntimeError("agents did not register")
-        time.sleep(0.05)
-    _record_one_session(RayOwner(services.coordinator), agents)
-    port_file.write_text(str(services.address["port"]))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    logging.getLogger("profd").setLevel(logging.ERROR)
-    for a in agents:
-        a.close(timeout=5)
-    stop_services()
-    ray.shutdown()
+    def summary(self, session_id: str, finished: bool) -> bool:
+        if session_id in self.summaries:
+            self.summaries.move_to_end(session_id)
+            return True
+        if finished:
+            self.summaries[session_id] = None
+            while len(self.summaries) > SUMMARY_CACHE_SIZE:
+                self.summaries.popitem(last=False)
+        return False
+
+    def change(self) -> None:
+        self.changed = time.monotonic()
 
 
-# -- load ---------------------------------------------------------------------------------
 class Tally:
-    """Latencies and errors of requests that started after ``start`` (the warm-up is not
-    counted: it opens the connections)."""
+    """Latencies, errors, 409s and cache hits of requests that started after ``start``."""
 
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.latencies: dict[str, list[float]] = {}
+    def __init__(self, start: float, end: float) -> None:
+        self.start, self.end = start, end
+        self.latencies: dict[str, list[tuple[float, float]]] = {}
         self.errors: dict[str, int] = {}
+        self.conflicts: dict[str, int] = {}
+        self.cached = 0
+        self.cached_by: dict[str, int] = {}
         self.lag: list[float] = []
+        self.sessions: dict[str, int] = {}  # churn sessions by how they ended
+        self.to_end: list[float] = []  # churn session: created to terminal, seconds
+        self.reasons: dict[str, int] = {}  # churn sessions that ended otherwise, why
 
-    def add(self, route: str, seconds: float, ok: bool, why: str = "") -> None:
-        if time.monotonic() - seconds < self.start:
+    def counts(self, t0: float) -> bool:
+        return self.start <= t0 < self.end
+
+    def add(self, route: str, t0: float, seconds: float, status: str, cached: bool) -> None:
+        if not self.counts(t0):
             return
-        self.latencies.setdefault(route, []).append(seconds)
-        if not ok:
-            key = f"{route}: {why}"
+        self.latencies.setdefault(route, []).append((t0, seconds))
+        self.cached += cached
+        self.cached_by[route] = self.cached_by.get(route, 0) + cached
+        if status == "409":
+            self.conflicts[route] = self.conflicts.get(route, 0) + 1
+        elif status != "ok":
+            key = f"{route}: {status}"
             self.errors[key] = self.errors.get(key, 0) + 1
 
 
-async def timed(client: Any, tally: Tally, route: str, method: str, path: str, **kw: Any) -> Any:
+class Shared:
+    """What the clients share: the past sessions, the live ones, the cache model."""
+
+    def __init__(self, info: dict[str, Any], agents: int, ttl_s: float) -> None:
+        self.past: list[str] = info["past_ids"]
+        self.hot = self.past[-HOT_SESSIONS:]
+        self.live: deque[str] = deque(maxlen=32)
+        self.agents = agents
+        self.cache = CacheModel(ttl_s)
+        #: In one process the agents share torch.profiler (process-wide): one live churn
+        #: session at a time there, on one rank.
+        self.one_at_a_time = asyncio.Lock() if info["mode"] == "in-process" else None
+
+
+async def timed(
+    client: Any,
+    tally: Tally,
+    route: str,
+    path: str,
+    *,
+    method: str = "GET",
+    key: tuple[Any, ...] | None = None,
+    cached: bool | None = None,
+    shared: Shared,
+    body: bool = False,
+    **kw: Any,
+) -> Any:
+    """One request; when 2xx its JSON body (``body``: parsed, else ``{}``: the client does not
+    pay for parsing what it does not read), ``409`` for a conflict, else ``None``."""
     import httpx
 
-    t0 = time.perf_counter()
+    if cached is None:
+        cached = shared.cache.read(key) if method == "GET" else False
+    t0 = time.monotonic()
+    p0 = time.perf_counter()
     try:
         r = await client.request(method, path, **kw)
     except httpx.HTTPError as exc:
-        tally.add(route, time.perf_counter() - t0, False, type(exc).__name__)
+        tally.add(route, t0, time.perf_counter() - p0, type(exc).__name__, cached)
         return None
+    seconds = time.perf_counter() - p0
+    if method != "GET":
+        shared.cache.change()
+    if r.status_code == 409:
+        tally.add(route, t0, seconds, "409", cached)
+        return 409
     ok = 200 <= r.status_code < 300
-    tally.add(route, time.perf_counter() - t0, ok, f"HTTP {r.status_code} {r.text[:120]}")
-    return r.json() if ok else None
+    tally.add(route, t0, seconds, "ok" if ok else f"HTTP {r.status_code} {r.text[:160]}", cached)
+    if not ok:
+        return None
+    return r.json() if body else {}
 
 
-async def poller(url: str, tally: Tally, deadline: float, interval: float) -> None:
-    import httpx
+# -- readers ----------------------------------------------------------------------------------
+class Reader:
+    """One dashboard or script: one request per ``interval``, drawn from :data:`MIX`."""
 
-    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-        await asyncio.sleep(random.uniform(0, interval))
-        turn = 0
-        while time.monotonic() < deadline:
-            start = time.monotonic()
-            if turn % 2 == 0:
-                await timed(client, tally, "GET status", "GET", "/api/v1/status")
-            else:
-                await timed(client, tally, "GET traces", "GET", "/api/v1/traces")
-            turn += 1
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - start)))
+    def __init__(self, index: int, shared: Shared, tally: Tally) -> None:
+        self.rng = random.Random(index)
+        self.shared = shared
+        self.tally = tally
+        self.session_cursor: str | None = None
+        self.trace_walk: tuple[dict[str, Any], str] | None = None  # (filters, cursor)
 
-
-async def churner(url: str, tally: Tally, deadline: float, interval: float, index: int) -> None:
-    import httpx
-
-    if index == 0:
-        body: dict[str, Any] = {"steps": [FAR_STEP], "roles": {"actor": {"all_ranks": True}}}
-    else:
-        body = {"steps": [FAR_STEP], "roles": {f"late{index}": {}}, "wait_for_agents": True}
-    async with httpx.AsyncClient(base_url=url, timeout=10, headers=AUTH) as client:
-        await asyncio.sleep(random.uniform(0, interval))
-        while time.monotonic() < deadline:
-            start = time.monotonic()
-            view = await timed(
-                client, tally, "POST sessions", "POST", "/api/v1/sessions", json=body
+    async def one(self, client: Any, route: str) -> None:
+        rng, sh, tally = self.rng, self.shared, self.tally
+        if route == "GET session (live)" and not sh.live:
+            route = "GET session (past)"
+        if route == "GET session (past)":
+            sid = rng.choice(sh.past)
+            await timed(
+                client, tally, route, f"/api/v1/sessions/{sid}", key=("get_session", sid), shared=sh
             )
-            if view is not None:
-                sid = view["session_id"]
-                await timed(client, tally, "POST cancel", "POST", f"/api/v1/sessions/{sid}/cancel")
+        elif route == "GET session (live)":
+            sid = rng.choice(sh.live)
+            await timed(
+                client, tally, route, f"/api/v1/sessions/{sid}", key=("get_session", sid), shared=sh
+            )
+        elif route == "GET sessions page":
+            await self.sessions_page(client, route)
+        elif route == "GET traces page":
+            await self.traces_page(client, route)
+        elif route == "GET summary":
+            sid = rng.choice(sh.hot) if rng.random() < 0.5 else rng.choice(sh.past)
+            cached = sh.cache.summary(sid, finished=True)
+            await timed(
+                client, tally, route, f"/api/v1/sessions/{sid}/summary", cached=cached, shared=sh
+            )
+        else:
+            path, key = {
+                "GET agents": ("/api/v1/agents", ("list_agents",)),
+                "GET status": ("/api/v1/status", ("status",)),
+                "GET metrics": ("/metrics", ("metrics",)),
+                "GET healthz": ("/healthz", None),  # a ping: never shared, and next to free
+            }[route]
+            await timed(client, tally, route, path, key=key, shared=sh)
+
+    async def sessions_page(self, client: Any, route: str) -> None:
+        cursor = self.session_cursor if self.rng.random() < 0.5 else None
+        params = {"limit": 50, **({"cursor": cursor} if cursor else {})}
+        body = await timed(
+            client,
+            self.tally,
+            route,
+            "/api/v1/sessions",
+            params=params,
+            key=("list_sessions", 50, cursor),
+            shared=self.shared,
+            body=True,
+        )
+        if isinstance(body, dict):
+            self.session_cursor = body.get("next_cursor")
+
+    async def traces_page(self, client: Any, route: str) -> None:
+        rng = self.rng
+        if self.trace_walk is not None and rng.random() < 0.5:
+            filters, cursor = self.trace_walk
+        else:
+            cursor = None
+            pick = rng.random()
+            if pick < 1 / 3:
+                filters = {}
+            elif pick < 2 / 3:
+                filters = {"session_id": rng.choice(self.shared.past)}
+            else:
+                filters = {"role": "actor", "rank": rng.randrange(self.shared.agents)}
+        params = {**filters, "limit": 50, **({"cursor": cursor} if cursor else {})}
+        key = (
+            "list_traces",
+            filters.get("session_id"),
+            filters.get("role"),
+            filters.get("rank"),
+            50,
+            cursor,
+        )
+        body = await timed(
+            client,
+            self.tally,
+            route,
+            "/api/v1/traces",
+            params=params,
+            key=key,
+            shared=self.shared,
+            body=True,
+        )
+        if isinstance(body, dict):
+            nxt = body.get("next_cursor")
+            self.trace_walk = (filters, nxt) if nxt else None
+
+    async def run(self, url: str, deadline: float, interval: float) -> None:
+        import httpx
+
+        routes, weights = list(MIX), list(MIX.values())
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            await asyncio.sleep(self.rng.uniform(0, interval))
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                await self.one(client, self.rng.choices(routes, weights)[0])
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - start)))
+
+
+# -- churn ------------------------------------------------------------------------------------
+async def churner(
+    url: str, token: str, shared: Shared, tally: Tally, deadline: float, interval: float, i: int
+) -> None:
+    """Create a session on real agents, follow it to its end (cancel one in four once armed)."""
+    import httpx
+
+    rng = random.Random(1000 + i)
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=url, timeout=10, headers=headers) as client:
+        await asyncio.sleep(rng.uniform(0, interval))
+        n = 0
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            if shared.one_at_a_time is None:
+                await one_session(client, shared, tally, rng, n, deadline)
+            else:
+                async with shared.one_at_a_time:
+                    await one_session(client, shared, tally, rng, n, deadline)
+            n += 1
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - start)))
 
 
-async def load(
-    url: str, clients: int, churn: int, duration: float, interval: float, warmup: float = 2.0
-) -> Tally:
-    tally = Tally(time.monotonic() + warmup)
-    deadline = tally.start + duration
-    tasks = [churner(url, tally, deadline, interval, i) for i in range(churn)]
-    tasks += [poller(url, tally, deadline, interval) for _ in range(clients - churn)]
-    await asyncio.gather(settle(tally), lag_monitor(tally, deadline), *tasks)
+async def one_session(
+    client: Any, shared: Shared, tally: Tally, rng: random.Random, n: int, deadline: float
+) -> None:
+    wide = shared.one_at_a_time is None and rng.random() < 0.2
+    ranks = rng.sample(range(shared.agents), 4 if wide else 1)
+    body = {"next_steps": 1, "roles": {"actor": {"ranks": sorted(ranks)}}}
+    view = await timed(
+        client,
+        tally,
+        "POST sessions",
+        "/api/v1/sessions",
+        method="POST",
+        json=body,
+        shared=shared,
+        body=True,
+    )
+    if isinstance(view, dict):
+        await follow(client, shared, tally, view["session_id"], n % 4 == 3, deadline)
+
+
+async def follow(
+    client: Any, shared: Shared, tally: Tally, sid: str, cancel: bool, deadline: float
+) -> None:
+    created = time.monotonic()
+    shared.live.append(sid)
+    route = "GET session (live)"
+    while time.monotonic() < deadline:
+        view = await timed(
+            client,
+            tally,
+            route,
+            f"/api/v1/sessions/{sid}",
+            key=("get_session", sid),
+            shared=shared,
+            body=True,
+        )
+        if isinstance(view, dict):
+            if view["state"] in ("done", "partial", "failed", "cancelled", "expired"):
+                if tally.counts(created):
+                    tally.sessions[view["state"]] = tally.sessions.get(view["state"], 0) + 1
+                    if view["state"] not in ("done", "cancelled"):
+                        why = f"{view['state']}: {view['reason'][:200]}"
+                        tally.reasons[why] = tally.reasons.get(why, 0) + 1
+                    tally.to_end.append(time.monotonic() - created)
+                return
+            if cancel and any(p["armed_at"] for p in view["targets"]):
+                cancel = False
+                await timed(
+                    client,
+                    tally,
+                    "POST cancel",
+                    f"/api/v1/sessions/{sid}/cancel",
+                    method="POST",
+                    shared=shared,
+                )
+        await asyncio.sleep(FOLLOW_S)
+    if tally.counts(created):
+        tally.sessions["live at the end"] = tally.sessions.get("live at the end", 0) + 1
+
+
+# -- the run ----------------------------------------------------------------------------------
+async def load(url: str, info: dict[str, Any], args: argparse.Namespace) -> Tally:
+    shared = Shared(info, args.agents, info["read_cache_s"])
+    tally = Tally(time.monotonic() + args.warmup, 0.0)
+    tally.end = tally.start + args.duration
+    tasks = [
+        churner(url, info["token"], shared, tally, tally.end, args.churn_interval, i)
+        for i in range(args.churn)
+    ]
+    tasks += [
+        Reader(i, shared, tally).run(url, tally.end, args.interval)
+        for i in range(args.clients - args.churn)
+    ]
+    await asyncio.gather(settle(tally), lag_monitor(tally), *tasks)
     return tally
 
 
@@ -290,14 +458,14 @@ async def settle(tally: Tally) -> None:
     gc.freeze()
 
 
-async def lag_monitor(tally: Tally, deadline: float, period: float = 0.005) -> None:
+async def lag_monitor(tally: Tally, period: float = 0.005) -> None:
     """How late this process's event loop wakes up: the clients' own share of the latency
     (a CPU-starved load generator shows up here, not as server time)."""
-    while time.monotonic() < deadline:
+    while time.monotonic() < tally.end:
         t0 = time.perf_counter()
         await asyncio.sleep(period)
         late = time.perf_counter() - t0 - period
-        if time.monotonic() - late >= tally.start:
+        if tally.counts(time.monotonic() - late):
             tally.lag.append(max(0.0, late))
 
 
@@ -306,78 +474,137 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-def report(tally: Tally, clients: int, duration: float, mode: str) -> None:
-    every = [v for vs in tally.latencies.values() for v in vs]
+def report(tally: Tally, info: dict[str, Any], args: argparse.Namespace, load0: float) -> None:
+    every = [(t, s) for vs in tally.latencies.values() for t, s in vs]
+    secs = [s for _, s in every]
+    print(f"{'route':20s} {'n':>6s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} {'cached':>7s}")
     for route, vs in sorted(tally.latencies.items()):
+        s = [x for _, x in vs]
         print(
-            f"{route:14s} n={len(vs):6d} p50={pct(vs, 0.5):6.2f} ms p99={pct(vs, 0.99):6.2f} ms "
-            f"max={max(vs) * 1000:7.2f} ms"
+            f"{route:20s} {len(s):6d} {pct(s, 0.5):8.2f} {pct(s, 0.99):8.2f} "
+            f"{max(s) * 1000:8.2f} {tally.cached_by.get(route, 0) / len(s):7.0%}"
         )
+    windows = []
+    for w in range(int(args.duration // WINDOW_S)):
+        lo = tally.start + w * WINDOW_S
+        chunk = [s for t, s in every if lo <= t < lo + WINDOW_S]
+        if chunk:
+            windows.append(pct(chunk, 0.99))
+    errors = sum(tally.errors.values())
+    conflicts = sum(tally.conflicts.values())
     for why, n in sorted(tally.errors.items()):
         print(f"error x{n}: {why}")
-    errors = sum(tally.errors.values())
+    for route, n in sorted(tally.conflicts.items()):
+        print(f"409 x{n}: {route} (busy target / already over: the API's correct answer)")
     if tally.lag:
         print(
             f"client event-loop lag p50={pct(tally.lag, 0.5):.2f} ms "
             f"p99={pct(tally.lag, 0.99):.2f} ms max={max(tally.lag) * 1000:.2f} ms"
         )
-    print(f"throughput {len(every) / duration:.0f} req/s over {duration:.0f} s")
+    churned = sum(tally.sessions.values())
+    ends = ", ".join(f"{k} {v}" for k, v in sorted(tally.sessions.items()))
+    if tally.to_end:
+        print(
+            f"churn sessions: {churned} ({ends}); created to end p50 "
+            f"{pct(tally.to_end, 0.5):.0f} ms"
+        )
+    for why, n in sorted(tally.reasons.items()):
+        print(f"churn session x{n}: {why}")
     print(
-        f"RESULT clients={clients} requests={len(every)} errors={errors} "
-        f"p50_ms={pct(every, 0.5):.2f} p99_ms={pct(every, 0.99):.2f} mode={mode}"
+        f"store: {len(info['past_ids'])} past sessions, {info['past_traces']} traces "
+        f"(recorded and copied in {info['seed_s']} s); coordinator start with them "
+        f"{info['restore_s']} s ({info['restored']} restored)"
     )
+    p99 = pct(secs, 0.99)
+    met = errors == 0 and p99 <= TARGET_P99_MS
+    fields = {
+        "mode": info["mode"],
+        "clients": args.clients,
+        "requests": len(secs),
+        "errors": errors,
+        "p50_ms": f"{pct(secs, 0.5):.2f}",
+        "p99_ms": f"{p99:.2f}",
+        "p99_window_median_ms": f"{sorted(windows)[len(windows) // 2]:.1f}" if windows else "-",
+        "p99_window_range_ms": f"{min(windows):.1f}-{max(windows):.1f}" if windows else "-",
+        "rps": f"{len(secs) / args.duration:.0f}",
+        "uncached_share": f"{1 - tally.cached / max(1, len(secs)):.2f}",
+        "churn_sessions": churned,
+        "conflicts_409": conflicts,
+        "past_sessions": len(info["past_ids"]),
+        "agents": args.agents,
+        "targets": "met" if met else "missed",
+        "load_start": f"{load0:.2f}",
+        "load": f"{os.getloadavg()[0]:.2f}",
+    }
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between requests")
-    parser.add_argument("--churn", type=int, default=4, help="clients doing create / cancel")
-    parser.add_argument("--agents", type=int, default=8)
-    parser.add_argument("--warmup", type=float, default=2.0, help="seconds not measured")
-    parser.add_argument(
-        "--ray",
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between reads")
+    parser.add_argument("--churn", type=int, default=4, help="clients creating sessions")
+    parser.add_argument("--churn-interval", type=float, default=1.0)
+    parser.add_argument("--agents", type=int, default=16)
+    parser.add_argument("--past", type=int, default=1000, help="past sessions in the store")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds not measured")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--ray", action="store_true", help="as `profd up` serves (the default)")
+    mode.add_argument(
+        "--in-process",
         action="store_true",
-        help="serve as `profd up` does: sidecar and coordinator as Ray actors (every request "
-        "makes a Ray call); default: both in one server process",
+        help="app and coordinator in one process, no Ray (the sidecar's own cost)",
     )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        (serve_ray if args.ray else serve)(args.serve, args.agents, args.workdir)
+        serve(args)
         return
-    if not 0 <= args.churn <= args.clients:
-        parser.error("--churn must be between 0 and --clients")
+    if not 0 <= args.churn <= args.clients or args.agents < 4:
+        parser.error("--churn must be between 0 and --clients, and --agents at least 4")
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="profd-api-load-") as tmp:
-        port_file = Path(tmp) / "port"
+        info_file = Path(tmp) / "served.json"
+        cmd = [
+            sys.executable,
+            __file__,
+            "--serve",
+            str(info_file),
+            "--workdir",
+            tmp,
+            "--agents",
+            str(args.agents),
+            "--past",
+            str(args.past),
+        ]
+        cmd += ["--in-process"] if args.in_process else []
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-        cmd = [sys.executable, __file__, "--serve", str(port_file), "--workdir", tmp]
-        cmd += ["--agents", str(args.agents), *(["--ray"] if args.ray else [])]
-        server = subprocess.Popen(cmd, env=env)
+        server = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+        threading.Thread(target=_forward, args=(server.stderr,), daemon=True).start()
         try:
-            deadline = time.monotonic() + 120
-            while not port_file.exists():
+            deadline = time.monotonic() + 600
+            while not info_file.exists():
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit("the sidecar did not start")
-                time.sleep(0.1)
-            url = f"http://127.0.0.1:{port_file.read_text()}"
+                time.sleep(0.2)
+            info = json.loads(info_file.read_text())
             print(
-                f"sidecar {url}: {args.clients} clients ({args.churn} churning), "
-                f"one request per {args.interval} s each, {args.duration:.0f} s "
-                f"after {args.warmup:.0f} s of warm-up"
+                f"sidecar {info['url']} ({info['mode']}): {args.clients} clients "
+                f"({args.churn} creating sessions on {args.agents} agents), "
+                f"{len(info['past_ids'])} past sessions, {args.duration:.0f} s after "
+                f"{args.warmup:.0f} s of warm-up",
+                flush=True,
             )
-            tally = asyncio.run(
-                load(url, args.clients, args.churn, args.duration, args.interval, args.warmup)
-            )
+            tally = asyncio.run(load(info["url"], info, args))
         finally:
-            server.send_signal(signal.SIGTERM)
+            server.stdin.close()  # the server stops on end of input
             try:
-                server.wait(30)
+                server.wait(120)
             except subprocess.TimeoutExpired:
                 server.kill()
-    report(tally, args.clients, args.duration, "ray-actors" if args.ray else "one-process")
+    report(tally, info, args, load0)
 
 
 if __name__ == "__main__":
