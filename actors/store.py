@@ -5,6 +5,17 @@
 crash — picks up where it stopped. :class:`MemoryStore` keeps nothing (the demo and tests
 that do not exercise restarts).
 
+The SQLite store writes behind: a save encodes its rows on the caller's thread (the
+coordinator's event loop) and queues them; one writer thread commits everything queued in one
+transaction, so a slow disk never delays an RPC. The queue holds one row per session, part
+and trace — a later save of a row replaces the waiting one — so however slow the disk, it
+holds at most one copy of the state (it never grows with the rate of writes), and each commit
+leaves the file as the state was at one moment (a session's header and its parts together).
+A failed commit is counted (``failed_writes``, ``last_error``: the status view), logged and
+tried again under what was queued since. :meth:`SqliteStore.close` writes what is queued
+(waiting up to ``CLOSE_TIMEOUT_S``, then logging what it dropped). What a coordinator killed
+outright loses is what its writer had not committed yet: normally the last few milliseconds.
+
 A coordinator that persists holds :class:`StateLock` on its state directory for as long as it
 lives (an ``flock``, released by the kernel when its process dies, so Ray's restart of a
 crashed coordinator takes it over): two coordinators — of two clusters started from one state
@@ -17,6 +28,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import sqlite3
@@ -27,7 +39,15 @@ from typing import Any, Protocol
 
 import orjson
 
-__all__ = ["MemoryStore", "SqliteStore", "StateDirInUse", "StateLock", "Store", "open_store"]
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "MemoryStore",
+    "SqliteStore",
+    "StateDirInUse",
+    "StateLock",
+    "Store",
+    "open_store",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +61,21 @@ CREATE TABLE IF NOT EXISTS parts (
     PRIMARY KEY (session_id, agent_id)
 );
 """
+_SESSION_SQL = "INSERT OR REPLACE INTO sessions VALUES (?, ?)"
+_PART_SQL = "INSERT OR REPLACE INTO parts VALUES (?, ?, ?)"
+_TRACE_SQL = "INSERT OR REPLACE INTO traces VALUES (?, ?, ?)"
+
+#: How long closing a store waits for its queued rows to reach the disk.
+CLOSE_TIMEOUT_S = 10.0
+#: After a failed commit the writer tries its rows again this much later.
+RETRY_S = 1.0
+#: A commit slower than this is logged (once a minute at most).
+SLOW_COMMIT_S = 1.0
+
+#: A row's identity: ``("sessions", id)``, ``("parts", session id, agent id)``, ``("traces", id)``.
+_RowKey = tuple[str, ...]
+#: A row ready to write: its statement and values (the data already JSON).
+_Row = tuple[str, tuple[Any, ...]]
 
 
 class Store(Protocol):
@@ -145,11 +180,22 @@ class StateLock:
 
 
 class SqliteStore:
-    def __init__(self, path: Path, lock: StateLock | None = None) -> None:
+    """The SQLite store, written behind the coordinator's back (see the module docstring).
+
+    ``commit_delay_s`` is for measurement only: every commit takes that much longer (an
+    injected slow disk; ``bench/trigger.py --slow-commit-ms`` and the store's tests). It may be
+    changed while the store runs. Tests that must hold a commit open override
+    :meth:`_before_commit`.
+    """
+
+    def __init__(
+        self, path: Path, lock: StateLock | None = None, *, commit_delay_s: float = 0.0
+    ) -> None:
         self.lock = lock
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = path
-        self._lock = threading.Lock()
+        self.commit_delay_s = commit_delay_s
+        self._lock = threading.Lock()  # the connection: the writer thread, load()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         os.chmod(path, 0o600)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -157,10 +203,28 @@ class SqliteStore:
         self._db.executescript(_SCHEMA)
         self.failed_writes = 0
         self.last_error: str | None = None
+        #: Transactions committed (each carries every row that was waiting when it began).
+        self.commits = 0
+        self._cond = threading.Condition()  # guards everything below, and the counters above
+        self._waiting: dict[_RowKey, _Row] = {}  # one per row: a later write replaces it
+        self._in_flight = 0  # rows of the commit under way
+        self._retry_at = 0.0  # after a failed commit: not before (monotonic)
+        self._slow_logged = -math.inf
+        self._writer: threading.Thread | None = None  # started by the first write
+        self._closing = False
+        self._abandon = False  # close() gave up waiting: the writer stops after its commit
+
+    @property
+    def pending(self) -> int:
+        """Rows not committed yet (waiting, or in the commit under way)."""
+        with self._cond:
+            return len(self._waiting) + self._in_flight
 
     def load(self) -> dict[str, list[dict[str, Any]]]:
         """Sessions (each with its ``targets`` put back together; upload records are part
-        of the session) and the trace index."""
+        of the session) and the trace index: what was committed, after this store's own
+        queued writes (waited for up to ``CLOSE_TIMEOUT_S``)."""
+        self.flush(CLOSE_TIMEOUT_S)
         with self._lock:
             out = {}
             for table in ("sessions", "traces"):
@@ -174,46 +238,172 @@ class SqliteStore:
             d["targets"] = {**d.get("targets", {}), **by_session.get(d["session_id"], {})}
         return out
 
-    def _put(self, key: str, *rows: tuple[str, tuple[Any, ...], dict[str, Any]]) -> bool:
-        """Write rows ``(sql, leading values, data)`` in one transaction. A failed write (disk
-        full, a value JSON cannot hold) is logged and counted, never raised: the coordinator's
-        live state stays authoritative and serving."""
+    def save_session(
+        self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
+    ) -> bool:
+        """Queue the session's header and the parts that changed since its last save (they
+        reach the disk together); ``False`` when they cannot be written (a value JSON cannot
+        hold, a closed store)."""
+        return self._enqueue(
+            session_id,
+            (("sessions", session_id), _SESSION_SQL, (session_id,), data),
+            *(
+                (("parts", session_id, aid), _PART_SQL, (session_id, aid), d)
+                for aid, d in parts.items()
+            ),
+        )
+
+    def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
+        self._enqueue(trace_id, (("traces", trace_id), _TRACE_SQL, (trace_id, session_id), data))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued row is committed; ``False`` if some are not after
+        ``timeout_s`` (a slow or failing disk)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._waiting or self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._writer is None or self._abandon:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is still queued (for up to ``timeout_s``; what is left then is logged
+        and dropped), close the file and release the state directory. Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+            writer = self._writer
+        if writer is None:
+            self._shut()
+            return
+        writer.join(timeout_s)
+        if not writer.is_alive():
+            return
+        with self._cond:
+            self._abandon = True
+            dropped, in_flight = len(self._waiting), self._in_flight
+            self._cond.notify_all()
+        log.warning(
+            "profd state: %d queued row(s) not written within %.1f s of closing %s (dropped; "
+            "%d more still committing); last error: %s",
+            dropped,
+            timeout_s,
+            self.path,
+            in_flight,
+            self.last_error,
+        )
+
+    # -- the caller's side -----------------------------------------------------------------
+    def _enqueue(
+        self, key: str, *rows: tuple[_RowKey, str, tuple[Any, ...], dict[str, Any]]
+    ) -> bool:
+        """Encode ``rows`` here (a value JSON cannot hold fails the save now; the caller's
+        objects may change once this returns) and queue them for the writer."""
         try:
-            encoded = [(sql, (*args, orjson.dumps(data))) for sql, args, data in rows]
+            encoded = {rk: (sql, (*args, orjson.dumps(data))) for rk, sql, args, data in rows}
+        except (TypeError, ValueError) as exc:
+            with self._cond:
+                self._failed(key, exc)
+            return False
+        with self._cond:
+            if self._closing:
+                self._failed(key, "the store is closed")
+                return False
+            self._waiting.update(encoded)
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._run, name="profd-state-writer", daemon=True
+                )
+                self._writer.start()
+            self._cond.notify_all()
+        return True
+
+    def _failed(self, what: str, exc: BaseException | str) -> None:
+        """Count and log a failed write (the first, then every 1000th); under ``_cond``."""
+        self.failed_writes += 1
+        self.last_error = f"{what}: {exc}"
+        if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
+            log.warning("state write failed (%d so far): %s", self.failed_writes, exc)
+
+    # -- the writer thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while (batch := self._take()) is not None:
+                ok = self._commit(batch)
+                with self._cond:
+                    self._in_flight = 0
+                    if not ok:  # tried again later, under whatever was queued since
+                        self._waiting = {**batch, **self._waiting}
+                        self._retry_at = time.monotonic() + RETRY_S
+                    self._cond.notify_all()
+        finally:
+            self._shut()
+
+    def _take(self) -> dict[_RowKey, _Row] | None:
+        """Everything waiting (one transaction), or ``None`` when the writer is done."""
+        with self._cond:
+            while not self._abandon:
+                if not self._waiting:
+                    if self._closing:
+                        return None
+                    self._cond.wait()
+                    continue
+                backoff = self._retry_at - time.monotonic()
+                if backoff > 0:
+                    self._cond.wait(backoff)
+                    continue
+                batch, self._waiting = self._waiting, {}
+                self._in_flight = len(batch)
+                return batch
+        return None
+
+    def _commit(self, batch: dict[_RowKey, _Row]) -> bool:
+        """Write ``batch`` in one transaction (all or nothing). A failure (disk full, I/O
+        error) is logged and counted, never raised: the coordinator's live state stays
+        authoritative and serving, and the rows are tried again."""
+        started = time.monotonic()
+        try:
             with self._lock:
                 self._db.execute("BEGIN")
                 try:
-                    for sql, values in encoded:
+                    for sql, values in batch.values():
                         self._db.execute(sql, values)
+                    self._before_commit()
                     self._db.execute("COMMIT")
                 except BaseException:
                     self._db.execute("ROLLBACK")
                     raise
-        except (sqlite3.Error, TypeError, ValueError, OSError) as exc:
-            self.failed_writes += 1
-            self.last_error = f"{key}: {exc}"
-            if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
-                log.warning("state write failed (%d so far): %s", self.failed_writes, exc)
+        except Exception as exc:  # the writer must outlive any one failure
+            with self._cond:
+                self._failed(f"{len(batch)} row(s)", exc)
             return False
+        with self._cond:
+            self.commits += 1
+        self._note_slow(time.monotonic() - started, len(batch))
         return True
 
-    def save_session(
-        self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
-    ) -> bool:
-        """The session's header and the parts that changed since its last save (all or
-        nothing); ``False`` when the write failed."""
-        part_sql = "INSERT OR REPLACE INTO parts VALUES (?, ?, ?)"
-        return self._put(
-            session_id,
-            ("INSERT OR REPLACE INTO sessions VALUES (?, ?)", (session_id,), data),
-            *((part_sql, (session_id, aid), d) for aid, d in parts.items()),
-        )
+    def _before_commit(self) -> None:
+        """The slow-disk hook (measurement and tests; see the class docstring)."""
+        if self.commit_delay_s > 0:
+            time.sleep(self.commit_delay_s)
 
-    def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
-        sql = "INSERT OR REPLACE INTO traces VALUES (?, ?, ?)"
-        self._put(trace_id, (sql, (trace_id, session_id), data))
+    def _note_slow(self, took_s: float, rows: int) -> None:
+        now = time.monotonic()
+        if took_s >= SLOW_COMMIT_S and now - self._slow_logged >= 60:
+            self._slow_logged = now
+            log.warning(
+                "profd state: a commit of %d row(s) to %s took %.1f s (slow disk); the "
+                "coordinator keeps serving, rows written again meanwhile are merged",
+                rows,
+                self.path,
+                took_s,
+            )
 
-    def close(self) -> None:
+    def _shut(self) -> None:
         with self._lock:
             self._db.close()
         if self.lock is not None:
