@@ -143,7 +143,9 @@ class SessionBook:
 
     # -- views -----------------------------------------------------------------------------
     def view(self, s: Session) -> SessionView:
-        return session_view(s, self._blocks.get(s.session_id, {}), self._traces.all())
+        return session_view(
+            s, self._blocks.get(s.session_id, {}), self._traces.of_session(s.session_id)
+        )
 
     def views(self, limit: int | None, cursor: str | None) -> list[SessionView] | Page:
         """See :meth:`ProfileCoordinator.list_sessions`."""

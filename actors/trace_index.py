@@ -54,14 +54,16 @@ class TraceIndex:
     def __init__(self, store: Store) -> None:
         self._store = store
         self._traces: dict[str, TraceView] = {}
+        #: The same views by session (a session's view and its trace pages read only its
+        #: own: with thousands of past sessions, scanning every trace per view dominated)
+        self._by_session: dict[str, dict[str, TraceView]] = {}
         self._stalls: dict[str, StallStats] = {}  # tool -> its export stalls
 
     def restore(self, rows: Iterable[dict[str, Any]]) -> int:
         """Take the traces a previous incarnation persisted; return how many."""
         n = 0
         for d in rows:
-            view = TraceView.model_validate(d)
-            self._traces[view.trace_id] = view
+            self._put(TraceView.model_validate(d))
             n += 1
         return n
 
@@ -100,10 +102,14 @@ class TraceIndex:
             hostname=info.hostname,
             created_at=ev.time,
         )
-        self._traces[view.trace_id] = view
+        self._put(view)
         self._stalls.setdefault(view.tool, StallStats()).add(float(p.stall_s or 0.0))
         self._store.save_trace(view.trace_id, view.session_id, view.model_dump(mode="json"))
         return view
+
+    def _put(self, view: TraceView) -> None:
+        self._traces[view.trace_id] = view
+        self._by_session.setdefault(view.session_id, {})[view.trace_id] = view
 
     def get(self, trace_id: str) -> TraceView:
         trace = self._traces.get(trace_id)
@@ -115,7 +121,7 @@ class TraceIndex:
         return self._traces.values()
 
     def of_session(self, session_id: str) -> list[TraceView]:
-        return [t for t in self._traces.values() if t.session_id == session_id]
+        return list(self._by_session.get(session_id, {}).values())
 
     def find(
         self,
@@ -126,11 +132,11 @@ class TraceIndex:
         cursor: str | None = None,
     ) -> list[TraceView] | Page:
         """See :meth:`ProfileCoordinator.list_traces`."""
+        pool = self._traces if session_id is None else self._by_session.get(session_id, {})
         out = [
             t
-            for t in self._traces.values()
-            if (session_id is None or t.session_id == session_id)
-            and (role is None or t.role == role)
+            for t in pool.values()
+            if (role is None or t.role == role)
             and (rank is None or t.rank == rank)
         ]
         if limit is None and cursor is None:
