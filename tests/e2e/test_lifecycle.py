@@ -38,69 +38,70 @@ def _names(pids: list[int]) -> set[str]:
     return out
 
 
-def test_down_refuses_while_a_job_runs_and_stop_ray_stops_all_of_it(home: Home) -> None:
-    from profd.cli.ray_cluster import cluster_pids
+# One operator's day, in order, on one live job: every restart and crash a user meets, each
+# checked where it happens. A single story rather than one test per step: each `profd up` and
+# job start costs about 30 s of CI on 2 cores, and the later steps also check that state
+# survives the earlier ones (a session from before a sidecar crash downloads after a new Ray).
+@pytest.mark.timeout(900)
+def test_an_operators_day_of_restarts_and_crashes_never_hurts_the_job(
+    home: Home, tmp_path: Path
+) -> None:
+    first = _up_starts_its_own_loopback_ray(home)
+    _a_second_coordinator_cannot_take_the_state_directory(home, first)
+    # Ray ends a driver whose GCS stays away this long (60 s by default): see the last step
+    job = Job(home, first["ray_address"], env={"RAY_gcs_rpc_server_reconnect_timeout_s": "5"})
+    job.wait_step(3)
+    wait_until(lambda: len(home.agents()) == 3, 60, what="the job's agents")
+    _down_refuses_while_the_job_runs(home, job)
+    traces = _up_after_a_sidecar_crash_rejoins(home, job, first)
+    _keep_ray_stops_profd_only_and_up_rejoins(home, job, first)
+    traces += _up_recreates_a_coordinator_killed_for_good(home, job)
+    _stop_ray_stops_all_of_it(home, job, first)
+    _downloads_work_after_up_on_a_new_ray(home, tmp_path, first, traces)
 
+
+def _up_starts_its_own_loopback_ray(home: Home) -> dict:
     up = home.up()
-    address, temp_dir = home.state()["ray_address"], home.state()["ray_temp_dir"]
+    state = home.state()
+    address = state["ray_address"]
+    assert state["started_ray"] is True and address.startswith("127.0.0.1:"), state
     assert f'ray.init(address="{address}")' in up.stdout.replace("\n", "")
     assert "may be another one" in up.stdout.replace("\n", " ")
-    # Ray ends a driver whose GCS stays away this long (60 s by default)
-    job = Job(home, address, env={"RAY_gcs_rpc_server_reconnect_timeout_s": "5"})
-    job.wait_step(3)
+    st = home.cli("status", "--json", timeout=60)
+    assert st.returncode == 0 and json.loads(st.stdout)["status"]["agents"] == 0, st.stderr
+    return state
 
+
+def _a_second_coordinator_cannot_take_the_state_directory(home: Home, first: dict) -> None:
+    """The state file is lost, so `profd up` starts a new Ray: its coordinator must not share
+    the SQLite file with the one still running; the new Ray is not left behind."""
+    home.state_file.unlink()
+    before = profd_ray_pids()
+    r = home.cli("up", "--port", "0", "--num-cpus", "1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = r.stderr.replace("\n", " ")
+    assert "is in use by another profd coordinator" in err and first["ray_address"] in err
+    wait_until(lambda: not [p for p in profd_ray_pids() - before if alive(p)], 30)
+    # the first coordinator still serves, with its state
+    from profd.cli.ray_cluster import ServiceState, save_state
+
+    save_state(home.state_dir, ServiceState(**first))
+    assert home.health()["coordinator"] is True
+
+
+def _down_refuses_while_the_job_runs(home: Home, job: Job) -> None:
     down = home.cli("down")
     assert down.returncode == 1, down.stdout + down.stderr
     err = down.stderr.replace("\n", " ")
     assert "refused" in err and "single_controller.py" in err and f"pid {job.pid}" in err
     assert "--stop-ray" in err and "Nothing was stopped" in err
-    at = job.step
-    job.wait_step(at + 5)  # the job goes on; so does profd
-    assert home.health() == {
-        "status": "ok",
-        "coordinator": True,
-        "version": home.health()["version"],
-    }
-
-    pids = cluster_pids(temp_dir)
-    names = _names(pids)
-    assert any("DashboardAgent" in n for n in names) and any("RuntimeEnvAgent" in n for n in names)
-    stop = home.cli("down", "--stop-ray")
-    assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert "local ray" in stop.stdout
-    wait_until(lambda: not [p for p in pids if alive(p)], 30, what="every Ray process gone")
-    assert not home.state_file.exists()
-    # the job lost its cluster; it ends (profd never keeps it hanging)
-    job.proc.wait(60)
-    job.stop()
+    job.wait_step(job.step + 5)  # the job goes on; so does profd
+    health = home.health()
+    assert health == {"status": "ok", "coordinator": True, "version": health["version"]}
 
 
-def test_keep_ray_stops_profd_only_and_up_rejoins_that_ray(home: Home) -> None:
-    home.up()
-    address = home.state()["ray_address"]
-    job = Job(home, address)
-    job.wait_step(2)
-    r = home.cli("down", "--keep-ray")
-    assert r.returncode == 0, r.stderr
-    assert "keeps running" in r.stdout and home.state_file.exists()
-    assert home.health() is None
-    job.wait_step(job.step + 3)
-    again = home.up()
-    assert "Rejoining" in again.stdout and home.state()["ray_address"] == address
-    wait_until(lambda: len([a for a in home.agents() if a["state"] == "alive"]) == 3, 60)
-    job.stop()
-    down = home.cli("down")  # nothing but profd left: Ray stops too
-    assert down.returncode == 0 and "local ray" in down.stdout, down.stdout + down.stderr
-
-
-def test_up_after_a_sidecar_crash_rejoins_the_recorded_cluster(home: Home) -> None:
-    home.up()
-    first = home.state()
-    job = Job(home, first["ray_address"])
-    job.wait_step(2)
-    wait_until(lambda: len(home.agents()) == 3, 60, what="the job's agents")
+def _up_after_a_sidecar_crash_rejoins(home: Home, job: Job, first: dict) -> list[dict]:
     ray_before = profd_ray_pids()
-
     home.kill_actor("profd_sidecar")
     wait_until(lambda: home.health() is None, 30, what="sidecar gone")
     r = home.up()
@@ -121,33 +122,21 @@ def test_up_after_a_sidecar_crash_rejoins_the_recorded_cluster(home: Home) -> No
     assert prof.returncode == 0, prof.stdout + prof.stderr
     view = json.loads(prof.stdout)
     assert view["state"] == "done" and len(view["traces"]) == 3
-    job.stop()
+    return view["traces"]
 
 
-def test_a_second_coordinator_cannot_take_a_state_directory_in_use(home: Home) -> None:
-    """The state file is lost, so `profd up` starts a new Ray: its coordinator must not
-    share the SQLite file with the one still running; the new Ray is not left behind."""
-    home.up()
-    first = home.state()
-    home.state_file.unlink()
-    before = profd_ray_pids()
-    r = home.cli("up", "--port", "0", "--num-cpus", "1")
-    assert r.returncode == 1, r.stdout + r.stderr
-    err = r.stderr.replace("\n", " ")
-    assert "is in use by another profd coordinator" in err and first["ray_address"] in err
-    wait_until(lambda: not [p for p in profd_ray_pids() - before if alive(p)], 30)
-    # the first coordinator still serves, with its state
-    from profd.cli.ray_cluster import ServiceState, save_state
-
-    save_state(home.state_dir, ServiceState(**first))
-    assert home.health()["coordinator"] is True
+def _keep_ray_stops_profd_only_and_up_rejoins(home: Home, job: Job, first: dict) -> None:
+    r = home.cli("down", "--keep-ray")
+    assert r.returncode == 0, r.stderr
+    assert "keeps running" in r.stdout and home.state_file.exists()
+    assert home.health() is None
+    job.wait_step(job.step + 3)
+    again = home.up()
+    assert "Rejoining" in again.stdout and home.state()["ray_address"] == first["ray_address"]
+    wait_until(lambda: len([a for a in home.agents() if a["state"] == "alive"]) == 3, 60)
 
 
-def test_up_recreates_a_coordinator_killed_for_good(home: Home) -> None:
-    home.up()
-    job = Job(home, home.state()["ray_address"])
-    job.wait_step(2)
-    wait_until(lambda: len(home.agents()) == 3, 60, what="the job's agents")
+def _up_recreates_a_coordinator_killed_for_good(home: Home, job: Job) -> list[dict]:
     # far enough to be ahead once the restart is over: a driven worker learns each step from
     # its driver's announcements, which reach no one while no coordinator runs (measured on 2
     # busy cores: agents back 80 steps after this line, at about 0.2 s a step)
@@ -184,30 +173,59 @@ def test_up_recreates_a_coordinator_killed_for_good(home: Home) -> None:
     )
     assert view["state"] == "done", view
     assert sorted(t["rank"] for t in view["traces"]) == [0, 0, 1]
+    return view["traces"]
+
+
+def _stop_ray_stops_all_of_it(home: Home, job: Job, first: dict) -> None:
+    from profd.cli.ray_cluster import cluster_pids
+
+    pids = cluster_pids(first["ray_temp_dir"])
+    names = _names(pids)
+    assert any("DashboardAgent" in n for n in names) and any("RuntimeEnvAgent" in n for n in names)
+    stop = home.cli("down", "--stop-ray")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "local ray" in stop.stdout
+    wait_until(lambda: not [p for p in pids if alive(p)], 30, what="every Ray process gone")
+    assert not home.state_file.exists()
+    # the job lost its cluster; it ends (profd never keeps it hanging)
+    job.proc.wait(60)
     job.stop()
 
 
-def test_downloads_work_after_down_and_up_on_a_new_ray(home: Home, tmp_path: Path) -> None:
+def _downloads_work_after_up_on_a_new_ray(
+    home: Home, tmp_path: Path, first: dict, traces: list[dict]
+) -> None:
     home.up()
-    job = Job(home, home.state()["ray_address"])
-    job.wait_step(2)
-    wait_until(lambda: len(home.agents()) == 3, 60, what="the job's agents")
-    prof = home.cli("profile", "--next-steps", "1", "--all-ranks", "--wait", "--json")
-    assert prof.returncode == 0, prof.stdout + prof.stderr
-    traces = json.loads(prof.stdout)["traces"]
-    job.stop()
-    first = home.state()["ray_address"]
-    down = home.cli("down")
-    assert down.returncode == 0, down.stdout + down.stderr
-
-    home.up()
-    assert home.state()["ray_address"] != first  # a new cluster: node ids changed
+    state = home.state()
+    assert state["ray_address"] != first["ray_address"]  # a new cluster: node ids changed
     out = tmp_path / "dl"
     r = home.cli("traces", "--download", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert len(traces) == 6
     for t in traces:
         got = list(out.rglob(Path(t["path"]).name))
         assert len(got) == 1 and got[0].read_bytes() == Path(t["path"]).read_bytes(), t
+    # nothing but profd runs on this Ray: a plain `down` stops it too, and leaves nothing
+    down = home.cli("down", timeout=120)
+    assert down.returncode == 0 and "local ray" in down.stdout, down.stdout + down.stderr
+    wait_until(
+        lambda: not _processes_of(state["ray_temp_dir"]), 30, what="that Ray's processes gone"
+    )
+
+
+def _processes_of(temp_dir: str) -> list[int]:
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and temp_dir.encode() in _raw_cmdline(p) and alive(int(p.name))
+    ]
+
+
+def _raw_cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_the_driver_never_hangs_when_the_gcs_is_gone(home: Home) -> None:
