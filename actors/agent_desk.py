@@ -15,10 +15,18 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from profd.actors.trace_index import TraceRefused
-from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PollReply, TraceWritten
+from profd.core.protocol import (
+    AgentEvent,
+    AgentInfo,
+    EventKind,
+    MarkDurations,
+    PollReply,
+    TraceWritten,
+)
 from profd.core.states import AgentLink
 
 if TYPE_CHECKING:
+    from profd.actors.mark_stats import MarkStats
     from profd.actors.planbook import PlanBook
     from profd.actors.registry import AgentRecord, AgentRegistry
     from profd.actors.session_book import SessionBook
@@ -59,6 +67,7 @@ class AgentDesk:
         plans: PlanBook,
         book: SessionBook,
         traces: TraceIndex,
+        times: MarkStats,
         on_register: Callable[[AgentInfo], None],
         on_fresh_step: Callable[[str], None],
         on_events: Callable[[], Awaitable[None]],
@@ -69,6 +78,7 @@ class AgentDesk:
         self._plans = plans
         self._book = book
         self._traces = traces
+        self._times = times
         self._on_register = on_register  # launch-time sessions adopt the agent
         self._on_fresh_step = on_fresh_step  # alignments wait for fresh steps
         self._on_events = on_events  # phase waits re-check their agents
@@ -159,10 +169,14 @@ class AgentDesk:
         self.events += len(events)
         touched: dict[str, Session] = {}
         for ev in events:
+            if isinstance(ev.payload, MarkDurations):  # live step and stage times
+                self._times.add(agent_id, ev.payload)
+                continue
             if isinstance(ev.payload, TraceWritten):
                 ev = self._indexed(rec, ev)
             if ev.kind is EventKind.CLOSED:
                 self._registry.close(agent_id)
+                self._times.forget(agent_id)
                 for s in self._book.live():
                     if agent_id in s.targets:
                         s.apply(agent_id, ev)

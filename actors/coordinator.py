@@ -32,6 +32,7 @@ from profd.actors.agent_desk import AgentDesk, Registration
 from profd.actors.alignment import Alignment
 from profd.actors.drivers import DriverTable
 from profd.actors.liveness import Periodic, find_gone
+from profd.actors.mark_stats import MarkStats
 from profd.actors.planbook import PlanBook
 from profd.actors.registry import AgentRegistry
 from profd.actors.reporting import metrics_snapshot
@@ -44,6 +45,7 @@ from profd.core.paging import Page
 from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, PollReply
 from profd.core.request import SessionRequest
 from profd.core.settings import CoordinatorSettings
+from profd.core.states import AgentState
 from profd.core.views import AgentView, SessionView, StatusView, TraceView
 
 __all__ = ["ProfileCoordinator", "Registration"]
@@ -98,6 +100,7 @@ class ProfileCoordinator:
         self._registry = AgentRegistry()
         self._plans = PlanBook()
         self._traces = TraceIndex(self._store)
+        self._times = MarkStats()
         self._book = SessionBook(
             settings, clock, self._registry, self._plans, self._store, self._traces, self._runner
         )
@@ -113,6 +116,7 @@ class ProfileCoordinator:
             plans=self._plans,
             book=self._book,
             traces=self._traces,
+            times=self._times,
             on_register=self._admission.adopt,
             on_fresh_step=self._alignment.note_fresh_step,
             on_events=self._drivers.progressed,
@@ -167,6 +171,7 @@ class ProfileCoordinator:
         if now - self._started > silence:
             self._book.lose_unreturned()
         self._book.advance_live()
+        self._times.retain(self._alive)  # step times of agents gone or closed go too
 
     async def _reap(self) -> None:
         """Lose the agents whose process or node Ray says is gone (see actors/liveness)."""
@@ -230,7 +235,20 @@ class ProfileCoordinator:
     async def list_agents(self) -> list[AgentView]:
         now = self._clock()
         recs = sorted(self._registry.all(), key=lambda r: (r.info.role, r.info.rank))
-        return [r.view(now, self._drivers.driver_step(r.info.job_id)) for r in recs]
+        return [
+            r.view(
+                now, self._drivers.driver_step(r.info.job_id), self._times.views(r.info.agent_id)
+            )
+            for r in recs
+        ]
+
+    def _alive(self, agent_id: str) -> bool:
+        rec = self._registry.get(agent_id)
+        return rec is not None and rec.state is AgentState.ALIVE
+
+    def _role_rank(self, agent_id: str) -> tuple[str, int] | None:
+        rec = self._registry.get(agent_id)
+        return (rec.info.role, rec.info.rank) if rec is not None else None
 
     # -- drivers -------------------------------------------------------------------------
     async def controller_step(
@@ -300,6 +318,7 @@ class ProfileCoordinator:
             events=self._agents.events,
             reports=self._agents.reports,
             uptime_s=self._clock() - self._started,
+            mark_times=self._times.metric_rows(self._role_rank),
         )
 
     async def ping(self) -> str:

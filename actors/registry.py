@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from profd.core.protocol import AgentInfo
 from profd.core.states import AgentLink, AgentState
-from profd.core.views import AgentView, ReplicaView
+from profd.core.views import AgentView, ReplicaView, TimingView
 
 __all__ = ["AgentRecord", "AgentRegistry"]
 
@@ -37,8 +37,15 @@ class AgentRecord:
         """The job's step on this agent: its own, else its driver's."""
         return self.current_step if self.current_step is not None else driver_step
 
-    def view(self, now: float, driver_step: int | None = None) -> AgentView:
+    def view(
+        self,
+        now: float,
+        driver_step: int | None = None,
+        times: tuple[TimingView | None, dict[str, TimingView]] = (None, {}),
+    ) -> AgentView:
+        """``times``: its (step, stages) durations (:class:`~profd.actors.mark_stats.MarkStats`)."""
         i = self.info
+        step_time, stage_times = times
         step = self.step(driver_step)
         source = None if step is None else ("agent" if self.current_step is not None else "driver")
         return AgentView(
@@ -59,6 +66,10 @@ class AgentRecord:
             labels=dict(i.labels),
             link=self.link,
             replica=ReplicaView(**dataclasses.asdict(i.replica)) if i.replica else None,
+            last_step_s=step_time.last_s if step_time else None,
+            median_step_s=step_time.median_s if step_time else None,
+            step_time=step_time,
+            stage_times=stage_times,
         )
 
 

@@ -108,10 +108,12 @@ def metrics_snapshot(
     events: int,
     reports: int,
     uptime_s: float,
+    mark_times: dict[str, list[list[Any]]] | None = None,
 ) -> dict[str, Any]:
     """A snapshot for the sidecar's Prometheus endpoint (``stalls``: tool -> ``[count, sum,
     max]``; ``events`` and ``reports``: agent events and reports since the coordinator
-    started)."""
+    started; ``mark_times``: live step and stage times,
+    :meth:`~profd.actors.mark_stats.MarkStats.metric_rows`)."""
     agents = Counter(f"{r.info.role}|{r.state.value}" for r in registry.all())
     by_state: Counter[str] = Counter()
     hooks: Counter[str] = Counter()
@@ -135,4 +137,5 @@ def metrics_snapshot(
         "events_total": events,
         "reports_total": reports,
         "uptime_s": uptime_s,
+        "mark_times": mark_times or {"step": [], "stage": []},
     }

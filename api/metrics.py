@@ -5,6 +5,13 @@ holding one :class:`CoordinatorCollector`. A scrape asks the coordinator for a f
 and renders it; when the coordinator does not answer, ``profd_coordinator_up`` is 0 and the
 scrape still succeeds.
 
+Live step and stage times (``profd_step_seconds``, ``profd_stage_seconds``): summaries per
+(role, rank[, stage]) whose ``quantile="0.5"`` is the rolling median of the agent's last 256
+durations and whose ``_count`` / ``_sum`` count every duration the coordinator received from
+that agent; ``profd_step_seconds_last`` / ``profd_stage_seconds_last`` hold the last one. At
+most 64 ranks per (role, stage) — the slowest by median — see
+:mod:`profd.actors.mark_stats`.
+
 Rates: ``profd_coordinator_events_total`` is a counter (reset when the coordinator restarts),
 so use ``rate(profd_coordinator_events_total[1m])``; ``profd_coordinator_event_rate`` is the
 average since the coordinator started (events / uptime), for a glance without PromQL.
@@ -54,6 +61,7 @@ class CoordinatorCollector(Collector):
         yield from _registry_families(snap)
         yield from _trace_families(snap)
         yield from _activity_families(snap)
+        yield from _mark_time_families(snap)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families depend on the snapshot; skip the registration-time collect
@@ -143,6 +151,31 @@ def _activity_families(snap: dict[str, Any]) -> Iterator[Metric]:
     yield fam
 
 
+def _mark_time_families(snap: dict[str, Any]) -> Iterator[Metric]:
+    """Step and stage times: a summary (rolling median as quantile 0.5, count and sum of
+    every duration) and a gauge of the last duration, per (role, rank[, stage])."""
+    times = snap.get("mark_times") or {}
+    for kind, names in (("step", ["role", "rank"]), ("stage", ["role", "rank", "stage"])):
+        name = f"profd_{kind}_seconds"
+        what = "step mark (with agent.step(n))" if kind == "step" else "stage mark"
+        summary = Metric(
+            name,
+            f"Duration of each {what}: quantile 0.5 is the rolling median of the agent's "
+            "last 256; _count and _sum cover every duration received.",
+            "summary",
+        )
+        last = GaugeMetricFamily(f"{name}_last", f"Duration of the last {what}.", labels=names)
+        for row in times.get(kind, []):
+            *ident, last_s, median_s, count, total = row
+            labels = dict(zip(names, (str(v) for v in ident), strict=True))
+            summary.add_sample(name, {**labels, "quantile": "0.5"}, float(median_s))
+            summary.add_sample(f"{name}_count", labels, float(count))
+            summary.add_sample(f"{name}_sum", labels, float(total))
+            last.add_metric([labels[n] for n in names], float(last_s))
+        yield summary
+        yield last
+
+
 def new_registry() -> tuple[CollectorRegistry, CoordinatorCollector]:
     """A registry of one app's own, with its coordinator collector."""
     registry = CollectorRegistry(auto_describe=False)
@@ -164,7 +197,8 @@ def new_registry() -> tuple[CollectorRegistry, CoordinatorCollector]:
     },
 )
 async def metrics(request: Request, client: ClientDep) -> Response:
-    """Agents, sessions, traces, export stalls, hooks, uploads and coordinator activity."""
+    """Agents, sessions, traces, export stalls, hooks, uploads, coordinator activity, and
+    live step and stage times."""
     try:
         snapshot = await client.call("metrics")
     except CoordinatorUnavailable as exc:

@@ -3,7 +3,11 @@
 Variants, each a loop of N ``with`` blocks:
 
 * ``nullcontext``: ``with contextlib.nullcontext():`` (the reference);
-* ``step`` / ``stage`` / ``mini_batch`` / ``micro_batch``: an idle agent (no plan);
+* ``step`` / ``stage`` / ``mini_batch`` / ``micro_batch``: an idle agent (no plan), as
+  attached by default: step and stage marks record their durations (live step times, one
+  clock read per mark boundary into a ring);
+* ``untimed_step`` / ``untimed_stage``: the same marks of an agent made with
+  ``mark_times=False`` (what recording the durations costs is the difference);
 * ``armed_step``: ``step`` on an agent whose plan holds a torch window for a much later step,
   so every step mark checks whether that step has come;
 * ``record_function``: torch's own range with no profiler running (N/10 marks).
@@ -14,12 +18,15 @@ alike. Time is this thread's CPU time (``time.thread_time_ns``), so the time oth
 hold the core is not counted. Per round the cost of a mark is its loop time minus an empty
 loop's (same round), in ns; ratios are taken within a round and their median over the rounds
 is reported, with the spread of the per-round values. Targets: the slowest idle mark ≤ 1.2x
-``nullcontext`` (``ratio``), the armed step mark ≤ 2x (``armed_ratio``).
+``nullcontext`` (``ratio``, durations recorded: the default), the armed step mark ≤ 2x
+(``armed_ratio``). ``untimed_ratio`` is the slowest untimed mark's, and ``timing_ns`` the
+median per-round cost of recording durations in the slowest of step and stage.
 
     python bench/marks.py [--n 20000] [--rounds 200]
 
-Last line: ``RESULT ratio=... armed_ratio=... mark_ns=... armed_ns=... nullcontext_ns=...
-record_function_ns=... load=...`` (``load``: the 1-minute load average at the end).
+Last line: ``RESULT ratio=... armed_ratio=... untimed_ratio=... timing_ns=... mark_ns=...
+armed_ns=... nullcontext_ns=... record_function_ns=... load=...`` (``load``: the 1-minute load
+average at the end).
 """
 
 from __future__ import annotations
@@ -41,13 +48,14 @@ from profd.core.protocol import AgentPlan, WindowPlan
 log = logging.getLogger("bench.marks")
 
 IDLE_MARKS = ("step", "stage", "mini_batch", "micro_batch")
+UNTIMED_MARKS = ("untimed_step", "untimed_stage")
 #: The armed agent's window: the last step a session may name, far beyond this bench's.
 LATER_STEP = 2**53 - 1
 
 
-def idle_agent() -> ProfilerAgent:
+def idle_agent(mark_times: bool = True) -> ProfilerAgent:
     """Attached but idle: no coordinator, no plan."""
-    return ProfilerAgent("actor", 0, 8, find_link=lambda: None)
+    return ProfilerAgent("actor", 0, 8, find_link=lambda: None, mark_times=mark_times)
 
 
 def armed_agent(save_dir: str) -> ProfilerAgent:
@@ -72,7 +80,9 @@ def armed_agent(save_dir: str) -> ProfilerAgent:
     return agent
 
 
-def loops(idle: ProfilerAgent, armed: ProfilerAgent) -> dict[str, Callable[[int], None]]:
+def loops(
+    idle: ProfilerAgent, armed: ProfilerAgent, untimed: ProfilerAgent
+) -> dict[str, Callable[[int], None]]:
     def empty(n: int) -> None:
         for _ in range(n):
             pass
@@ -112,6 +122,16 @@ def loops(idle: ProfilerAgent, armed: ProfilerAgent) -> dict[str, Callable[[int]
             with armed.step(i):
                 pass
 
+    def untimed_step(n: int) -> None:
+        for i in range(n):
+            with untimed.step(i):
+                pass
+
+    def untimed_stage(n: int) -> None:
+        for _ in range(n):
+            with untimed.stage("compute_log_prob"):
+                pass
+
     return {
         "empty": empty,
         "nullcontext": nullctx,
@@ -120,6 +140,8 @@ def loops(idle: ProfilerAgent, armed: ProfilerAgent) -> dict[str, Callable[[int]
         "mini_batch": mini_batch,
         "micro_batch": micro_batch,
         "armed_step": armed_step,
+        "untimed_step": untimed_step,
+        "untimed_stage": untimed_stage,
         "record_function": rf,
     }
 
@@ -158,9 +180,19 @@ def report(rows: dict[str, list[float]], n: int, rounds: int, load_start: tuple)
     worst = max(IDLE_MARKS, key=med.__getitem__)
     idle_r, armed_r = ratios(rows, worst), ratios(rows, "armed_step")
     ratio, armed_ratio = statistics.median(idle_r), statistics.median(armed_r)
+    untimed = max(UNTIMED_MARKS, key=med.__getitem__)
+    untimed_ratio = statistics.median(ratios(rows, untimed))
+    timing_ns = max(
+        statistics.median(a - b for a, b in zip(rows[m], rows[f"untimed_{m}"], strict=True))
+        for m in ("step", "stage")
+    )
     print(
         f"slowest idle mark: {worst}, {ratio:.2f}x nullcontext (per-round ratios "
         f"{min(idle_r):.2f}-{max(idle_r):.2f}; target <= 1.2x)"
+    )
+    print(
+        f"without recording durations (mark_times=False): slowest {untimed}, "
+        f"{untimed_ratio:.2f}x nullcontext; recording them costs {timing_ns:.1f} ns per mark"
     )
     print(
         f"armed step mark: {armed_ratio:.2f}x nullcontext (per-round ratios "
@@ -174,7 +206,8 @@ def report(rows: dict[str, list[float]], n: int, rounds: int, load_start: tuple)
         + "/".join(f"{x:.2f}" for x in load_end)
     )
     print(
-        f"RESULT ratio={ratio:.2f} armed_ratio={armed_ratio:.2f} mark_ns={med[worst]:.1f} "
+        f"RESULT ratio={ratio:.2f} armed_ratio={armed_ratio:.2f} "
+        f"untimed_ratio={untimed_ratio:.2f} timing_ns={timing_ns:.1f} mark_ns={med[worst]:.1f} "
         f"armed_ns={med['armed_step']:.1f} nullcontext_ns={med['nullcontext']:.1f} "
         f"record_function_ns={med['record_function']:.1f} load={load_end[0]:.2f}"
     )
@@ -188,14 +221,17 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        idle, armed = idle_agent(), armed_agent(tmp)
-        fns = loops(idle, armed)
+        idle, armed, untimed = idle_agent(), armed_agent(tmp), idle_agent(mark_times=False)
+        fns = loops(idle, armed, untimed)
         for fn in fns.values():  # warm up
             fn(1000)
         rows = run_rounds(fns, args.n, args.rounds)
         if list(os.scandir(tmp)):
             raise RuntimeError("the armed agent recorded something: its window came too early")
-        idle.close(), armed.close()
+        times = idle._take_times()
+        if times is None or times.step is None or not times.stages:
+            raise RuntimeError("the idle agent's marks recorded no durations")
+        idle.close(), armed.close(), untimed.close()
     report(rows, args.n, args.rounds, load_start)
 
 

@@ -25,6 +25,7 @@ class AgentList(BaseModel):
 
 @router.get("", response_model=AgentList)
 async def list_agents(client: ClientDep) -> Response:
-    """Every agent the coordinator knows, alive, lost or closed."""
+    """Every agent the coordinator knows, alive, lost or closed, with its live step and
+    stage times (last, rolling median, newest durations)."""
     agents = await client.call("list_agents")
     return model_response(AgentList(data=agents, count=len(agents)))

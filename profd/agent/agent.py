@@ -25,52 +25,19 @@ from typing import Any
 from profd.agent.channel import Channel, CoordinatorLink
 from profd.agent.clock_sync import ClockEstimate
 from profd.agent.recorder import Recorder
+from profd.agent.step_marks import ADOPT, StepMark, TimedStepMark
 from profd.agent.timed import TimedWindows
+from profd.agent.timings import TimedRange, Timings, mark_clock
 from profd.agent.window_state import IDLE, ArmedPlan
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
 from profd.backends.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.core.naming import sanitize
-from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind
+from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, MarkDurations
 from profd.core.ray_env import process_start, ray_context, ray_up
 
 __all__ = ["ProfilerAgent"]
 
 log = logging.getLogger(__name__)
-
-
-class _StepMark:
-    """``with agent.step(n):`` — reused for every step (no allocation)."""
-
-    __slots__ = ("_agent",)
-
-    def __init__(self, agent: ProfilerAgent) -> None:
-        self._agent = agent
-
-    def __enter__(self) -> None:
-        agent = self._agent
-        step = agent._next_step
-        agent._current_step = step
-        agent._spmd = True
-        armed = agent._armed
-        recorder = agent._recorder
-        # O(1) on every mark: a plan not adopted yet, or a step some window waits for
-        try:
-            due = armed is not recorder.seen or step >= recorder.wake_at
-        except TypeError:  # a step that is not a number: nothing can be due at it
-            due = False
-        if due:
-            agent._enter_step(step, armed)
-
-    def __exit__(self, *exc_info: Any) -> bool:
-        agent = self._agent
-        step = agent._current_step
-        try:
-            due = step >= agent._recorder.wake_at
-        except TypeError:
-            due = False
-        if due:
-            agent._exit_step(step)
-        return False
 
 
 class ProfilerAgent:
@@ -87,9 +54,12 @@ class ProfilerAgent:
         backend_factory: Callable[[str, dict[str, Any]], Backend] = make_backend,
         poll_timeout_s: float = 5.0,
         now_ns: Callable[[], int] = time.time_ns,
+        mark_times: bool = True,
     ) -> None:
         """``now_ns``: this process's wall clock, the one its traces are on (tests inject a
-        skewed one to check that offsets to the coordinator's clock are applied)."""
+        skewed one to check that offsets to the coordinator's clock are applied).
+        ``mark_times=False``: marks do not record their durations (live step and stage
+        times, :mod:`profd.agent.timings`); for loops whose marks are microseconds apart."""
         if not isinstance(role, str) or not role.strip():
             raise ValueError(f"role: must be a non-empty string, got {role!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -117,9 +87,17 @@ class ProfilerAgent:
         self._next_step: int | None = None
         self._current_step: int | None = None
         self._armed: ArmedPlan = IDLE
-        self._step_mark = _StepMark(self)
+        self._step_mark = TimedStepMark(self) if mark_times else StepMark(self)
+        if not mark_times:  # the marks as they were before they were timed
+            self.step = self._untimed_step  # type: ignore[method-assign]
+            self.stage = self._untimed_stage  # type: ignore[method-assign]
+        self._timings = Timings(enabled=mark_times)
+        #: The training thread's lookups of stage timers (replaced when roles change).
+        self._stage_timers = self._timings.plain
+        self._role_timers = self._timings.by_role
+        #: An untimed agent's loop marked a step (a timed one's step mark tells, see _spmd).
+        self._steps_marked = False
         #: Single-controller jobs: the step the driver announced, and the one followed.
-        self._spmd = False
         self._announced: int | None = None
         self._followed: int | None = None
         #: Bumped by the poller when the training thread has something to do at its next
@@ -156,6 +134,7 @@ class ProfilerAgent:
             self._install_plan,
             poll_timeout_s=self._poll_timeout_s,
             now_ns=self._now_ns,
+            take_times=self._take_times,
         )
         self._channel.start()
         return self
@@ -181,6 +160,7 @@ class ProfilerAgent:
         except Exception:
             log.exception("profd: closing the recorder failed")
             ok = False
+        self._sync_wake()
         if self._channel is not None:
             if self._channel.connected:  # events cannot leave an agent that never connected
                 self._emit(AgentEvent(EventKind.CLOSED, None, self._current_step))
@@ -203,8 +183,17 @@ class ProfilerAgent:
         self._roles.append(role)
         self.info = dataclasses.replace(self.info, role="_".join(self._roles))
         self._recorder.info = self.info
+        self._timings.relabel()  # stage labels now name their role
+        self._stage_timers = self._timings.plain
+        self._role_timers = self._timings.by_role
         if self._channel is not None:
             self._channel.update_info(self.info)
+
+    @property
+    def _spmd(self) -> bool:
+        """The loop marks steps itself (SPMD), rather than following a driver's. Derived,
+        not stored by every step mark: a store less per step."""
+        return self._steps_marked or getattr(self._step_mark, "t0", 0.0) != 0.0
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -233,19 +222,51 @@ class ProfilerAgent:
 
     # -- marks ----------------------------------------------------------------------------
     def step(self, step: int) -> AbstractContextManager[None]:
-        """Mark one training step (the unit ``steps`` / ``next_steps`` count)."""
+        """Mark one training step (the unit ``steps`` / ``next_steps`` count), as
+        ``with agent.step(n):`` (the step begins when this is called)."""
+        self._current_step = step
+        mark = self._step_mark
+        # O(1) on every mark: a plan not adopted yet, or a step some window waits for
+        try:
+            due = step >= mark.wake
+        except TypeError:  # a step that is not a number: nothing can be due at it
+            due = False
+        if due:
+            self._enter_step(step, self._armed)
+        mark.t0 = mark_clock()  # after a window's start: the step's own time begins here
+        return mark
+
+    def _untimed_step(self, step: int) -> AbstractContextManager[None]:
+        """:meth:`step` of an agent made with ``mark_times=False``."""
         self._next_step = step
         return self._step_mark
 
     def stage(
-        self, name: str, *, role: str | None = None, update_loop: bool = False
+        self, name: str, role: str | None = None, update_loop: bool = False
     ) -> AbstractContextManager[Any]:
         """Mark a stage. The label is ``name``, or ``f"{role}_{name}"`` when ``role`` is given.
+        Pass ``role`` and ``update_loop`` by keyword (they are not keyword-only because
+        keyword-only defaults cost an idle mark a tenth of its time in CPython 3.11).
 
         ``update_loop=True`` marks the stage whose mini-batches drive the torch schedule.
         In single-controller jobs the first stage of a new step is where the agent moves to the
         step the driver announced.
         """
+        if self._attention != self._attended:
+            self._attend()
+        if self._recorder.active is None:  # idle: the label's timer, found in one lookup
+            try:
+                timer = self._stage_timers[name] if role is None else self._role_timers[role][name]
+            except KeyError:
+                return self._stage_slow(name, role, update_loop)
+            timer.t0 = mark_clock()  # the timer's __enter__ is a C no-op (see timings)
+            return timer
+        return self._stage_slow(name, role, update_loop)
+
+    def _untimed_stage(
+        self, name: str, *, role: str | None = None, update_loop: bool = False
+    ) -> AbstractContextManager[Any]:
+        """:meth:`stage` of an agent made with ``mark_times=False``."""
         if self._attention != self._attended:
             self._attend()
         scope = self._recorder.active
@@ -254,6 +275,27 @@ class ProfilerAgent:
         if role is None and len(self._roles) > 1:
             role = self._roles[0]  # several roles share the trace: every label names its role
         return scope.stage(name if role is None else f"{role}_{name}", update_loop)
+
+    def _stage_slow(
+        self, name: str, role: str | None, update_loop: bool
+    ) -> AbstractContextManager[Any]:
+        """A label's first idle mark (its timer is made), or any mark while a window records."""
+        first = role
+        if role is None and len(self._roles) > 1:
+            role = self._roles[0]  # several roles share the trace: every label names its role
+        label = name if role is None else f"{role}_{name}"
+        try:
+            timer = self._timings.timer(name, first, label)
+        except Exception:  # never into the loop: this stage goes untimed
+            log.exception("profd: timing stage %r failed", label)
+            timer = NULL_RANGE
+        scope = self._recorder.active
+        if scope is None:
+            if timer is not NULL_RANGE:
+                timer.t0 = mark_clock()  # type: ignore[attr-defined]
+            return timer
+        rng = scope.stage(label, update_loop)
+        return rng if timer is NULL_RANGE else TimedRange(timer, rng)  # type: ignore[arg-type]
 
     def mini_batch(self, index: int) -> AbstractContextManager[Any]:
         """Mark update mini-batch ``index`` (a ``mini_batch<i>`` range; advances schedules)."""
@@ -270,6 +312,10 @@ class ProfilerAgent:
         return scope.micro_batch(index)
 
     # -- internals --------------------------------------------------------------------------
+    def _take_times(self) -> MarkDurations | None:
+        """Reporter thread: the step and stage durations measured since the last call."""
+        return self._timings.take(self._step_mark)
+
     def _emit(self, event: AgentEvent) -> None:
         if self._channel is not None:
             self._channel.send(event)
@@ -278,6 +324,7 @@ class ProfilerAgent:
         """Poller thread: publish a plan snapshot and acknowledge new windows."""
         old = {w.session_id for w in self._armed.plan.windows}
         self._armed = ArmedPlan(plan, self._current_step)
+        self._step_mark.wake = ADOPT  # after _armed: see _sync_wake
         self._timed.sync(plan.windows)  # thread-free timed windows start right away
         if plan.controller_step is not None and plan.controller_step != self._announced:
             self._announced = plan.controller_step
@@ -297,6 +344,7 @@ class ProfilerAgent:
             self._recorder.attend(self._armed)
         except Exception:
             log.exception("profd: attending to a new plan failed")
+        self._sync_wake()
 
     def _follow_controller(self) -> None:
         """Training thread: leave the previous step and enter the one the driver announced."""
@@ -319,6 +367,7 @@ class ProfilerAgent:
             self._recorder.enter_step(step, armed)
         except Exception:
             log.exception("profd: step %s enter failed", step)
+        self._sync_wake()
 
     def _exit_step(self, step: int | None) -> None:
         if step is None:
@@ -327,6 +376,20 @@ class ProfilerAgent:
             self._recorder.exit_step(step)
         except Exception:
             log.exception("profd: step %s exit failed", step)
+        self._sync_wake()
+
+    def _sync_wake(self) -> None:
+        """Training thread, after the recorder ran: copy when the step mark has work next.
+
+        Race-free without a lock: the poller sets ``_armed`` and then ``wake = ADOPT``; this
+        sets ``wake`` and then reads ``_armed``. Whatever the interleaving, a plan the
+        recorder has not adopted leaves ``wake`` at ``ADOPT``."""
+        mark = self._step_mark
+        wake = self._recorder.wake_at
+        mark.wake_exit = wake
+        mark.wake = wake
+        if self._armed is not self._recorder.seen:
+            mark.wake = ADOPT
 
 
 def _default_find_link() -> Callable[[], CoordinatorLink | None] | None:

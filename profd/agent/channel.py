@@ -5,7 +5,9 @@ Two daemon threads per agent:
 * the *poller* finds the coordinator by name, registers, then long-polls for plan changes
   (carrying the agent's current step) and installs each new plan as an immutable snapshot
   the training thread reads without locking;
-* the *reporter* sends queued events in batches.
+* the *reporter* sends queued events in batches, and about once a second adds the step and
+  stage durations the marks measured meanwhile (``take_times``; one ``times`` event riding
+  the same reports, never a call per step).
 
 A missing or restarting coordinator is normal: the poller retries discovery with back-off,
 re-registers when the coordinator no longer knows the agent, and events wait in a bounded
@@ -23,7 +25,14 @@ from typing import Any, Protocol
 
 from profd.agent.clock_sync import ClockEstimate, estimate_offset
 from profd.core.errors import CoordinatorUnavailable
-from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
+from profd.core.protocol import (
+    AgentEvent,
+    AgentInfo,
+    AgentPlan,
+    EventKind,
+    MarkDurations,
+    PollReply,
+)
 from profd.core.ray_env import call_coordinator, find_coordinator
 
 __all__ = [
@@ -43,6 +52,9 @@ log = logging.getLogger(__name__)
 CLOCK_EVERY_S = 300.0
 
 _MAX_QUEUED_EVENTS = 100_000
+#: How often the reporter takes the marks' durations (while connected): how live the
+#: coordinator's step times are, and the most ``times`` events an agent sends per second.
+TIMES_EVERY_S = 1.0
 
 
 class LinkDown(Exception):
@@ -115,6 +127,8 @@ class Channel:
         poll_timeout_s: float = 5.0,
         retry_s: tuple[float, float] = (0.5, 5.0),
         now_ns: Callable[[], int] = time.time_ns,
+        take_times: Callable[[], MarkDurations | None] | None = None,
+        times_every_s: float = TIMES_EVERY_S,
     ) -> None:
         self.info = info
         #: This process's offset to the coordinator's clock (None until measured); traces
@@ -135,6 +149,9 @@ class Channel:
         self._dropped = 0
         self._reregister = False
         self._warned: set[str] = set()
+        self._take_times = take_times
+        self._times_every_s = times_every_s
+        self._times_due = 0.0
         self._threads = [
             threading.Thread(target=self._poll_loop, name="profd-poller", daemon=True),
             threading.Thread(target=self._report_loop, name="profd-reporter", daemon=True),
@@ -279,11 +296,33 @@ class Channel:
                 break
         return batch
 
+    def _queue_times(self) -> None:
+        """Queue a ``times`` event when one is due: only while registered, so a ring the
+        coordinator cannot receive keeps its newest samples (and counts the rest lost)
+        instead of events piling up here."""
+        if self._take_times is None or not self._registered.is_set():
+            return
+        now = time.monotonic()
+        if now < self._times_due:
+            return
+        self._times_due = now + self._times_every_s
+        try:
+            times = self._take_times()
+        except Exception:
+            if "times" not in self._warned:
+                self._warned.add("times")
+                log.exception("profd: taking step and stage times failed; they stop here")
+            self._take_times = None
+            return
+        if times is not None:
+            self.send(AgentEvent(EventKind.TIMES, payload=times))
+
     def _report_loop(self) -> None:
         pending: list[AgentEvent] = []
         attempt = 0
         while True:
             if not pending:
+                self._queue_times()
                 try:
                     first = self._events.get(timeout=0.2)
                 except queue.Empty:

@@ -23,6 +23,8 @@ __all__ = [
     "EventPayload",
     "Ignored",
     "IncompleteFile",
+    "LabelDurations",
+    "MarkDurations",
     "PartDone",
     "PhaseDone",
     "PollReply",
@@ -121,6 +123,7 @@ class EventKind(StrEnum):
     PART_DONE = "part_done"  # every step resolved, every file written (payload: PartDone)
     CLOSED = "closed"  # the agent shut down
     PHASE = "phase"  # a rollout agent handled a controller phase (payload: PhaseDone)
+    TIMES = "times"  # step and stage durations since the last one (payload: MarkDurations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,13 +183,35 @@ class PhaseDone:
     phase: ControllerPhase
 
 
-EventPayload = TraceWritten | StepsMissed | PartDone | PhaseDone
+@dataclass(frozen=True, slots=True)
+class LabelDurations:
+    """Durations of one mark (the step, or one stage label) measured since the agent's
+    previous report, oldest first."""
+
+    label: str
+    seconds: tuple[float, ...]
+    #: Samples the agent's ring overwrote before they could be sent (its reporter was
+    #: stalled or disconnected, or marks came faster than the ring holds between reports).
+    lost: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MarkDurations:
+    """What an agent's marks measured since its previous report (``TIMES`` events). ``step``
+    is ``None`` on workers that never mark a step (single-controller jobs)."""
+
+    step: LabelDurations | None
+    stages: tuple[LabelDurations, ...] = ()
+
+
+EventPayload = TraceWritten | StepsMissed | PartDone | PhaseDone | MarkDurations
 #: The payload each kind carries; the kinds not listed carry none.
 _PAYLOAD_OF: dict[EventKind, type] = {
     EventKind.TRACE: TraceWritten,
     EventKind.MISSED: StepsMissed,
     EventKind.PART_DONE: PartDone,
     EventKind.PHASE: PhaseDone,
+    EventKind.TIMES: MarkDurations,
 }
 
 

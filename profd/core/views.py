@@ -18,6 +18,7 @@ __all__ = [
     "ReplicaView",
     "SessionView",
     "StatusView",
+    "TimingView",
     "TraceView",
     "UploadView",
 ]
@@ -33,6 +34,23 @@ class ReplicaView(_View):
     global_rank_stop: int = Field(description="One past the last global GPU rank it owns.")
     colocated: bool = Field(description="It shares its GPUs with training.")
     collect_budget_s: int = Field(description="Seconds it may take to hand in its files.")
+
+
+class TimingView(_View):
+    last_s: float = Field(description="Duration of the last mark received, in seconds.")
+    median_s: float = Field(
+        description="Rolling median of the last `samples` durations, in seconds."
+    )
+    samples: int = Field(description="Durations in the rolling window (at most 256).")
+    count: int = Field(description="Durations received from this agent since it was first heard.")
+    lost: int = Field(
+        description="Durations the agent measured but could not send (its ring of 256 per "
+        "mark was overwritten first: the coordinator was unreachable, or marks came faster "
+        "than the ring holds between two reports)."
+    )
+    recent_s: list[float] = Field(
+        description="The newest durations (at most 16), oldest first, in seconds."
+    )
 
 
 class AgentView(_View):
@@ -72,6 +90,24 @@ class AgentView(_View):
     )
     replica: ReplicaView | None = Field(
         None, description="A rollout replica's size, global GPU ranks and timing (else null)."
+    )
+    last_step_s: float | None = Field(
+        None,
+        description="Duration of the agent's last step mark (`with agent.step(n)`), in "
+        "seconds; null until one arrived, and for workers of single-controller jobs (they "
+        "mark stages only: their step is the driver's).",
+    )
+    median_step_s: float | None = Field(
+        None, description="Rolling median of its last 256 step durations, in seconds."
+    )
+    step_time: TimingView | None = Field(
+        None, description="Its step durations in full (null when it marks no steps)."
+    )
+    stage_times: dict[str, TimingView] = Field(
+        default_factory=dict,
+        description="Stage label → its durations (the label as in traces: with the role "
+        "prefix when the process hosts several roles). Live: agents send them about once a "
+        "second.",
     )
 
 

@@ -35,7 +35,7 @@ def train_step(agent: ProfilerAgent, step: int, pause: float = 0.0) -> None:
 
 def test_idle_marks_share_one_noop_and_make_no_files(tmp_path: Path) -> None:
     agent = ProfilerAgent("actor", 0, 1, find_link=lambda: None)  # never started: inert
-    assert agent.stage("x") is NULL_RANGE
+    assert agent.stage("x") is agent.stage("x")  # one timer per label, reused (no allocation)
     assert agent.mini_batch(0) is NULL_RANGE and agent.micro_batch(0) is NULL_RANGE
     assert agent.step(1) is agent.step(2)  # the same object every step
     for s in range(3):

@@ -129,6 +129,40 @@ def check_tables(chrome: Any, url: str, owner: Any, sid: str) -> None:
     assert size == by_id[href.split("/")[-2]].bytes
 
 
+def chart_lines(chrome: Any) -> dict[str, list[float]]:
+    """The live step-time chart's lines: track -> the durations it plots (one point each)."""
+    got = chrome.execute_script(
+        "return [...document.querySelectorAll('#st-plot g.st-line')].map(g => [g.dataset.track,"
+        " g.dataset.values.split(',').map(Number),"
+        " g.querySelector('polyline').getAttribute('points').split(' ').length]);"
+    )
+    assert all(len(values) == points for _, values, points in got), got
+    return {track: values for track, values, _ in got}
+
+
+def check_live_times(chrome: Any) -> None:
+    """The live chart plots every rank's real step durations; choosing a stage plots that
+    stage, where rank 1's ``update`` (which sleeps ``LATE_S``) stands out."""
+    from selenium.webdriver.support.ui import Select
+
+    want = {"actor 0": 2, "actor 1": 2, "critic 0": 1}  # durations: steps each marked
+    lines = wait_until(
+        lambda: (x := chart_lines(chrome)) and {k: len(v) for k, v in x.items()} == want and x,
+        20,
+        what=f"step-time lines {want}",
+    )
+    assert min(lines["actor 1"]) >= LATE_S
+    cells = {(r[0], r[1]): r[8] for r in rows(chrome, "agents")}
+    assert " / " in cells[("actor", "1")] and cells[("actor", "1")].endswith("ms")
+    Select(chrome.find_element("id", "st-mark")).select_by_value("update")
+    update = wait_until(
+        lambda: (x := chart_lines(chrome)) and sorted(x) == ["actor 0", "actor 1"] and x,
+        10,
+        what="update-stage lines",
+    )
+    assert min(update["actor 1"]) >= LATE_S > max(update["actor 0"])
+
+
 def check_form(chrome: Any, owner: Any, sid: str) -> str:
     """The form: refused without the token (the message shown), a session with it; its id."""
     from selenium.webdriver.common.by import By
@@ -689,6 +723,7 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     chrome.get(f"{url}/?interval=500")
     assert chrome.title == "profd dashboard"
     check_tables(chrome, url, owner, sid)
+    check_live_times(chrome)
     new_sid = check_form(chrome, owner, sid)
 
     ARTIFACTS.mkdir(exist_ok=True)

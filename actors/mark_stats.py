@@ -1,0 +1,201 @@
+"""Live step and stage times: a rolling window per agent and mark (pure logic, no Ray).
+
+Agents send what their marks measured about once a second (``times`` events carrying
+:class:`~profd.core.protocol.MarkDurations`). :class:`MarkStats` keeps, per agent (one role
+and rank) and per mark — the step, or a stage label — the last :data:`WINDOW` durations: the
+last value, the rolling median, and counts since the agent was first heard. Agents that are
+gone or closed are dropped (:meth:`MarkStats.forget`, :meth:`MarkStats.retain`).
+
+For Prometheus the windows become one series per (role, rank, stage). Cardinality is bounded:
+each role exports at most :data:`METRICS_MAX_STAGES` stage labels (those most of its ranks
+report) besides the step, and each (role, stage) at most :data:`METRICS_MAX_RANKS` ranks —
+when more ranks report, the slowest by rolling median (the ones worth looking at);
+``GET /api/v1/agents`` still has every rank and label.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from profd.core.protocol import LabelDurations, MarkDurations
+from profd.core.views import TimingView
+
+__all__ = [
+    "MAX_LABELS",
+    "METRICS_MAX_RANKS",
+    "METRICS_MAX_STAGES",
+    "RECENT",
+    "WINDOW",
+    "MarkStats",
+    "RollingWindow",
+]
+
+#: Durations kept per agent and mark for the rolling median.
+WINDOW = 256
+#: Newest durations shown per mark in ``GET /api/v1/agents`` (the dashboard's chart).
+RECENT = 16
+#: Stage labels kept per agent (agents time at most 32; a label beyond is dropped here).
+MAX_LABELS = 64
+#: Rank series per (role, stage) in ``/metrics``: the slowest by rolling median.
+METRICS_MAX_RANKS = 64
+#: Stage labels per role in ``/metrics`` (agents time 32 each; ranks that all name theirs
+#: differently would add up): the ones most ranks report.
+METRICS_MAX_STAGES = 32
+
+
+class RollingWindow:
+    """The last ``size`` durations of one mark on one agent, and counts since the first."""
+
+    __slots__ = ("_median", "count", "last", "lost", "total", "values")
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self.last: float | None = None
+        self.count = 0  # durations received
+        self.total = 0.0  # their sum, in seconds
+        self.lost = 0  # durations the agent could not send (its ring overwrote them)
+        self._median: float | None = None
+
+    def add(self, d: LabelDurations) -> None:
+        """Add one report's durations (non-finite or negative ones are skipped)."""
+        self.lost += max(0, int(d.lost))
+        kept = [float(x) for x in d.seconds if math.isfinite(x) and x >= 0]
+        if not kept:
+            return
+        self.values.extend(kept)
+        self.count += len(kept)
+        self.total += sum(kept)
+        self.last = kept[-1]
+        self._median = None
+
+    @property
+    def median(self) -> float | None:
+        """Median of the window (computed once per change)."""
+        if self._median is None and self.values:
+            self._median = statistics.median(self.values)
+        return self._median
+
+    def view(self) -> TimingView:
+        return TimingView(
+            last_s=_us(self.last or 0.0),
+            median_s=_us(self.median or 0.0),
+            samples=len(self.values),
+            count=self.count,
+            lost=self.lost,
+            recent_s=[_us(v) for v in list(self.values)[-RECENT:]],
+        )
+
+
+def _capped_stages(groups: dict[tuple[str, str | None], list[Any]]) -> dict[Any, list[Any]]:
+    """At most :data:`METRICS_MAX_STAGES` stage labels per role: those most ranks report."""
+    by_role: dict[str, list[tuple[int, str]]] = {}
+    for (role, stage), ranks in groups.items():
+        if stage is not None:
+            by_role.setdefault(role, []).append((-len(ranks), stage))
+    dropped = set()
+    for role, stages in by_role.items():
+        if len(stages) > METRICS_MAX_STAGES:
+            dropped.update((role, stage) for _, stage in sorted(stages)[METRICS_MAX_STAGES:])
+    return {k: v for k, v in groups.items() if k not in dropped}
+
+
+def _group_order(kv: tuple[tuple[str, str | None], Any]) -> tuple[str, str]:
+    (role, stage), _ = kv
+    return role, stage or ""
+
+
+def _us(seconds: float) -> float:
+    """Seconds to the microsecond: what a clock read per mark can tell apart, in JSON."""
+    return round(seconds, 6)
+
+
+@dataclass
+class _AgentTimes:
+    step: RollingWindow | None = None
+    stages: dict[str, RollingWindow] = field(default_factory=dict)
+    dropped_labels: int = 0
+
+
+class MarkStats:
+    """Rolling windows of every agent's step and stage times (owned by the coordinator)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._window = window
+        self._agents: dict[str, _AgentTimes] = {}
+
+    def __len__(self) -> int:
+        return len(self._agents)
+
+    def add(self, agent_id: str, times: MarkDurations) -> None:
+        """One ``times`` event of ``agent_id``."""
+        a = self._agents.get(agent_id)
+        if a is None:
+            a = self._agents[agent_id] = _AgentTimes()
+        if times.step is not None:
+            if a.step is None:
+                a.step = RollingWindow(self._window)
+            a.step.add(times.step)
+        for d in times.stages:
+            w = a.stages.get(d.label)
+            if w is None:
+                if len(a.stages) >= MAX_LABELS:
+                    a.dropped_labels += 1
+                    continue
+                w = a.stages[d.label] = RollingWindow(self._window)
+            w.add(d)
+
+    def forget(self, agent_id: str) -> None:
+        """The agent closed (or is gone): its windows go."""
+        self._agents.pop(agent_id, None)
+
+    def retain(self, keep: Callable[[str], bool]) -> None:
+        """Drop the windows of every agent ``keep`` refuses (lost, closed, forgotten)."""
+        for agent_id in [a for a in self._agents if not keep(a)]:
+            del self._agents[agent_id]
+
+    def views(self, agent_id: str) -> tuple[TimingView | None, dict[str, TimingView]]:
+        """(step, stages by label) of one agent, for its ``AgentView``."""
+        a = self._agents.get(agent_id)
+        if a is None:
+            return None, {}
+        step = a.step.view() if a.step is not None and a.step.count else None
+        stages = {k: w.view() for k, w in sorted(a.stages.items()) if w.count}
+        return step, stages
+
+    def metric_rows(
+        self, who: Callable[[str], tuple[str, int] | None]
+    ) -> dict[str, list[list[Any]]]:
+        """Rows for ``/metrics``: ``step`` rows ``[role, rank, last, median, count, sum]``
+        and ``stage`` rows ``[role, rank, stage, last, median, count, sum]``, at most
+        :data:`METRICS_MAX_RANKS` ranks per (role, stage). ``who``: an agent's (role, rank),
+        ``None`` to leave it out."""
+        groups: dict[tuple[str, str | None], list[tuple[int, RollingWindow]]] = {}
+        for agent_id, a in self._agents.items():
+            ident = who(agent_id)
+            if ident is None:
+                continue
+            role, rank = ident
+            pairs: Iterable[tuple[str | None, RollingWindow | None]] = [
+                (None, a.step),
+                *a.stages.items(),
+            ]
+            for stage, w in pairs:
+                if w is not None and w.count:
+                    groups.setdefault((role, stage), []).append((rank, w))
+        groups = _capped_stages(groups)
+        out: dict[str, list[list[Any]]] = {"step": [], "stage": []}
+        for (role, stage), ranks in sorted(groups.items(), key=_group_order):
+            if len(ranks) > METRICS_MAX_RANKS:
+                ranks = sorted(ranks, key=lambda rw: -(rw[1].median or 0.0))[:METRICS_MAX_RANKS]
+            for rank, w in sorted(ranks, key=lambda rw: rw[0]):
+                values = [w.last, w.median, w.count, w.total]
+                if stage is None:
+                    out["step"].append([role, rank, *values])
+                else:
+                    out["stage"].append([role, rank, stage, *values])
+        return out
