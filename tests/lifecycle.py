@@ -218,6 +218,14 @@ class Job:
         self._err.flush()
         return self.log.read_text()[-4000:]
 
+    def kill(self) -> None:
+        """End the job at once: after its GCS died, Ray's own excepthook blocks a Ctrl-C'd
+        driver on the GCS for a minute (seen with py-spy: ``GlobalState.add_worker``)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._err.close()
+
     def stop(self, timeout: float = 30) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

@@ -11,8 +11,10 @@ when the change is beyond the noise, else *same*. The noise threshold is the lar
 * a fraction of A's median,
 
 so a stage whose steps vary by 20 % is not called slower for a 5 % change, and one that never
-varies is not called slower for a 0.1 ms jitter. Operators and kernels are compared per stage
-by self time and calls (:attr:`SessionSummary.top_ops`: summarise with a generous ``top`` so
+varies is not called slower for a 0.1 ms jitter. Device time (idle, computation, non-compute,
+overlap) is compared per step, per role and rank, for the window and per stage
+(:mod:`profd.analysis.diff_gpu`). Operators and kernels are compared per stage by self time
+and calls (:attr:`SessionSummary.top_ops`: summarise with a generous ``top`` so
 that an operator just outside one session's list is not taken for a new one).
 """
 
@@ -25,6 +27,7 @@ from statistics import median
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from profd.analysis.diff_gpu import GpuChange, gpu_changes
 from profd.analysis.models import SessionSummary
 
 __all__ = [
@@ -101,6 +104,11 @@ class SessionDiff(_Frozen):
     stages: list[StageChange] = Field(description="Per stage x role, in A's stage order.")
     ranks: list[StageChange] = Field(description="Per stage x role x rank both sessions have.")
     ops: list[OpChange] = Field(description="Operators and kernels that changed most.")
+    gpu: list[GpuChange] = Field(
+        default_factory=list,
+        description="Device time per step per role (and rank both have), for the whole "
+        "window and per stage, in A and in B (empty when neither has device events).",
+    )
 
 
 def _spread(values: list[float]) -> float:
@@ -201,5 +209,5 @@ def diff_summaries(
         ]
     return SessionDiff(
         a=a.source, b=b.source, rule=rule, stages=result[False], ranks=result[True],
-        ops=_ops(a, b, top),
+        ops=_ops(a, b, top), gpu=gpu_changes(a, b),
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """A self-contained HTML view of a :class:`~profd.analysis.diff.SessionDiff`: the stage table
-with verdicts and bars of A against B, the ranks that changed, the operators that changed
-most. No scripts, no network; every string from the traces is escaped."""
+with verdicts and bars of A against B, the ranks that changed, GPU time per step, the
+operators that changed most. No scripts, no network; every string from the traces is escaped."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from html import escape
 from pathlib import Path
 
 from profd.analysis.diff import SessionDiff, StageChange, Verdict
+from profd.analysis.diff_gpu import GpuChange, GpuScope
 
 __all__ = ["render_diff_html", "write_diff_html"]
 
@@ -83,6 +84,38 @@ def _ranks(d: SessionDiff) -> str:
     return f"<table>{head}{''.join(rows)}</table>"
 
 
+def _gpu_cells(c: GpuChange) -> str:
+    cells = []
+    for field in ("idle_ms", "compute_ms", "non_compute_ms", "comm_comp_overlap_pct"):
+        a = None if c.a is None else getattr(c.a, field)
+        b = None if c.b is None else getattr(c.b, field)
+        cells.append(_cell(_ms(a)) + _cell(_ms(b)))
+    return "".join(cells)
+
+
+def _gpu(d: SessionDiff) -> str:
+    if not d.gpu:
+        return "<p>Neither session has device events.</p>"
+
+    def where(c: GpuChange) -> str:
+        if c.scope is GpuScope.WINDOW:
+            return "(window)"
+        return c.stage if c.stage is not None else "(outside stages)"
+
+    rows = [
+        "<tr>" + _cell(where(c), True) + _cell(c.role or "-", True)
+        + _cell("all" if c.rank is None else c.rank) + _gpu_cells(c) + "</tr>"
+        for c in d.gpu
+    ]  # fmt: skip
+    pairs = ("idle", "compute", "non-compute", "overlap %")
+    head = (
+        '<tr><th class="l">stage</th><th class="l">role</th><th>rank</th>'
+        + "".join(f"<th>{p} A</th><th>{p} B</th>" for p in pairs)
+        + "</tr>"
+    )
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
 def _ops(d: SessionDiff) -> str:
     rows = [
         "<tr>" + _cell(o.stage or "-", True) + _cell(o.device, True) + _cell(o.name, True)
@@ -107,6 +140,7 @@ def render_diff_html(d: SessionDiff) -> str:
         f"<p>A change counts beyond max({rule.k:g} × A's spread (scaled MAD), "
         f"{rule.abs_floor_ms:g} ms, {rule.rel_floor:.0%} of A).</p>"
         f"<h2>Ranks whose stage changed</h2>{_ranks(d)}"
+        f"<h2>GPU time per step (ms): each role (all ranks) and rank</h2>{_gpu(d)}"
         f"<h2>Operators and kernels that changed most</h2>{_ops(d)}</body></html>"
     )
 

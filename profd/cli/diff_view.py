@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from profd.analysis.diff import DIFF_TOP_OPS, DiffRule, SessionDiff, Verdict
+from profd.analysis.diff_gpu import GpuChange, GpuScope
 from profd.cli.analysis import (
     UrlOpt,
     WorkersOpt,
@@ -41,8 +42,42 @@ def _verdict(v: Verdict) -> str:
     return f"[{colour}]{v.value}[/{colour}]" if colour else v.value
 
 
+def gpu_scope_label(c: GpuChange) -> str:
+    """'(window)' for a role's whole profiled window, else the stage (or '(outside stages)')."""
+    if c.scope is GpuScope.WINDOW:
+        return "(window)"
+    return c.stage if c.stage is not None else "(outside stages)"
+
+
+def _a_to_b(c: GpuChange, field: str) -> str:
+    def one(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.1f}"
+
+    a = None if c.a is None else getattr(c.a, field)
+    b = None if c.b is None else getattr(c.b, field)
+    return f"{one(a)} → {one(b)}"
+
+
+def _print_gpu(d: SessionDiff, out: Console) -> None:
+    roles = [c for c in d.gpu if c.rank is None]
+    if not roles:
+        return
+    table = Table(title="GPU per step (ms), A → B, each role's mean rank", title_justify="left")
+    for col in ("stage", "role", "idle", "compute", "non-compute", "overlap %"):
+        table.add_column(
+            col, overflow="fold", justify="left" if col in ("stage", "role") else "right"
+        )
+    for c in roles:
+        table.add_row(
+            gpu_scope_label(c), c.role or "-", _a_to_b(c, "idle_ms"), _a_to_b(c, "compute_ms"),
+            _a_to_b(c, "non_compute_ms"), _a_to_b(c, "comm_comp_overlap_pct"),
+        )  # fmt: skip
+    out.print(table)
+
+
 def print_diff(d: SessionDiff, out: Console | None = None) -> None:
-    """The stage table with verdicts, the per-rank changes beyond the noise, the top ops."""
+    """The stage table with verdicts, the per-rank changes beyond the noise, each role's GPU
+    time per step, the top ops."""
     out = out or Console()
     out.print(f"A: {d.a}\nB: {d.b}")
     table = Table(title="Stages: median wall time per step (ms), B against A", title_justify="left")
@@ -72,6 +107,7 @@ def print_diff(d: SessionDiff, out: Console | None = None) -> None:
                 _signed(c.delta_ms), _verdict(c.verdict),
             )  # fmt: skip
         out.print(ranks)
+    _print_gpu(d, out)
     if d.ops:
         ops = Table(title="Operators and kernels that changed most (self ms)", title_justify="left")
         for col in ("stage", "operator", "calls A", "calls B", "A", "B", "change"):

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from profd.analysis import summarize_dir
 from profd.analysis.diff import DIFF_TOP_OPS, Verdict, diff_summaries
+from profd.analysis.diff_report import render_diff_html
 from profd.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +57,27 @@ def test_the_figures_are_the_docstrings(out: Path) -> None:
         "sm90_gemm_bf16_tn", "gpu", 120.0, 200.0,
     )  # fmt: skip
     assert all(o.delta_ms == 0 for o in diff.ops[1:])
+    # per step and rank (one file each): (idle, compute, non-compute, overlap) by hand —
+    # the window 27/55/9/75 % -> 27/75/9/75 %; update_actor's GEMMs 2 x 15 -> 2 x 25 ms
+    gpu = {(g.scope.value, g.stage, g.rank): g for g in diff.gpu}
+    want = {
+        ("window", None): ((27, 55, 9, 75), (27, 75, 9, 75)),
+        ("stage", "update_actor"): ((10, 30, 7, 75), (10, 50, 7, 75)),
+        ("stage", "generate"): ((12, 25, 2, None), (12, 25, 2, None)),
+    }
+    for (scope, stage), figures in want.items():
+        for rank in (None, 0, 1):
+            g = gpu[(scope, stage, rank)]
+            for x, fig in zip((g.a, g.b), figures, strict=True):
+                got = (x.idle_ms, x.compute_ms, x.non_compute_ms, x.comm_comp_overlap_pct)
+                assert got == pytest.approx(fig), (scope, stage, rank)
+            assert (g.a.steps, g.b.steps) == ((4, 4) if rank is None else (2, 2))
+    assert gpu[("window", None, None)].compute_delta_ms == pytest.approx(20.0)
+    html = render_diff_html(diff)
+    assert (
+        '<td class="l">update_actor</td><td class="l">actor</td><td>all</td>'
+        "<td>10.0</td><td>10.0</td><td>30.0</td><td>50.0</td>"
+    ) in html
 
 
 def _rows(text: str) -> set[str]:
@@ -78,6 +100,7 @@ def test_the_readme_quotes_the_real_output(out: Path) -> None:
         "update_actor 188.0 21.3% 120.0 28.0 80.0 75.0%",
         "update_actor actor 55.0 75.0 +20.0 +36.4% slower",
         "update_actor sm90_gemm_bf16_tn 8 8 120.0 200.0 +80.0",
+        "update_actor actor 10.0 → 10.0 30.0 → 50.0 7.0 → 7.0 75.0 → 75.0",
     ]
     printed = _rows(summary.output) | _rows(diff.output)
     assert [q for q in quoted if q not in printed] == []

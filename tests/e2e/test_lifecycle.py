@@ -251,4 +251,4 @@ def test_the_driver_never_hangs_when_the_gcs_is_gone(home: Home) -> None:
     # without profd does); what must not happen is a driver blocked on profd
     assert max(s[1] for s in steps) < 3.0, steps
     assert "does not answer" in job.stderr()  # the controller noticed, and went on
-    job.stop()
+    job.kill()
