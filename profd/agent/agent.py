@@ -2,8 +2,9 @@
 
 ``profd.attach(...)`` creates one :class:`ProfilerAgent` per (role, rank) in a worker process.
 Its marks (``step``, ``stage``, ``mini_batch``, ``micro_batch``) are what the training loop
-calls; while no window is armed each mark returns a shared no-op context manager after one
-attribute read, so an idle agent costs about as much as an empty ``with`` block and never
+calls; while no window is armed a step or stage mark returns its own reused context manager,
+which records the mark's duration (:mod:`profd.agent.timings`), and a mini- or micro-batch
+mark a shared no-op: an idle agent costs about as much as an empty ``with`` block and never
 makes an RPC, takes a lock or allocates on the training thread.
 
 Without a coordinator (no Ray, or profd not started yet) the agent is inert; inside a Ray job
@@ -27,7 +28,7 @@ from profd.agent.clock_sync import ClockEstimate
 from profd.agent.recorder import Recorder
 from profd.agent.step_marks import ADOPT, StepMark, TimedStepMark
 from profd.agent.timed import TimedWindows
-from profd.agent.timings import TimedRange, Timings, mark_clock
+from profd.agent.timings import UNTIMED, TimedRange, Timings, mark_clock
 from profd.agent.window_state import IDLE, ArmedPlan
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
 from profd.backends.nvtx_guard import apply_guard as apply_nvtx_guard
@@ -105,7 +106,9 @@ class ProfilerAgent:
         self._attention = 0
         self._attended = 0
         self._closed = False
-        self._recorder = Recorder(self.info, self._emit, backend_factory, self._clock_estimate)
+        self._recorder = Recorder(
+            self.info, self._emit, backend_factory, self._clock_estimate, self._recording_changed
+        )
         self._timed = TimedWindows(
             lambda: self.info, self._emit, backend_factory, self._clock_estimate
         )
@@ -184,8 +187,7 @@ class ProfilerAgent:
         self.info = dataclasses.replace(self.info, role="_".join(self._roles))
         self._recorder.info = self.info
         self._timings.relabel()  # stage labels now name their role
-        self._stage_timers = self._timings.plain
-        self._role_timers = self._timings.by_role
+        self._recording_changed(self._recorder.active is not None)
         if self._channel is not None:
             self._channel.update_info(self.info)
 
@@ -254,14 +256,14 @@ class ProfilerAgent:
         """
         if self._attention != self._attended:
             self._attend()
-        if self._recorder.active is None:  # idle: the label's timer, found in one lookup
-            try:
-                timer = self._stage_timers[name] if role is None else self._role_timers[role][name]
-            except KeyError:
-                return self._stage_slow(name, role, update_loop)
-            timer.t0 = mark_clock()  # the timer's __enter__ is a C no-op (see timings)
-            return timer
-        return self._stage_slow(name, role, update_loop)
+        # idle: the label's timer in one lookup (while a window records the lookups are
+        # empty, see _recording_changed, and every stage takes the slow path to its range)
+        try:
+            timer = self._stage_timers[name] if role is None else self._role_timers[role][name]
+        except KeyError:
+            return self._stage_slow(name, role, update_loop)
+        timer.t0 = mark_clock()  # the timer's __enter__ is a C no-op (see timings)
+        return timer
 
     def _untimed_stage(
         self, name: str, *, role: str | None = None, update_loop: bool = False
@@ -285,17 +287,18 @@ class ProfilerAgent:
             role = self._roles[0]  # several roles share the trace: every label names its role
         label = name if role is None else f"{role}_{name}"
         try:
-            timer = self._timings.timer(name, first, label)
+            timer: Any = self._timings.timer(name, first, label)
         except Exception:  # never into the loop: this stage goes untimed
             log.exception("profd: timing stage %r failed", label)
-            timer = NULL_RANGE
+            timer = UNTIMED
         scope = self._recorder.active
         if scope is None:
-            if timer is not NULL_RANGE:
-                timer.t0 = mark_clock()  # type: ignore[attr-defined]
+            timer.t0 = mark_clock()  # type: ignore[attr-defined]
             return timer
         rng = scope.stage(label, update_loop)
-        return rng if timer is NULL_RANGE else TimedRange(timer, rng)  # type: ignore[arg-type]
+        if timer is UNTIMED:
+            return rng
+        return TimedRange(timer, rng)  # type: ignore[arg-type]
 
     def mini_batch(self, index: int) -> AbstractContextManager[Any]:
         """Mark update mini-batch ``index`` (a ``mini_batch<i>`` range; advances schedules)."""
@@ -312,6 +315,13 @@ class ProfilerAgent:
         return scope.micro_batch(index)
 
     # -- internals --------------------------------------------------------------------------
+    def _recording_changed(self, recording: bool) -> None:
+        """Training thread (the recorder's ``active`` changed): while a window records,
+        stage marks find no timer in their one lookup and go to the recording path; so an
+        idle stage mark needs no check of its own."""
+        self._stage_timers = {} if recording else self._timings.plain
+        self._role_timers = {} if recording else self._timings.by_role
+
     def _take_times(self) -> MarkDurations | None:
         """Reporter thread: the step and stage durations measured since the last call."""
         return self._timings.take(self._step_mark)

@@ -58,7 +58,10 @@ class Recorder:
         emit: Callable[[AgentEvent], None],
         make_backend: Callable[[str, dict[str, Any]], Backend],
         clock: Callable[[], ClockEstimate | None] = lambda: None,
+        on_active: Callable[[bool], None] = lambda recording: None,
     ) -> None:
+        """``on_active(recording)``: training thread, when :attr:`active` turns from ``None``
+        to a scope or back (the agent routes stage marks by it)."""
         self.info = info
         self._emit = emit
         self._make_backend = make_backend
@@ -72,8 +75,17 @@ class Recorder:
         self.wake_at: int = NO_STEP
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()
-        #: The scope stage marks talk to; ``None`` while nothing records.
+        #: The scope stage marks talk to; ``None`` while nothing records. A plain attribute
+        #: (marks read it on every call); written only through :meth:`_activate`.
         self.active: Scope | None = None
+        self._on_active = on_active
+
+    def _activate(self, scope: Scope | None) -> None:
+        """Set :attr:`active`, telling the agent when recording starts or stops."""
+        was = self.active is not None
+        self.active = scope
+        if (scope is not None) != was:
+            self._on_active(scope is not None)
 
     @property
     def has_windows(self) -> bool:
@@ -116,7 +128,7 @@ class Recorder:
                     ws.scope = TimedScope(self, ws, ws.window.duration_s)
                     ws.recording_sent = True
                     self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id))
-                    self.active = ws.scope
+                    self._activate(ws.scope)
                 elif isinstance(ws.scope, TimedScope) and ws.scope.expired():
                     self.close_timed(ws)
             except Exception as exc:
@@ -126,7 +138,7 @@ class Recorder:
         scope = ws.scope
         ws.scope = None
         if self.active is scope:
-            self.active = None
+            self._activate(None)
         try:
             if isinstance(scope, TimedScope):
                 scope.close()
@@ -169,7 +181,7 @@ class Recorder:
         if not ws.recording_sent:
             ws.recording_sent = True
             self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id, step))
-        self.active = ws.scope
+        self._activate(ws.scope)
 
     def exit_step(self, step: int) -> None:
         try:
@@ -191,7 +203,7 @@ class Recorder:
             return
         if isinstance(scope, DiscreteScope) and scope.step == step:
             ws.scope = None
-            self.active = None
+            self._activate(None)
             with self._lock:
                 ws.handled.add(step)
             if not scope.stages:
@@ -290,7 +302,7 @@ class Recorder:
         scope = ws.scope
         ws.scope = None
         if self.active is scope:
-            self.active = None
+            self._activate(None)
         if isinstance(scope, DiscreteScope):
             if scope.current is not None and scope.ticket is not None:  # ended mid-stage
                 collection, ticket = scope.current, scope.ticket
@@ -385,7 +397,7 @@ class Recorder:
         scope = ws.scope
         ws.scope = None
         if self.active is scope:
-            self.active = None
+            self._activate(None)
         if scope is not None:
             # Detach first: marks still open (a stage's __exit__) must not stop it again.
             collection, ticket = scope.current, scope.ticket

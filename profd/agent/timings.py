@@ -26,7 +26,6 @@ import time
 from contextlib import AbstractContextManager
 from typing import Any
 
-from profd.backends.base import NULL_RANGE
 from profd.core.protocol import LabelDurations, MarkDurations
 
 __all__ = [
@@ -36,6 +35,7 @@ __all__ = [
     "MAX_LOOKUPS",
     "RING",
     "STEP_LABEL",
+    "UNTIMED",
     "StageTimer",
     "TimedRange",
     "Timings",
@@ -88,6 +88,21 @@ class StageTimer:
         return False
 
 
+class _Untimed:
+    """What a stage label gets that is not timed (beyond :data:`MAX_LABELS`, or after a
+    fault): a shared no-op the marks treat as a timer (it takes ``t0``, keeps nothing)."""
+
+    __slots__ = ("t0",)
+
+    __enter__ = ENTER_NOTHING
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        return False
+
+
+UNTIMED = _Untimed()
+
+
 class TimedRange:
     """A stage while a window records: the profiler's range, timed as well (this path
     allocates anyway)."""
@@ -131,18 +146,18 @@ class Timings:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         #: label -> timer, for ``stage(name)`` without a role (the training thread's lookup)
-        self.plain: dict[str, AbstractContextManager[Any]] = {}
+        self.plain: dict[str, StageTimer | _Untimed] = {}
         #: role -> name -> timer, for ``stage(name, role=...)``
-        self.by_role: dict[str, dict[str, AbstractContextManager[Any]]] = {}
+        self.by_role: dict[str, dict[str, StageTimer | _Untimed]] = {}
         self._timers: list[StageTimer] = []
-        self._by_label: dict[str, AbstractContextManager[Any]] = {}
+        self._by_label: dict[str, StageTimer | _Untimed] = {}
         self._lookups = 0
         self._warned = False
 
-    def timer(self, name: str, role: str | None, label: str) -> AbstractContextManager[Any]:
+    def timer(self, name: str, role: str | None, label: str) -> StageTimer | _Untimed:
         """Training thread, first mark of a (name, role): its timer, kept for the next
-        marks; :data:`NULL_RANGE` when timing is off or the labels are used up (kept too,
-        up to :data:`MAX_LOOKUPS` names, so an untimed mark stays one lookup)."""
+        marks; :data:`UNTIMED` once the labels are used up (kept too, up to
+        :data:`MAX_LOOKUPS` names, so an untimed mark stays one lookup)."""
         timer = self._by_label.get(label)
         if timer is None:
             if len(self._timers) >= MAX_LABELS:
@@ -153,12 +168,10 @@ class Timings:
                         MAX_LABELS,
                         label,
                     )
-                timer = NULL_RANGE
-            elif self.enabled:
+                timer = UNTIMED
+            else:
                 timer = StageTimer(label)
                 self._timers.append(timer)  # one append per label, ever (bounded)
-            else:
-                timer = NULL_RANGE
             if self._lookups < MAX_LOOKUPS:
                 self._by_label[label] = timer
         if self._lookups < MAX_LOOKUPS:
@@ -173,7 +186,7 @@ class Timings:
         """The agent's roles changed (labels get role prefixes): look labels up again."""
         self.plain = {}
         self.by_role = {}
-        self._by_label = {label: t for label, t in self._by_label.items() if t is not NULL_RANGE}
+        self._by_label = {label: t for label, t in self._by_label.items() if t is not UNTIMED}
         self._lookups = 0
 
     def take(self, step_mark: Any) -> MarkDurations | None:
