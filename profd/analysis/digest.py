@@ -1,16 +1,9 @@
 """One trace file → a compact :class:`FileDigest`: its header, its ``user_annotation`` ranges,
 its stages, and operator time per stage (self and total).
 
-This runs once per file, in a worker process, and is what makes ``profd summarize`` fast:
-
-* **Fast path** (Kineto traces, i.e. every torch.profiler / profd / vLLM / SGLang trace): the
-  JSON text is scanned with one regular expression per event head (``"ph": "X"`` … ``"dur"``),
-  one 512 KiB run at a time; only the ``cat``/``name``/``pid``/``tid`` text of each event is
-  kept, interned, and parsed once per distinct value. It checks itself: every ``"ph": "X"``
-  is matched, and one whose fields do not follow the expected layout comes back empty, which
-  sends the whole file to the generic path. No event is ever silently skipped.
-* **Generic path**: the events are parsed with orjson in runs (see :mod:`.jsonscan`), including
-  ``B``/``E`` pairs, which Kineto never writes but other tools do.
+This runs once per file, in a worker process, and is what makes ``profd summarize`` fast: the
+events are read into columns by :mod:`.scan` (a regular-expression scan of Kineto text, with
+a generic orjson path for other layouts), and everything after that is numpy.
 
 Self time (an event's duration minus that of the events directly inside it on the same
 thread) is computed with numpy, by nesting depth, without a Python loop per event.
@@ -18,19 +11,15 @@ thread) is computed with numpy, by nesting depth, without a Python loop per even
 
 from __future__ import annotations
 
-import itertools
 import logging
-import re
 import time
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import orjson
 
 from profd.analysis.clocks import clock_offset_us
 from profd.analysis.gpu import (
@@ -43,6 +32,7 @@ from profd.analysis.gpu import (
 )
 from profd.analysis.jsonscan import SEGMENT_BYTES, TraceReadError, TraceStream
 from profd.analysis.ranges import RANGE_CATEGORY, Range, select_stages, step_ranges
+from profd.analysis.scan import MERGED, Columns, LayoutMismatch, scan_fast, scan_generic
 
 __all__ = ["CPU_OP_CATEGORIES", "GPU_OP_CATEGORIES", "FileDigest", "OpTotal", "digest_file"]
 
@@ -52,61 +42,6 @@ log = logging.getLogger(__name__)
 CPU_OP_CATEGORIES = frozenset({"cpu_op", "cuda_runtime", "cuda_driver"})
 #: Device-side events that count as operators.
 GPU_OP_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
-
-# torch >= 2.x: one key per line. The head is matched loosely so that every X event is seen
-# (and every B / E event, whose missing tail sends the file to the generic path, which pairs
-# them); the optional tail is the layout: the four lines after "ph" (cat, name, pid, tid —
-# their text is parsed as JSON later and must hold exactly those keys), then ts and dur.
-# A value never contains a raw newline in JSON, so "[^\n]*" safely skips one. Quantifiers
-# are possessive ("*+": each run stops at a character its class excludes, so nothing is
-# lost), which saves the regex engine its backtracking bookkeeping.
-# After dur, the "args" of a launch or device event (the categories in _LINKED, marked by
-# the empty group "linked") are searched for its "correlation" id: it links a kernel to the
-# cuda_runtime call that launched it. The search steps over whole strings (possessively: no
-# backtracking) and stops at the first "}" outside one: it never leaves the event. Other
-# events' args are not searched (a cpu_op's recorded shapes would cost five times the
-# scan). An id anywhere else is not missed silently: a segment's count of the key must
-# equal the ids captured (_Columns.add_found), else the file takes the generic path.
-_LINKED = (
-    rb'"(?:kernel|gpu_mem(?:cpy|set)|cuda_(?:runtime|driver|sync)|privateuse1_(?:runtime|driver))"'
-    rb"(?=\s*+,)(?P<linked>)"  # the whole value, then the mark
-)
-_ARGS_CORRELATION = (
-    rb'(?(linked)(?:\s*+,\s*+"args"\s*+:\s*+\{(?:[^"}]++|"(?!correlation")(?:[^"\\]++|\\.)*+")*+'
-    rb'"correlation"\s*+:\s*+(\d++))?)'
-)
-_KINETO = re.compile(
-    rb'"ph"\s*+:\s*+"[XBE]"(?:,\n\s*+("cat": (?:' + _LINKED + rb"|)"
-    rb"[^\n]*+\n[^\n]*+\n[^\n]*+\n[^\n,]*+),\n\s*+"
-    rb'"ts": ([0-9.]++),\n\s*+"dur": ([0-9.]++)' + _ARGS_CORRELATION + rb")?"
-)
-_STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
-_NUM = rb"-?[0-9][0-9.eE+\-]*"
-# Any whitespace, same key order (older Kineto, compact writers, profd merge output).
-_FLEXIBLE = re.compile(
-    rb'"ph"\s*:\s*"[XBE]"(?:\s*,\s*("cat"\s*:\s*(?:'
-    + _LINKED
-    + rb"|"
-    + _STR
-    + rb')\s*,\s*"name"\s*:\s*'
-    + _STR
-    + rb'\s*,\s*"pid"\s*:\s*(?:'
-    + _STR
-    + rb"|-?\d+)"
-    + rb'\s*,\s*"tid"\s*:\s*(?:'
-    + _STR
-    + rb'|-?\d+))\s*,\s*"ts"\s*:\s*('
-    + _NUM
-    + rb')\s*,\s*"dur"\s*:\s*('
-    + _NUM
-    + rb")"
-    + _ARGS_CORRELATION
-    + rb")?"
-)
-_CORRELATION_KEY = b'"correlation"'
-# findall's groups: head text, the "linked" mark, ts, dur, correlation id
-_G, _TS, _DUR, _CORR = itemgetter(0), itemgetter(2), itemgetter(3), itemgetter(4)
-MERGED = "a merged trace written by `profd merge` (not a rank's trace)"
 
 
 class OpTotal(NamedTuple):
@@ -143,130 +78,6 @@ class FileDigest:
     mode: str = ""
     seconds: float = 0.0
     error: str | None = None
-
-
-class _Columns:
-    """Per-event columns of one file: head id (into ``heads``), start, duration and
-    correlation id (-1: none)."""
-
-    def __init__(self) -> None:
-        self.ids: defaultdict[Any, int] = defaultdict(itertools.count().__next__)
-        self.gid: list[np.ndarray] = []
-        self.ts: list[np.ndarray] = []
-        self.dur: list[np.ndarray] = []
-        self.corr: list[np.ndarray] = []
-
-    def add(
-        self, keys: Iterable[Any], ts: Iterable[Any], dur: Iterable[Any], corr: np.ndarray, n: int
-    ) -> None:
-        """Append ``n`` events; ``ValueError`` (nothing appended) if a number does not parse."""
-        d = np.fromiter(map(float, dur), np.float64, n)
-        t = np.fromiter(map(float, ts), np.float64, n)
-        self.gid.append(np.fromiter(map(self.ids.__getitem__, keys), np.int64, n))
-        self.ts.append(t)
-        self.dur.append(d)
-        self.corr.append(corr)
-
-    def add_found(self, found: list[tuple[bytes, ...]], correlation_keys: int) -> None:
-        """Append the regex matches of one segment; ``ValueError`` (nothing appended) if a
-        number does not parse or the segment holds a correlation id no match captured."""
-        n = len(found)
-        corr = np.full(n, -1, np.int64)
-        if correlation_keys:  # none in the text: none captured either (CPU-only traces)
-            raw = np.array(list(map(_CORR, found)))  # bytes, b"" where there is none
-            has = raw != b""
-            if int(has.sum()) != correlation_keys:
-                raise ValueError("a correlation id outside the expected place")
-            corr[has] = raw[has].astype(np.int64)
-        self.add(map(_G, found), map(_TS, found), map(_DUR, found), corr, n)
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        if not self.gid:
-            empty = np.zeros(0)
-            return np.zeros(0, np.int64), empty, empty, np.zeros(0, np.int64)
-        return (
-            np.concatenate(self.gid),
-            np.concatenate(self.ts),
-            np.concatenate(self.dur),
-            np.concatenate(self.corr),
-        )
-
-
-class _LayoutMismatch(Exception):
-    pass
-
-
-def _scan_fast(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]:
-    cols = _Columns()
-    pattern = _KINETO
-    for seg in stream.raw_segments():
-        if b'"profdMerge"' in stream.prefix:  # written first by profd merge: skip it early
-            raise TraceReadError(stream.path, MERGED)
-        if not stream.prefix.lstrip()[:1] == b"{" or b'"schemaVersion"' not in stream.prefix:
-            raise _LayoutMismatch("not a Kineto trace")
-        found = pattern.findall(seg)
-        if not found:
-            continue
-        keys = bytes(seg).count(_CORRELATION_KEY)  # a copy, but a fast search
-        try:  # an event whose tail did not match has empty fields: float(b"") fails
-            cols.add_found(found, keys)
-            continue
-        except ValueError:
-            if pattern is _FLEXIBLE:
-                raise _LayoutMismatch("an event does not follow the expected key order") from None
-        pattern = _FLEXIBLE
-        found = pattern.findall(seg)
-        try:
-            cols.add_found(found, keys)
-        except ValueError:
-            raise _LayoutMismatch("an event does not follow the expected key order") from None
-    heads: list[tuple[Any, ...]] = []
-    for text in cols.ids:  # once per distinct (cat, name, pid, tid) text
-        try:
-            h = orjson.loads(b"{" + text + b"}")
-            heads.append((h["cat"], h["name"], h["pid"], h["tid"]))
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            raise _LayoutMismatch(f"unexpected event fields: {bytes(text[:200])!r}") from None
-    return cols, heads
-
-
-def _scan_generic(stream: TraceStream) -> tuple[_Columns, list[tuple[Any, ...]]]:
-    cols = _Columns()
-    open_b: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
-    for events in stream.event_lists():
-        keys: list[tuple[Any, ...]] = []
-        ts: list[float] = []
-        dur: list[float] = []
-        corr: list[int] = []
-        for e in events:
-            if not isinstance(e, dict):
-                continue
-            ph = e.get("ph")
-            if ph == "X":
-                keys.append((e.get("cat", ""), e.get("name", ""), e.get("pid"), e.get("tid")))
-                ts.append(e.get("ts", 0.0))
-                dur.append(e.get("dur", 0.0))
-                corr.append(_correlation(e))
-            elif ph == "B":
-                open_b[(e.get("pid"), e.get("tid"))].append(e)
-            elif ph == "E":
-                stack = open_b.get((e.get("pid"), e.get("tid")))
-                if stack:
-                    b = stack.pop()
-                    keys.append((b.get("cat", ""), b.get("name", ""), b.get("pid"), b.get("tid")))
-                    ts.append(b.get("ts", 0.0))
-                    dur.append(float(e.get("ts", 0.0)) - float(b.get("ts", 0.0)))
-                    corr.append(_correlation(b))
-        if keys:
-            cols.add(keys, ts, dur, np.array(corr, np.int64), len(keys))
-    return cols, list(cols.ids)
-
-
-def _correlation(event: dict[str, Any]) -> int:
-    """An event's ``args.correlation`` (a launch's or a device event's), -1 without one."""
-    args = event.get("args")
-    value = args.get("correlation") if isinstance(args, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else -1
 
 
 def self_times(thread: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
@@ -396,13 +207,13 @@ def digest_file(
         cols = heads = None
         if not force_generic:
             try:
-                cols, heads = _scan_fast(stream)
+                cols, heads = scan_fast(stream)
                 digest.mode = "fast"
-            except _LayoutMismatch as exc:
+            except LayoutMismatch as exc:
                 log.debug("%s: generic parse (%s)", p.name, exc)
         if cols is None:
             stream = TraceStream(p, segment_bytes)
-            cols, heads = _scan_generic(stream)
+            cols, heads = scan_generic(stream)
             digest.mode = "generic"
         assert heads is not None
         digest.json_bytes = stream.json_bytes
@@ -421,7 +232,7 @@ def digest_file(
 def _fill(
     digest: FileDigest,
     header: dict[str, Any],
-    cols: _Columns,
+    cols: Columns,
     heads: list[tuple[Any, ...]],
     pseudo_stage: str | None,
 ) -> None:

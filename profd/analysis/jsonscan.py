@@ -5,9 +5,10 @@ bare-array form ``[ {event}, ... ]``). :class:`TraceStream` decompresses a file 
 (gzip is recognised by its magic bytes, not the extension; multi-member gzip works) and hands
 out the ``traceEvents`` array in runs, in one of two ways:
 
-* :meth:`TraceStream.raw_segments` — runs of JSON *text*, cut just before a ``"ph"`` key, so
-  the fields of an event head (``"ph"`` … ``"dur"``) are never split between two runs. Used by
-  the regular-expression fast path, which checks itself (see :mod:`profd.analysis.digest`).
+* :meth:`TraceStream.raw_segments` (or :meth:`~TraceStream.raw_runs`) — runs of JSON *text*,
+  cut just before a ``"ph"`` key, so the fields of an event head (``"ph"`` … ``"dur"``) are
+  never split between two runs. Used by the regular-expression fast path, which checks
+  itself (see :mod:`profd.analysis.scan`).
 * :meth:`TraceStream.event_lists` — runs of parsed events (orjson). A cut is accepted only if
   the run parses as a JSON array: a cut inside a string or inside a nested value cannot, so a
   parse that succeeds proves the cut is an event boundary.
@@ -211,16 +212,27 @@ class TraceStream:
     # -- text runs (fast path) --------------------------------------------------------------
     def raw_segments(self) -> Iterator[bytes | memoryview]:
         """Runs of event-array text, each cut just before a ``"ph"`` key."""
+        for run in self.raw_runs():
+            for text, start, end in run:
+                yield memoryview(text)[start:end] if end - start < len(text) else text
+
+    def raw_runs(self) -> Iterator[list[tuple[bytes, int, int]]]:
+        """:meth:`raw_segments`, one read block at a time, as pieces ``(text, start, end)``
+        to scan in place (``re`` and ``bytes.count`` take a start and an end): the event cut
+        at the start of a block is joined to its beginning (a small copy), the rest of the
+        block is not copied (a fresh 512 KiB buffer per block costs page faults on top)."""
         carry = bytes(self._open_array())
         while (block := self._next_block()) is not None:
-            data = carry + block
-            cut = data.rfind(b'"ph"')
-            if cut <= 0:
-                carry = data
+            first = block.find(b'"ph"')
+            if first < 0:  # no event starts in this block
+                carry += block
                 continue
-            yield memoryview(data)[:cut]  # no copy: the scanner reads it in place
-            carry = data[cut:]
-        yield from self._raw_final(carry)
+            last = block.rfind(b'"ph"')
+            edge = carry + block[:first]
+            yield [(edge, 0, len(edge)), (block, first, last)]
+            carry = block[last:]
+        for rest in self._raw_final(carry):
+            yield [(rest, 0, len(rest))]
 
     def _raw_final(self, rest: bytes) -> Iterator[bytes]:
         """The last event(s) and the closing ``]``: find where the array really ends."""
