@@ -194,6 +194,20 @@ class RelayHost:
     async def delivered_times(self) -> tuple[int, float]:
         return len(self.delivered), max(self.delivered.values(), default=0.0)
 
+    # -- ``--agent-hop local``: its nodes' simulated agents live here too -----------------
+    async def host_agents(self, agents: list[tuple[str, int, int]], world: int) -> int:
+        self.agent_host = AgentHost("local", self, agents, world)
+        return os.getpid()
+
+    async def start_agents(self, part: int, parts: int) -> float:
+        return await self.agent_host.start_agents(part, parts)
+
+    async def received_times(self) -> tuple[int, float, int, int]:
+        return await self.agent_host.received_times()
+
+    async def send_window(self, session_id: str, save_dir: str) -> tuple[int, int]:
+        return await self.agent_host.send_window(session_id, save_dir)
+
 
 class AgentHost:
     """Simulated agents of many nodes in one process: one asyncio task each, whose long-poll
@@ -225,15 +239,22 @@ class AgentHost:
     async def pid(self) -> int:
         return os.getpid()
 
-    async def _register(self, node: str, host: int, info: Any) -> None:
+    async def _call(self, node: str, host: int, method: str, *args: Any) -> Any:
+        """A call of the agent's link: a Ray call to its node's relay host (``relay``), an
+        await of its node's relay in this process (``local``), or a Ray call to the
+        coordinator (``direct``)."""
         if self.mode == "relay":
-            reg = await self.target[host].register.remote(node, info, 0)
-        else:
-            reg = await self.target.register.remote(info, 0)
+            return await getattr(self.target[host], method).remote(node, *args)
+        if self.mode == "local":
+            return await getattr(self.target, method)(node, *args)
+        return await getattr(self.target, method).remote(*args)
+
+    async def _register(self, node: str, host: int, info: Any) -> None:
+        reg = await self._call(node, host, "register", info, 0)
         self.versions[info.agent_id] = reg.plan.version
         self.poll_timeout = float(reg.poll_timeout_s)
 
-    async def register(self, part: int, parts: int, chunk: int = 200) -> float:
+    async def start_agents(self, part: int, parts: int, chunk: int = 200) -> float:
         """Register the ``part``-th of ``parts`` slices of this host's nodes and start their
         agents' long-polls; the seconds it took."""
         t0 = time.perf_counter()
@@ -251,14 +272,9 @@ class AgentHost:
         aid = info.agent_id
         while True:
             try:
-                if self.mode == "relay":
-                    reply = await self.target[host].poll.remote(
-                        node, aid, self.versions[aid], 0, self.poll_timeout
-                    )
-                else:
-                    reply = await self.target.poll.remote(
-                        aid, self.versions[aid], 0, self.poll_timeout
-                    )
+                reply = await self._call(
+                    node, host, "poll", aid, self.versions[aid], 0, self.poll_timeout
+                )
             except Exception:  # the channel backs off and retries; so does this
                 self.poll_errors += 1
                 await asyncio.sleep(0.5)
@@ -284,12 +300,12 @@ class AgentHost:
             for node, host, info in self.agents
         ]
 
-        async def one(node: str, host: int, info: Any, evs: list[Any]) -> bool:
-            if self.mode == "relay":
-                return await self.target[host].report.remote(node, info.agent_id, evs)
-            return await self.target.report.remote(info.agent_id, evs)
-
-        known = await asyncio.gather(*[one(*b) for b in batches])
+        known = await asyncio.gather(
+            *[
+                self._call(node, host, "report", info.agent_id, evs)
+                for node, host, info, evs in batches
+            ]
+        )
         return sum(len(b[3]) for b in batches), sum(1 for k in known if not k)
 
 
@@ -400,24 +416,36 @@ class Fleet:
             rh_cls = ray.remote(RelayHost).options(num_cpus=0, max_concurrency=100_000)
             self.relay_hosts = [rh_cls.remote([node_id_of(n) for n in c]) for c in chunks]
             self.rh_pids = ray.get([h.start.remote() for h in self.relay_hosts])
-        m = args.agent_hosts
-        self.ah_nodes = [sim_nodes[i::m] for i in range(m)]
-        ah_cls = ray.remote(AgentHost).options(num_cpus=0, max_concurrency=1000)
-        target = self.relay_hosts if args.mode == "relay" else self.coord
-        self.agent_hosts = [
-            ah_cls.remote(
-                args.mode,
-                target,
+
+        def agents_of(nodes: list[int]) -> list[tuple[str, int, int]]:
+            per = self.per_node
+            return [
+                (node_id_of(n), relay_of.get(n, 0), n * per + p) for n in nodes for p in range(per)
+            ]
+
+        if args.mode == "relay" and args.agent_hop == "local":
+            self.ah_nodes = chunks
+            self.agent_hosts = self.relay_hosts
+            ray.get(
                 [
-                    (node_id_of(n), relay_of.get(n, 0), n * self.per_node + p)
-                    for n in nodes
-                    for p in range(self.per_node)
-                ],
-                args.agents,
+                    h.host_agents.remote(agents_of(c), args.agents)
+                    for h, c in zip(self.relay_hosts, chunks, strict=True)
+                ]
             )
-            for nodes in self.ah_nodes
-        ]
-        self.ah_pids = ray.get([h.pid.remote() for h in self.agent_hosts])
+        else:
+            m = args.agent_hosts
+            self.ah_nodes = [sim_nodes[i::m] for i in range(m)]
+            ah_cls = ray.remote(AgentHost).options(num_cpus=0, max_concurrency=1000)
+            target = self.relay_hosts if args.mode == "relay" else self.coord
+            self.agent_hosts = [
+                ah_cls.remote(args.mode, target, agents_of(nodes), args.agents)
+                for nodes in self.ah_nodes
+            ]
+        self.ah_pids = (
+            []
+            if self.agent_hosts is self.relay_hosts
+            else ray.get([h.pid.remote() for h in self.agent_hosts])
+        )
         self.real: list[Any] = []
         self.real_pids: list[int] = []
 
@@ -502,14 +530,14 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
 
     # Half the nodes, then the rest: the growth between them is what one more agent costs.
     t0 = time.perf_counter()
-    ray.get([h.register.remote(0, 2) for h in f.agent_hosts])
+    ray.get([h.start_agents.remote(0, 2) for h in f.agent_hosts])
     register_s = time.perf_counter() - t0
     time.sleep(args.settle_s)
     half = rss_bytes(f.cpid)
     half_rh = sum(rss_bytes(p) for p in f.rh_pids)
     half_sim = sum(len(nodes[0::2]) for nodes in f.ah_nodes) * f.per_node
     t1 = time.perf_counter()
-    ray.get([h.register.remote(1, 2) for h in f.agent_hosts])
+    ray.get([h.start_agents.remote(1, 2) for h in f.agent_hosts])
     register_s += time.perf_counter() - t1
     registered = ray.get(coord.status.remote()).agents
     if registered != args.agents:
@@ -660,10 +688,11 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
         )
         if bad
     ]
+    hop_part = f"agent_hop={args.agent_hop} " if args.mode == "relay" else ""
     relay_part = "" if relay_fanout_ms is None else f"relay_fanout_ms={relay_fanout_ms:.0f} "
     rh_part = "" if rh_per_agent is None else f"relay_host_bytes_per_agent={rh_per_agent:.0f} "
     print(
-        f"RESULT agents={args.agents} nodes={args.nodes} mode={args.mode} "
+        f"RESULT agents={args.agents} nodes={args.nodes} mode={args.mode} {hop_part}"
         f"fanout_ms={fanout_ms:.0f} {relay_part}events_per_s={events_per_s:.0f} "
         f"bytes_per_agent={bytes_per_agent:.0f} marginal_bytes_per_agent={marginal:.0f} "
         f"{rh_part}plans_delivered={got} real_agents={args.real_agents} "
@@ -681,6 +710,11 @@ def main() -> int:
     parser.add_argument("--mode", choices=("relay", "direct"), default="relay")
     parser.add_argument("--relay-hosts", type=int, default=4)
     parser.add_argument("--agent-hosts", type=int, default=4)
+    parser.add_argument(
+        "--agent-hop", choices=("rpc", "local"), default="rpc",
+        help="simulated agents' calls to their relay: Ray calls from agent hosts, or awaits "
+        "in the relay's own process",
+    )  # fmt: skip
     parser.add_argument("--real-agents", type=int, default=16, help="whole nodes of them")
     parser.add_argument(
         "--settle-s", type=float, default=35.0,
