@@ -100,8 +100,11 @@ def self_times(thread: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarra
         ended = np.searchsorted(np.sort(start + length), start, side="right")
         # A zero-length event counts its own end as "ended"; add it back.
         depth = np.maximum(np.arange(b - a) - ended + (length == 0), 0)
-        by_depth = np.argsort(depth, kind="stable")
         counts = np.bincount(depth)
+        # the same order either way; 16-bit keys get numpy's radix sort, about 3x faster
+        by_depth = np.argsort(
+            depth.astype(np.int16) if len(counts) < 2**15 else depth, kind="stable"
+        )
         parent = np.full(b - a, -1)
         prev = by_depth[: counts[0]]
         offset = int(counts[0])

@@ -36,8 +36,8 @@ MERGED = "a merged trace written by `profd merge` (not a rank's trace)"
 # (one group: one bytes object per event instead of two; see Columns.add_kineto), indented
 # with spaces (other whitespace: _FLEXIBLE). A value never contains a raw newline in JSON,
 # so "[^\n]*" safely skips one. Quantifiers are possessive ("*+": each run stops at a
-# character its class excludes, so nothing is lost), which saves the regex engine its
-# backtracking bookkeeping.
+# character its class excludes, so nothing is lost; "?+": nothing follows that could make
+# the engine undo a group), which saves the regex engine its backtracking bookkeeping.
 # After dur, the "args" of a launch or device event (the categories in _LINKED, marked by
 # the empty group "linked") are searched for its "correlation" id: it links a kernel to the
 # cuda_runtime call that launched it. Other events' args are not searched (a cpu_op's
@@ -50,18 +50,21 @@ _LINKED = (
     rb'"(?:kernel|gpu_mem(?:cpy|set)|cuda_(?:runtime|driver|sync)|privateuse1_(?:runtime|driver))"'
     rb"(?=\s*+,)(?P<linked>)"  # the whole value, then the mark
 )
-# Kineto's args: the search steps from key to key, comma to comma. A key follows "{" or ","
-# (and a comma or quote inside a string cannot be followed by an unescaped '"correlation"'
-# in valid JSON), and the lookahead on the key stops it there: fewer steps than over every
-# string, at about half the cost. A brace inside a string stops it too: then _FLEXIBLE.
+# Kineto's args: the search steps from key to key, comma to comma, up to 15 keys. A key
+# follows "{" or "," (and a comma or quote inside a string cannot be followed by an
+# unescaped '"correlation"' in valid JSON), and the lookahead on the key stops it there:
+# fewer steps than over every string, at about half the cost. Each step runs to the next
+# comma whatever lies between (one cheap run), so the text stepped over is captured and
+# must hold no brace (Columns.add_kineto): else the id may not be this event's, and the
+# segment is read with _FLEXIBLE (so is one where a string in args holds a brace).
 _ARGS_KINETO = (
-    rb'(?(linked)(?:\n? *+,\n? *+"args": \{\n? *+(?:(?!"correlation")[^,{}]*+,\n? *+)*+'
-    rb'"correlation": (\d++)(?![.eE]))?)'
+    rb'(?(linked)(?:\n? *+,\n? *+"args": \{\n? *+((?:(?!"correlation")[^,]*+,\n? *+){0,15}+)'
+    rb'"correlation": (\d++)(?![.eE]))?+)'
 )
 _KINETO = re.compile(
     rb'"ph"\s*+:\s*+"[XBE]"(?:,\n *+("cat": (?:' + _LINKED + rb"|)"
     rb"[^\n]*+\n[^\n]*+\n[^\n]*+\n[^,]*+),\n *+"
-    rb'"ts": ([0-9.]++,\n *+"dur": [0-9.]++)' + _ARGS_KINETO + rb")?"
+    rb'"ts": ([0-9.]++,\n *+"dur": [0-9.]++)' + _ARGS_KINETO + rb")?+"
 )
 # _FLEXIBLE's search steps over whole strings: roctracer writes kernel names, braces and
 # all, into the args of a launch.
@@ -93,9 +96,9 @@ _FLEXIBLE = re.compile(
     + rb")?"
 )
 _CORRELATION_KEY = b'"correlation"'
-# findall's groups. _KINETO: head text, the "linked" mark, "ts … dur" text, correlation id;
-# _FLEXIBLE: head text, the mark, ts, dur, correlation id.
-_G, _NUMS, _KCORR = itemgetter(0), itemgetter(2), itemgetter(3)
+# findall's groups. _KINETO: head text, the "linked" mark, "ts … dur" text, the args text
+# before the correlation id, the id; _FLEXIBLE: head text, the mark, ts, dur, correlation id.
+_G, _NUMS, _BEFORE_ID, _KCORR = itemgetter(0), itemgetter(2), itemgetter(3), itemgetter(4)
 _TS, _DUR, _CORR = itemgetter(2), itemgetter(3), itemgetter(4)
 _NOT_NUMBERS = b'"dur:'  # the characters of a "ts … dur" text that are not the numbers'
 
@@ -134,20 +137,25 @@ class Columns:
     def add_found(self, found: list[tuple[bytes, ...]], correlation_keys: int) -> None:
         """Append the _FLEXIBLE matches of one segment; ``ValueError`` (nothing appended) if a
         number does not parse or the segment holds a correlation id no match captured."""
-        corr = _correlations(list(map(_CORR, found)), correlation_keys)
+        corr = _correlations(found, _CORR, correlation_keys)
         self.add(map(_G, found), map(_TS, found), map(_DUR, found), corr, len(found))
 
     def add_kineto(self, found: list[tuple[bytes, ...]], correlation_keys: int) -> None:
         """Append the _KINETO matches of one segment, as :meth:`add_found` does.
 
-        All the numbers of the segment are parsed in one orjson call: the ``"ts … dur"``
+        ``ValueError`` also when an id was found past a brace (see _ARGS_KINETO). All the
+        numbers of the segment are parsed in one orjson call: the ``"ts … dur"``
         texts joined by commas, the ``"dur":`` keys taken out, make one JSON array (about 4x
         faster than ``float()`` per number, and the same values: both round correctly). A
         text orjson refuses (an event whose tail did not match leaves an empty one; "1." is
         no JSON number) is read as before, one ``float()`` per number.
         """
         n = len(found)
-        corr = _correlations(list(map(_KCORR, found)), correlation_keys)
+        corr = _correlations(found, _KCORR, correlation_keys)
+        if correlation_keys:
+            before = b"".join(map(_BEFORE_ID, found))
+            if b"{" in before or b"}" in before:
+                raise ValueError("an id past a brace: maybe not in this event's args")
         nums = list(map(_NUMS, found))
         try:
             flat = orjson.loads(b"[%b]" % b",".join(nums).translate(None, _NOT_NUMBERS))
@@ -172,12 +180,15 @@ class Columns:
         )
 
 
-def _correlations(raw: list[bytes], correlation_keys: int) -> np.ndarray:
-    """The captured ids (``b""``: none) as int64, -1 for none; ``ValueError`` if the segment
-    holds more ``"correlation"`` keys than were captured."""
-    corr = np.full(len(raw), -1, np.int64)
+def _correlations(
+    found: list[tuple[bytes, ...]], group: itemgetter, correlation_keys: int
+) -> np.ndarray:
+    """The ids captured in ``group`` (``b""``: none) as int64, -1 for none; ``ValueError``
+    if the segment holds more ``"correlation"`` keys than were captured."""
+    corr = np.full(len(found), -1, np.int64)
     if not correlation_keys:  # none in the text: none captured either (CPU-only traces)
         return corr
+    raw = list(map(group, found))
     has = np.fromiter(map(len, raw), np.int64, len(raw)) > 0
     if int(has.sum()) != correlation_keys:
         raise ValueError("a correlation id outside the expected place")

@@ -1,13 +1,16 @@
 """The fast path's correlation ids are exactly the generic path's ``args.correlation``.
 
 ``gemm_c`` runs on [45, 60] ms, after its launch at 38 ms in ``generate``: with its id it
-counts in ``generate``, without one at its own start, outside every stage. Its id is made
-unreadable as the kernel's own in two ways the fast path once misread.
+counts in ``generate``, without one at its own start, outside every stage. Its args are
+replaced by ones that hold no id of its own, in ways a fast path can misread: an id only in
+a nested object; one that is not an integer; none at all, with the next event's (the launch
+at 45 ms) a few keys further on.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gpu_traces import gpu_events, header, kineto_text
@@ -18,15 +21,18 @@ from profd.analysis.digest import digest_file
 @pytest.mark.parametrize(
     "args",
     [
-        pytest.param({"meta": {"correlation": 4}}, id="only-in-a-nested-object"),
-        pytest.param({"correlation": 4.0}, id="not-an-integer"),
+        pytest.param({"External id": 9, "meta": {"correlation": 4}}, id="nested"),
+        pytest.param({"External id": 9, "correlation": 4.0}, id="not-an-integer"),
+        pytest.param({"stream": 7}, id="the-next-events"),
     ],
 )
-def test_an_id_that_is_not_the_kernels_own_is_not_taken(tmp_path: Path, args: dict) -> None:
+def test_an_id_that_is_not_the_kernels_own_is_not_taken(
+    tmp_path: Path, args: dict[str, Any]
+) -> None:
     events = gpu_events(1)
     for e in events:
         if e["name"] == "gemm_c":
-            e["args"] = {k: v for k, v in e["args"].items() if k != "correlation"} | args
+            e["args"] = args
     path = tmp_path / "trace.json"
     path.write_text(kineto_text(header(0, 1), events))
     fast, generic = digest_file(path), digest_file(path, force_generic=True)
