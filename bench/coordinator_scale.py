@@ -205,7 +205,7 @@ class RelayHost:
     async def received_times(self) -> tuple[int, float, int, int]:
         return await self.agent_host.received_times()
 
-    async def send_window(self, session_id: str, save_dir: str) -> tuple[int, int]:
+    async def send_window(self, session_id: str, save_dir: str) -> tuple[int, int, int]:
         return await self.agent_host.send_window(session_id, save_dir)
 
 
@@ -233,6 +233,7 @@ class AgentHost:
         self.received: dict[str, float] = {}
         self.unknown = 0
         self.poll_errors = 0
+        self.report_retries = 0
         self.poll_timeout = 5.0
         self.tasks: list[asyncio.Task] = []
 
@@ -292,7 +293,7 @@ class AgentHost:
         last = max(self.received.values(), default=0.0)
         return len(self.received), last, self.unknown, self.poll_errors
 
-    async def send_window(self, session_id: str, save_dir: str) -> tuple[int, int]:
+    async def send_window(self, session_id: str, save_dir: str) -> tuple[int, int, int]:
         """Every agent reports its window's 10 events at once; (events, reports whose agent
         was not known)."""
         batches = [
@@ -300,13 +301,18 @@ class AgentHost:
             for node, host, info in self.agents
         ]
 
-        known = await asyncio.gather(
-            *[
-                self._call(node, host, "report", info.agent_id, evs)
-                for node, host, info, evs in batches
-            ]
-        )
-        return sum(len(b[3]) for b in batches), sum(1 for k in known if not k)
+        async def one(node: str, host: int, info: Any, evs: list[Any]) -> bool:
+            attempt = 0
+            while True:  # as the channel's reporter: a failed report is sent again
+                try:
+                    return await self._call(node, host, "report", info.agent_id, evs)
+                except Exception:
+                    self.report_retries += 1
+                    attempt += 1
+                    await asyncio.sleep(min(5.0, 0.5 * 2 ** min(attempt, 6)))
+
+        known = await asyncio.gather(*[one(*b) for b in batches])
+        return sum(len(b[3]) for b in batches), sum(1 for k in known if not k), self.report_retries
 
 
 class RealNode:
@@ -620,23 +626,6 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
         d = ray.get([h.delivered_times.remote() for h in f.relay_hosts])
         relay_fanout_ms = (max(t for _, t in d) - t_create) * 1000
 
-    # Events: every simulated agent's window, 10 events in one report, all at once.
-    cpu2 = f.cpu(relay_pids)
-    t_ev = time.perf_counter()
-    sent = ray.get([h.send_window.remote(sid, view.save_dir) for h in f.agent_hosts])
-    ev_s = time.perf_counter() - t_ev
-    cpu3 = f.cpu(relay_pids)
-    total = sum(n for n, _ in sent)
-    not_known = sum(u for _, u in sent)
-    events_per_s = total / ev_s
-    final = ray.get(coord.get_session.remote(sid))
-    states: dict[str, int] = {}
-    for p in final.targets:
-        states[p.state.value] = states.get(p.state.value, 0) + 1
-    traces = len(final.traces)
-    status = ray.get(coord.status.remote())
-    rstats = ray.get([h.stats.remote() for h in f.relay_hosts])
-
     print(f"registration       : {register_s:7.2f} s")
     print(
         f"plan fan-out       : {fanout_ms:7.0f} ms  (every agent's own poll; target <= 1000; "
@@ -650,12 +639,6 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
     idle = {k: (idle1[k] - idle0[k]) / idle_s * 100 for k in idle0}
     print(f"idle polling, CPU %: {', '.join(f'{k} {v:.0f}' for k, v in idle.items())}")
     print(
-        f"events             : {events_per_s:9.0f} /s  ({total} in {ev_s:.2f} s, "
-        f"{EVENTS_PER_REPORT} per report; target >= 20000); {not_known} reports not known"
-    )
-    print(f"  CPU s            : {_cpu_line(cpu2, cpu3)}")
-    print(f"parts              : {states}; {traces} traces indexed")
-    print(
         f"coordinator memory : {bytes_per_agent:7.0f} B per agent, every agent polling "
         f"(RSS {base / 2**20:.0f} -> {half / 2**20:.0f} -> {full / 2**20:.0f} MiB; "
         f"target <= 2048); {marginal:.0f} B per agent added from half the nodes polling"
@@ -667,6 +650,32 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
             f"{rh_marginal:.0f} B per agent added; at least {parked_min} of {f.sim} polls "
             "parked at their relay as memory was read"
         )
+    # Events: every simulated agent's window, 10 events in one report, all at once.
+    cpu2 = f.cpu(relay_pids)
+    t_ev = time.perf_counter()
+    sent = ray.get([h.send_window.remote(sid, view.save_dir) for h in f.agent_hosts])
+    ev_s = time.perf_counter() - t_ev
+    cpu3 = f.cpu(relay_pids)
+    total = sum(n for n, _, _ in sent)
+    not_known = sum(u for _, u, _ in sent)
+    retries = sum(r for _, _, r in sent)
+    events_per_s = total / ev_s
+    final = ray.get(coord.get_session.remote(sid))
+    states: dict[str, int] = {}
+    for p in final.targets:
+        states[p.state.value] = states.get(p.state.value, 0) + 1
+    traces = len(final.traces)
+    status = ray.get(coord.status.remote())
+    rstats = ray.get([h.stats.remote() for h in f.relay_hosts])
+
+    print(
+        f"events             : {events_per_s:9.0f} /s  ({total} in {ev_s:.2f} s, "
+        f"{EVENTS_PER_REPORT} per report; target >= 20000); {not_known} reports not known, "
+        f"{retries} sent again after a failure (the relay's report_many timing out)"
+    )
+    print(f"  CPU s            : {_cpu_line(cpu2, cpu3)}")
+    print(f"parts              : {states}; {traces} traces indexed")
+    if rh_per_agent is not None:
         print(
             f"relays             : shared polls {sum(s['shared_polls'] for s in rstats)}, "
             f"event batches {sum(s['reports'] for s in rstats)}, coordinator errors "
@@ -696,7 +705,7 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
         f"fanout_ms={fanout_ms:.0f} {relay_part}events_per_s={events_per_s:.0f} "
         f"bytes_per_agent={bytes_per_agent:.0f} marginal_bytes_per_agent={marginal:.0f} "
         f"{rh_part}plans_delivered={got} real_agents={args.real_agents} "
-        f"register_s={register_s:.1f} create_ms={create_ms:.0f} "
+        f"register_s={register_s:.1f} create_ms={create_ms:.0f} report_retries={retries} "
         f"targets={'met' if not missed else 'missed:' + ','.join(missed)} "
         f"load_start={load_start:.2f} load={os.getloadavg()[0]:.2f}"
     )
@@ -730,6 +739,7 @@ def main() -> int:
         help="the coordinator's heartbeat_timeout_s (profd's default: 30)",
     )  # fmt: skip
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     load_start = os.getloadavg()[0]
     per_node = args.agents // args.nodes
     if per_node * args.nodes != args.agents or args.real_agents % per_node:
