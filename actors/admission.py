@@ -145,8 +145,11 @@ class Admission:
         self._alignment = alignment
         self._drivers = drivers
 
-    async def admit(self, request: dict | SessionRequest) -> Session:
-        """A new session, its window placed and its plans published."""
+    async def admit(
+        self, request: dict | SessionRequest, origin: dict[str, Any] | None = None
+    ) -> Session:
+        """A new session, its window placed and its plans published (``origin``: the trigger
+        that started it, and why)."""
         try:
             req = (
                 request
@@ -169,7 +172,7 @@ class Admission:
         )
         if req.steps is not None:
             check_reachable(req.steps, self._registry, targeting.targets, self._drivers.job_step)
-        session = self._book.new(req, targeting)
+        session = self._book.new(req, targeting, origin)
         await self._alignment.place(session, req, targeting.targets)
         self._book.advance(session)
         self._alignment.say_what_is_past(session)

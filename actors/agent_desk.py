@@ -71,6 +71,7 @@ class AgentDesk:
         on_register: Callable[[AgentInfo], None],
         on_fresh_step: Callable[[str], None],
         on_events: Callable[[], Awaitable[None]],
+        on_times: Callable[[str, MarkDurations, int | None], None] | None = None,
     ) -> None:
         self._poll_timeout_s = poll_timeout_s
         self._clock = clock
@@ -82,6 +83,7 @@ class AgentDesk:
         self._on_register = on_register  # launch-time sessions adopt the agent
         self._on_fresh_step = on_fresh_step  # alignments wait for fresh steps
         self._on_events = on_events  # phase waits re-check their agents
+        self._on_times = on_times  # triggers look at the new durations
         self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         #: Since this incarnation started.
         self.reports = 0
@@ -171,6 +173,8 @@ class AgentDesk:
         for ev in events:
             if isinstance(ev.payload, MarkDurations):  # live step and stage times
                 self._times.add(agent_id, ev.payload)
+                if self._on_times is not None:
+                    self._on_times(agent_id, ev.payload, ev.step)
                 continue
             if isinstance(ev.payload, TraceWritten):
                 ev = self._indexed(rec, ev)

@@ -4,8 +4,9 @@ every target can still reach (``next_steps``), learnt from fresh step reports.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from profd.core.states import SessionState
 
@@ -22,6 +23,8 @@ __all__ = ["TIMED_GRACE_S", "Alignment", "waiting_note"]
 
 #: A timed session's targets have at least this long after the window to hand in files.
 TIMED_GRACE_S = 300
+#: Lead steps never exceed this, however fast the steps (a window stays near "next").
+MAX_LEAD_STEPS = 50
 
 
 class _Waiter:
@@ -41,8 +44,10 @@ class Alignment:
         registry: AgentRegistry,
         plans: PlanBook,
         drivers: DriverTable,
+        step_seconds: Callable[[str], float | None] = lambda agent_id: None,
     ) -> None:
         self._settings = settings
+        self._step_seconds = step_seconds  # an agent's rolling median step time
         self._registry = registry
         self._plans = plans
         self._drivers = drivers
@@ -89,8 +94,17 @@ class Alignment:
         # the drivers of the targets' jobs announce their steps: they are authoritative
         drivers = {self._drivers.driver_step(r.info.job_id) for r in recs}
         known += [d for d in drivers if d is not None]
-        first = (max(known) + 1 if known else 0) + self._settings.align_lead_steps
+        first = (max(known) + 1 if known else 0) + self._lead_steps(recs)
         session.resolve_steps(tuple(range(first, first + count)))
+
+    def _lead_steps(self, recs: list[Any]) -> int:
+        """``align_lead_steps``, or more when the targets' steps are fast: the window starts
+        at least ``align_lead_s`` ahead by the quickest target's rolling median step."""
+        lead = self._settings.align_lead_steps
+        times = [t for r in recs if (t := self._step_seconds(r.info.agent_id))]
+        if times and self._settings.align_lead_s > 0:
+            lead = max(lead, math.ceil(self._settings.align_lead_s / max(min(times), 1e-3)))
+        return min(lead, MAX_LEAD_STEPS)
 
     def note_fresh_step(self, agent_id: str) -> None:
         """The agent just reported its current step (it polled)."""

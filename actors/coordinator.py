@@ -40,13 +40,15 @@ from profd.actors.runner import NodeRunner, default_runner
 from profd.actors.session_book import SessionBook
 from profd.actors.store import Store, open_store
 from profd.actors.trace_index import TraceIndex
+from profd.actors.triggers import TriggerDesk
 from profd.core.constants import __version__
 from profd.core.paging import Page
 from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, PollReply
 from profd.core.request import SessionRequest
 from profd.core.settings import CoordinatorSettings
 from profd.core.states import AgentState
-from profd.core.views import AgentView, SessionView, StatusView, TraceView
+from profd.core.trigger_request import TriggerRequest
+from profd.core.views import AgentView, SessionView, StatusView, TraceView, TriggerView
 
 __all__ = ["ProfileCoordinator", "Registration"]
 
@@ -107,8 +109,13 @@ class ProfileCoordinator:
         self._drivers = DriverTable(
             clock, settings.heartbeat_timeout_s, self._registry, self._plans, self._book.live
         )
-        self._alignment = Alignment(settings, self._registry, self._plans, self._drivers)
+        self._alignment = Alignment(
+            settings, self._registry, self._plans, self._drivers, self._times.step_median
+        )
         self._admission = Admission(self._registry, self._book, self._alignment, self._drivers)
+        self._triggers = TriggerDesk(
+            self._registry, self._times, self._traces, self._admission, clock, self._book.live
+        )
         self._agents = AgentDesk(
             poll_timeout_s=settings.poll_timeout_s,
             clock=clock,
@@ -120,6 +127,7 @@ class ProfileCoordinator:
             on_register=self._admission.adopt,
             on_fresh_step=self._alignment.note_fresh_step,
             on_events=self._drivers.progressed,
+            on_times=self._triggers.on_times,
         )
         self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
         self._ticker: asyncio.Task | None = None
@@ -172,6 +180,7 @@ class ProfileCoordinator:
             self._book.lose_unreturned()
         self._book.advance_live()
         self._times.retain(self._alive)  # step times of agents gone or closed go too
+        self._triggers.fire_soon()  # firings that waited for busy ranks try again
 
     async def _reap(self) -> None:
         """Lose the agents whose process or node Ray says is gone (see actors/liveness)."""
@@ -202,6 +211,20 @@ class ProfileCoordinator:
         self, session_id: str, reason: str = "cancelled by user"
     ) -> SessionView:
         return self._book.view(self._book.cancel(session_id, reason))
+
+    # -- triggers ------------------------------------------------------------------------
+    async def add_trigger(self, request: dict | TriggerRequest) -> TriggerView:
+        return self._triggers.add(request)
+
+    async def list_triggers(self) -> list[TriggerView]:
+        """Every trigger, newest first."""
+        return self._triggers.views()
+
+    async def get_trigger(self, trigger_id: str) -> TriggerView:
+        return self._triggers.get(trigger_id)
+
+    async def delete_trigger(self, trigger_id: str) -> TriggerView:
+        return self._triggers.remove(trigger_id)
 
     # -- agents --------------------------------------------------------------------------
     async def register(self, info: AgentInfo, step: int | None) -> Registration:
@@ -319,6 +342,7 @@ class ProfileCoordinator:
             reports=self._agents.reports,
             uptime_s=self._clock() - self._started,
             mark_times=self._times.metric_rows(self._role_rank),
+            triggers=self._triggers.counts(),
         )
 
     async def ping(self) -> str:

@@ -158,6 +158,20 @@ class MarkStats:
         for agent_id in [a for a in self._agents if not keep(a)]:
             del self._agents[agent_id]
 
+    def step_median(self, agent_id: str) -> float | None:
+        """The agent's rolling median step time, when it marks steps."""
+        a = self._agents.get(agent_id)
+        return None if a is None or a.step is None else a.step.median
+
+    def recent(self, agent_id: str, mark: str | None, n: int) -> list[float]:
+        """The newest ``n`` durations of one agent's step (``mark`` None) or stage."""
+        a = self._agents.get(agent_id)
+        w = None if a is None else (a.step if mark is None else a.stages.get(mark))
+        if w is None:
+            return []
+        values = w.values
+        return list(values)[-n:] if n < len(values) else list(values)
+
     def views(self, agent_id: str) -> tuple[TimingView | None, dict[str, TimingView]]:
         """(step, stages by label) of one agent, for its ``AgentView``."""
         a = self._agents.get(agent_id)

@@ -70,6 +70,8 @@ def session_view(
             for tid, u in s.uploads.items()
         ],
         request=s.request.model_dump(mode="json"),
+        trigger_id=(s.origin or {}).get("trigger_id"),
+        evidence=(s.origin or {}).get("evidence"),
     )
 
 
@@ -109,11 +111,13 @@ def metrics_snapshot(
     reports: int,
     uptime_s: float,
     mark_times: dict[str, list[list[Any]]] | None = None,
+    triggers: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     """A snapshot for the sidecar's Prometheus endpoint (``stalls``: tool -> ``[count, sum,
     max]``; ``events`` and ``reports``: agent events and reports since the coordinator
     started; ``mark_times``: live step and stage times,
-    :meth:`~profd.actors.mark_stats.MarkStats.metric_rows`)."""
+    :meth:`~profd.actors.mark_stats.MarkStats.metric_rows`; ``triggers``: per trigger name,
+    sessions started and conditions suppressed by reason)."""
     agents = Counter(f"{r.info.role}|{r.state.value}" for r in registry.all())
     by_state: Counter[str] = Counter()
     hooks: Counter[str] = Counter()
@@ -138,4 +142,5 @@ def metrics_snapshot(
         "reports_total": reports,
         "uptime_s": uptime_s,
         "mark_times": mark_times or {"step": [], "stage": []},
+        "triggers": triggers or {},
     }

@@ -104,7 +104,9 @@ class SessionBook:
         self._restored = []
 
     # -- lookup ----------------------------------------------------------------------------
-    def new(self, req: SessionRequest, targeting: Targeting) -> Session:
+    def new(
+        self, req: SessionRequest, targeting: Targeting, origin: dict[str, Any] | None = None
+    ) -> Session:
         now = self._clock()
         session_id = new_session_id(now, self._sessions)
         session = Session(
@@ -115,6 +117,7 @@ class SessionBook:
             targets={t.agent.agent_id: part_of(t) for t in targeting.targets},
             ignored=list(targeting.ignored),
             deadline=now + self._settings.session_timeout_s,
+            origin=origin,
         )
         self._sessions[session_id] = session
         self._blocks[session_id] = _blocks_of(req)

@@ -171,6 +171,8 @@ class Session:
     #: hook agent id -> its finish-hook run, in the order they were planned.
     hooks: dict[str, HookRecord] = field(default_factory=dict)
     hooks_planned: bool = False
+    #: What started it when not a request: {"trigger_id": ..., "evidence": {...}}.
+    origin: dict[str, Any] | None = None
 
     def finish_pending(self) -> bool:
         """Uploads or finish hooks still to run before the session may end."""
@@ -230,6 +232,7 @@ class Session:
             "uploads": {k: u.to_dict() for k, u in self.uploads.items()},
             "hooks": [h.to_dict() for h in self.hooks.values()],
             "hooks_planned": self.hooks_planned,
+            "origin": self.origin,
         }
 
     @classmethod
@@ -253,6 +256,7 @@ class Session:
         hooks = (HookRecord.from_dict(h) for h in d.get("hooks", []))
         s.hooks = {h.agent_id: h for h in hooks}
         s.hooks_planned = bool(d.get("hooks_planned", False))
+        s.origin = d.get("origin")
         return s
 
     @property

@@ -62,6 +62,7 @@ class CoordinatorCollector(Collector):
         yield from _trace_families(snap)
         yield from _activity_families(snap)
         yield from _mark_time_families(snap)
+        yield from _trigger_families(snap)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families depend on the snapshot; skip the registration-time collect
@@ -174,6 +175,26 @@ def _mark_time_families(snap: dict[str, Any]) -> Iterator[Metric]:
             last.add_metric([labels[n] for n in names], float(last_s))
         yield summary
         yield last
+
+
+def _trigger_families(snap: dict[str, Any]) -> Iterator[Metric]:
+    """Per trigger (by name): sessions it started, and holding conditions it suppressed."""
+    fired = CounterMetricFamily(
+        "profd_trigger_firings", "Sessions a trigger started.", labels=["trigger"]
+    )
+    quiet = CounterMetricFamily(
+        "profd_trigger_suppressed",
+        "Times a trigger's condition held but no session started (cooldown, max_per_hour, "
+        "disk_budget).",
+        labels=["trigger", "reason"],
+    )
+    for name, counts in sorted((snap.get("triggers") or {}).items()):
+        fired.add_metric([name], float(counts.get("fired", 0)))
+        for reason, n in sorted(counts.items()):
+            if reason != "fired":
+                quiet.add_metric([name, reason], float(n))
+    yield fired
+    yield quiet
 
 
 def new_registry() -> tuple[CollectorRegistry, CoordinatorCollector]:

@@ -99,15 +99,30 @@ async def create_session(
     upload prefix and a window covers at most 10,000 steps (422 naming the field
     otherwise). 409 names the session holding a target.
     """
-    if body.finish_hook_cmd is not None and not config.allow_hook_commands:
-        raise RequestInvalid.at(
-            "finish_hook_cmd",
-            "shell commands over HTTP are disabled; start the sidecar with "
-            "`profd up --allow-hook-commands` to accept them",
-        )
-    _check_window(body, config.max_window_steps)
-    await _confine(body, client, config)
+    await check_session_fields(body, client, config)
     return await client.call("create_session", body)
+
+
+async def check_session_fields(
+    body: SessionRequest, client: CoordinatorClient, config: SidecarConfig, root: str = ""
+) -> None:
+    """The HTTP rules of a session (also a trigger's template, under ``root``): hook
+    commands only when allowed, a bounded window, output where the operator allowed it."""
+    try:
+        if body.finish_hook_cmd is not None and not config.allow_hook_commands:
+            raise RequestInvalid.at(
+                "finish_hook_cmd",
+                "shell commands over HTTP are disabled; start the sidecar with "
+                "`profd up --allow-hook-commands` to accept them",
+            )
+        _check_window(body, config.max_window_steps)
+        await _confine(body, client, config)
+    except RequestInvalid as exc:
+        if not root:
+            raise
+        raise RequestInvalid.from_fields(
+            [f.model_copy(update={"field": f"{root}.{f.field}"}) for f in exc.fields]
+        ) from None
 
 
 def _check_window(body: SessionRequest, limit: int) -> None:

@@ -314,8 +314,8 @@ class Channel:
                 log.exception("profd: taking step and stage times failed; they stop here")
             self._take_times = None
             return
-        if times is not None:
-            self.send(AgentEvent(EventKind.TIMES, payload=times))
+        if times is not None:  # with the step marked last (a trigger's evidence says it)
+            self.send(AgentEvent(EventKind.TIMES, step=self._current_step(), payload=times))
 
     def _report_loop(self) -> None:
         pending: list[AgentEvent] = []

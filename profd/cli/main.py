@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from profd.cli import analysis, diff_view, export_view, service
+from profd.cli import analysis, diff_view, export_view, service, watch_view
 from profd.cli.client import ApiClient, CliError, format_bytes
 from profd.cli.common import (
     JsonOpt,
@@ -364,6 +364,7 @@ def demo(
 service.register(app)
 analysis.register(app)  # profd merge / profd summarize
 app.command("diff")(diff_view.diff)
+app.command("watch")(watch_view.watch)
 app.command("export")(export_view.export)
 
 

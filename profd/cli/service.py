@@ -112,6 +112,10 @@ def up(
     allow_upload_prefix: AllowUploadOpt = [],  # noqa: B006
     allow_host: AllowHostOpt = [],  # noqa: B006
     num_cpus: Annotated[int | None, typer.Option(help="CPUs of a local Ray started here.")] = None,
+    trigger: Annotated[
+        list[Path],
+        typer.Option(help="Watch with the trigger(s) of this JSON file (see `profd watch`)."),
+    ] = [],  # noqa: B006
 ) -> None:
     """Start the coordinator and the sidecar (and a local Ray when no cluster is known).
 
@@ -154,7 +158,21 @@ def up(
     _report_up(services.address["url"], token_path, coord.save_root, sidecar, services)
     if services.sidecar_created and recorded is not None and not flags.given:
         console.print("  (sidecar restarted with the flags the earlier `profd up` recorded)")
+    if trigger:
+        _watch(services.address["url"], token, trigger)
     _report_join(state.ray_address)
+
+
+def _watch(url: str, token: str, files: list[Path]) -> None:
+    from profd.cli.client import ApiClient, CliError
+    from profd.cli.watch_view import post_trigger_files
+
+    try:
+        for line in post_trigger_files(ApiClient(url, token), files):
+            console.print(f"  {line}")
+    except CliError as exc:  # profd is up; say what was not watched, and fail
+        err_console.print(f"[red]--trigger: {exc}[/red] (profd itself is up)")
+        raise typer.Exit(1) from None
 
 
 def _forget_last(state_dir: Path) -> None:

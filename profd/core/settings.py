@@ -29,6 +29,12 @@ class CoordinatorSettings(BaseModel):
     align_lead_steps: int = Field(
         1, ge=0, description="Extra steps between the most advanced target and a next_steps window."
     )
+    align_lead_s: float = Field(
+        0.6,
+        ge=0,
+        description="And at least this long ahead, by the targets' live step times (fast "
+        "steps get more lead steps: their plans must arrive before the window's first step).",
+    )
     session_timeout_s: float = Field(86_400.0, gt=0, description="Upper bound of a session.")
     tick_s: float = Field(0.5, gt=0, description="Period of the coordinator's housekeeping.")
     liveness_check_s: float = Field(
@@ -54,6 +60,7 @@ class ProfdSettings(BaseSettings):
     heartbeat_timeout_s: float = 30.0
     align_timeout_s: float = 1.0
     align_lead_steps: int = 1
+    align_lead_s: float = 0.6
     session_timeout_s: float = 86_400.0
 
     def coordinator(self, cwd: Path | None = None) -> CoordinatorSettings:
@@ -67,6 +74,7 @@ class ProfdSettings(BaseSettings):
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             align_timeout_s=self.align_timeout_s,
             align_lead_steps=self.align_lead_steps,
+            align_lead_s=self.align_lead_s,
             session_timeout_s=self.session_timeout_s,
             state_dir=str(self.state_dir),
         )

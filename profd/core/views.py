@@ -184,6 +184,12 @@ class SessionView(_View):
     hooks: list[HookView] = Field(description="Finish-hook runs, one per hook agent.")
     uploads: list[UploadView] = Field(description="Uploads to upload_uri, one per trace.")
     request: dict = Field(description="The request as validated (defaults filled in).")
+    trigger_id: str | None = Field(
+        None, description="The trigger that started this session (null: started by a request)."
+    )
+    evidence: dict | None = Field(
+        None, description="Why that trigger fired: rank, observed vs baseline (see triggers)."
+    )
 
 
 class StatusView(_View):
@@ -232,3 +238,33 @@ class UploadView(_View):
 
 
 SessionView.model_rebuild()
+
+
+class FiringView(_View):
+    firing_id: str = Field(description="Id of this firing ('<trigger_id>.<n>').")
+    at: float = Field(description="Unix time the condition held.")
+    state: str = Field(
+        description="due (its session starts, or waits for ranks a live session holds), "
+        "fired (its session exists) or failed (its session was refused)."
+    )
+    session_id: str | None = Field(description="The session it started.")
+    error: str | None = Field(description="Why its session was refused (failed only).")
+    evidence: dict = Field(
+        description="rank, role, agent_id, mark ('step' or the stage), observed_s, "
+        "baseline_s (the role's rolling median), factor, baseline_samples, step (the rank's "
+        "step as the coordinator knew it then)."
+    )
+
+
+class TriggerView(_View):
+    trigger_id: str = Field(description="Id, as returned by POST /api/v1/triggers.")
+    name: str = Field(description="Its name.")
+    request: dict = Field(description="The trigger as validated (defaults filled in).")
+    created_at: float = Field(description="Unix time it was created.")
+    fired: int = Field(description="Sessions it started (in the firings kept).")
+    suppressed: dict[str, int] = Field(
+        description="Times the condition held but no session started: cooldown, "
+        "max_per_hour, disk_budget."
+    )
+    disk_bytes: int = Field(description="Trace bytes of the sessions it started.")
+    firings: list[FiringView] = Field(description="Its newest firings (at most 50), newest first.")

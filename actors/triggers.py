@@ -1,0 +1,197 @@
+"""The coordinator's triggers: the :class:`~profd.actors.trigger_book.TriggerBook` fed with
+live times, and the sessions its firings start.
+
+A firing targets the offending rank and one healthy peer of its role (the alive rank whose
+own rolling median of the watched mark is closest to the role's baseline; the lowest rank
+on a tie), for the trigger's ``next_steps``. A live session holding those ranks makes the
+firing wait (retried by each tick and each new times event) rather than fail. An agent's
+durations while it is profiled, and for a few seconds after, are not held against its role:
+they carry the profiler's own cost. Triggers live
+in the coordinator's memory: a restarted coordinator has none until they are posted again
+(``profd up --trigger FILE`` posts its file at every start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from profd.actors.trigger_book import Firing, Trigger, TriggerBook
+from profd.core.errors import ConflictError, NotFoundError, ProfdError
+from profd.core.protocol import MarkDurations
+from profd.core.trigger_request import TriggerRequest
+from profd.core.views import FiringView, TriggerView
+
+if TYPE_CHECKING:
+    from profd.actors.admission import Admission
+    from profd.actors.mark_stats import MarkStats
+    from profd.actors.registry import AgentRegistry
+    from profd.actors.sessions import Session
+    from profd.actors.trace_index import TraceIndex
+
+__all__ = ["TriggerDesk"]
+
+log = logging.getLogger(__name__)
+
+#: After a session, an agent's durations are left out this long: its last profiled step
+#: (the profiler's stop and export) reaches the coordinator up to a report later.
+PROFILED_GRACE_S = 3.0
+
+
+class TriggerDesk:
+    def __init__(
+        self,
+        registry: AgentRegistry,
+        times: MarkStats,
+        traces: TraceIndex,
+        admission: Admission,
+        clock: Callable[[], float],
+        live: Callable[[], Iterable[Session]] = tuple,
+    ) -> None:
+        self._registry = registry
+        self._times = times
+        self._traces = traces
+        self._admission = admission
+        self._clock = clock
+        self._live = live
+        self._profiled_at: dict[str, float] = {}  # agent id -> last seen in a live session
+        self.book = TriggerBook(clock)
+        self._sessions: dict[str, list[str]] = {}  # trigger id -> the sessions it started
+        self._firing: asyncio.Task | None = None
+        self.firings_total = 0
+
+    # -- the API -------------------------------------------------------------------------
+    def add(self, request: TriggerRequest | dict) -> TriggerView:
+        if not isinstance(request, TriggerRequest):
+            request = TriggerRequest.model_validate(request)
+        t = self.book.add(request)
+        self._sessions[t.trigger_id] = []
+        log.info("trigger %s (%s) added: %s", t.trigger_id, request.name, request.when)
+        return self.view(t)
+
+    def remove(self, trigger_id: str) -> TriggerView:
+        try:
+            t = self.book.remove(trigger_id)
+        except KeyError:
+            raise NotFoundError(f"no trigger {trigger_id!r}", trigger_id=trigger_id) from None
+        self._sessions.pop(trigger_id, None)
+        return self.view(t)
+
+    def get(self, trigger_id: str) -> TriggerView:
+        try:
+            return self.view(self.book.get(trigger_id))
+        except KeyError:
+            raise NotFoundError(f"no trigger {trigger_id!r}", trigger_id=trigger_id) from None
+
+    def views(self) -> list[TriggerView]:
+        return [self.view(t) for t in self.book.all()]
+
+    def view(self, t: Trigger) -> TriggerView:
+        return TriggerView(
+            trigger_id=t.trigger_id,
+            name=t.request.name,
+            request=t.request.model_dump(mode="json"),
+            created_at=t.created_at,
+            fired=t.fired,
+            suppressed={k.value: v for k, v in t.suppressed.items()},
+            disk_bytes=t.disk_bytes,
+            firings=[_firing_view(f) for f in reversed(t.firings)],
+        )
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per trigger name: sessions started and conditions suppressed (for /metrics)."""
+        return {
+            t.request.name: {"fired": t.fired, **{k.value: v for k, v in t.suppressed.items()}}
+            for t in self.book.all()
+        }
+
+    # -- evaluation ----------------------------------------------------------------------
+    def on_times(self, agent_id: str, times: MarkDurations, step: int | None = None) -> None:
+        """New durations of one agent (already in the rolling windows); ``step``: the step
+        it marked last when it sent them."""
+        rec = self._registry.get(agent_id)
+        if rec is None or not len(self.book.all()) or self._profiling(agent_id):
+            return
+        for t in self.book.all():
+            t.disk_bytes = sum(
+                tr.bytes for sid in self._sessions.get(t.trigger_id, ()) for tr in
+                self._traces.of_session(sid)
+            )  # fmt: skip
+        info = rec.info
+        if self.book.observe(agent_id, info.role, info.rank, times, self._history, step):
+            self.fire_soon()
+
+    def _profiling(self, agent_id: str) -> bool:
+        """Whether its durations carry a profiler's cost: it is in a live session, or was
+        within :data:`PROFILED_GRACE_S` (the last step's stop and export, shipped late)."""
+        now = self._clock()
+        if any(agent_id in s.targets for s in self._live()):
+            self._profiled_at[agent_id] = now
+            return True
+        at = self._profiled_at.get(agent_id)
+        if at is not None and now - at > PROFILED_GRACE_S:
+            del self._profiled_at[agent_id]
+            return False
+        return at is not None
+
+    def _history(self, role: str, mark: str | None, n: int) -> dict[int, list[float]]:
+        out = {}
+        for rec in self._registry.alive():
+            if rec.info.role == role:
+                values = self._times.recent(rec.info.agent_id, mark, n)
+                if values:
+                    out[rec.info.rank] = values
+        return out
+
+    def fire_soon(self) -> None:
+        """Start the sessions of due firings on the running loop (one pass at a time)."""
+        if not self.book.due() or (self._firing is not None and not self._firing.done()):
+            return
+        try:
+            self._firing = asyncio.get_running_loop().create_task(self.fire_due())
+        except RuntimeError:  # no loop (a plain call in a test): the next tick fires them
+            pass
+
+    async def fire_due(self) -> None:
+        for firing in self.book.due():
+            t = self.book.get(firing.trigger_id)
+            ranks = self._ranks(firing, t)
+            origin = {"trigger_id": t.trigger_id, "evidence": firing.evidence.as_dict()}
+            try:
+                s = await self._admission.admit(t.request.session_for(ranks), origin)
+            except ConflictError:
+                continue  # a live session holds the ranks: stays due, the next tick retries
+            except (ProfdError, ValueError) as exc:
+                self.book.failed(firing, str(exc))
+                continue
+            self.book.fired(firing, s.session_id)
+            self._sessions.setdefault(t.trigger_id, []).append(s.session_id)
+            self.firings_total += 1
+            ev = firing.evidence
+            log.info(
+                "trigger %s fired: %s rank %d %s %.3f s against %.3f s; session %s on ranks %s",
+                t.request.name, ev.role, ev.rank, ev.mark, ev.observed_s, ev.baseline_s,
+                s.session_id, list(ranks),
+            )  # fmt: skip
+
+    def _ranks(self, firing: Firing, t: Trigger) -> tuple[int, ...]:
+        """The offending rank, and the healthy peer closest to the baseline."""
+        ev, mark = firing.evidence, t.request.when.mark
+        peers = []
+        for rec in self._registry.alive():
+            if rec.info.role != ev.role or rec.info.rank == ev.rank:
+                continue
+            values = self._times.recent(rec.info.agent_id, mark, t.request.when.baseline_steps)
+            if values:
+                mid = sorted(values)[len(values) // 2]
+                peers.append((abs(mid - ev.baseline_s), rec.info.rank))
+        return (ev.rank, min(peers)[1]) if peers else (ev.rank,)
+
+
+def _firing_view(f: Firing) -> FiringView:
+    return FiringView(
+        firing_id=f.firing_id, at=f.at, state=f.state.value, session_id=f.session_id,
+        error=f.error, evidence=f.evidence.as_dict(),
+    )  # fmt: skip

@@ -1,0 +1,168 @@
+"""``profd watch``: triggers that profile a slow rank by themselves (POST / GET / DELETE
+``/api/v1/triggers``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import quote
+
+import typer
+from rich.table import Table
+
+from profd.cli.client import CliError
+from profd.cli.common import JsonOpt, UrlOpt, console, fail, print_json, sidecar_client
+
+__all__ = ["print_triggers", "trigger_body", "watch"]
+
+
+def trigger_body(
+    role: str,
+    factor: float,
+    stage: str | None,
+    next_steps: int,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """The POST /api/v1/triggers body of the command line's options."""
+    when: dict[str, Any] = {
+        "kind": "stage_time" if stage else "step_time",
+        "role": role,
+        "factor": factor,
+        "stage": stage,
+        "baseline_steps": options["baseline_steps"],
+        "min_ms": options["min_ms"],
+        "for_steps": options["for_steps"],
+    }
+    mark = f"stage {stage}" if stage else "step"
+    return {
+        "name": options["name"] or f"{role}-{mark.replace(' ', '-')}-x{factor:g}",
+        "when": when,
+        "session": {"tool": options["tool"], "next_steps": next_steps},
+        "cooldown_s": options["cooldown_s"],
+        "max_per_hour": options["max_per_hour"],
+        "max_disk_mb": options["max_disk_mb"],
+    }
+
+
+def print_triggers(triggers: list[dict[str, Any]]) -> None:
+    table = Table(title="Triggers", title_justify="left")
+    for col in ("trigger", "name", "when", "fired", "suppressed", "last firing"):
+        table.add_column(col, overflow="fold")
+    for t in triggers:
+        w = t["request"]["when"]
+        mark = f"stage {w['stage']}" if w.get("stage") else "step"
+        when = f"{w['role']} {mark} > {w['factor']:g} x median of {w['baseline_steps']}"
+        quiet = ", ".join(f"{k} {v}" for k, v in sorted(t["suppressed"].items())) or "-"
+        last = "-"
+        if t["firings"]:
+            f = t["firings"][0]
+            ev = f["evidence"]
+            last = (
+                f"{f['state']} {f['session_id'] or ''}: rank {ev['rank']} "
+                f"{ev['observed_s'] * 1000:.0f} ms vs {ev['baseline_s'] * 1000:.0f} ms"
+            )
+        table.add_row(t["trigger_id"], t["name"], when, str(t["fired"]), quiet, last)
+    console.print(table)
+
+
+def watch(
+    role: Annotated[str | None, typer.Option(help="Role whose ranks are watched.")] = None,
+    step_time: Annotated[
+        float | None, typer.Option(help="Fire when a rank's step takes this x the median.")
+    ] = None,
+    stage_time: Annotated[
+        float | None, typer.Option(help="Fire when a rank's --stage takes this x the median.")
+    ] = None,
+    stage: Annotated[str | None, typer.Option(help="The stage of --stage-time.")] = None,
+    next_steps: Annotated[int, typer.Option(help="Steps profiled when it fires.")] = 2,
+    baseline_steps: Annotated[int, typer.Option(help="Durations per rank in the median.")] = 20,
+    min_ms: Annotated[float, typer.Option(help="Never fire below this duration.")] = 0.0,
+    for_steps: Annotated[int, typer.Option(help="Slow durations in a row needed.")] = 1,
+    cooldown_s: Annotated[float, typer.Option("--cooldown", help="Quiet seconds after.")] = 300,
+    max_per_hour: Annotated[int, typer.Option(help="Firings in any 60 minutes.")] = 4,
+    max_disk_mb: Annotated[float, typer.Option(help="Trace budget of its sessions.")] = 1024,
+    tool: Annotated[str, typer.Option(help="Profiling backend of its sessions.")] = "torch",
+    name: Annotated[str | None, typer.Option(help="Name shown with its firings.")] = None,
+    from_file: Annotated[
+        Path | None, typer.Option("--file", help="Post the trigger(s) of this JSON file.")
+    ] = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the triggers.")] = False,
+    delete: Annotated[str | None, typer.Option(help="Delete this trigger.")] = None,
+    url: UrlOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Profile a slow rank by itself: when a rank's step (or stage) time exceeds FACTOR x
+    its role's rolling median, profile its next steps and one healthy peer's.
+
+    profd watch --role actor --step-time 2.0;
+    profd watch --role actor --stage update_actor --stage-time 1.5 --min-ms 500;
+    profd watch --list; profd watch --delete TRIGGER_ID."""
+    try:
+        api = sidecar_client(url)
+        if list_:
+            triggers = api.get("/api/v1/triggers")["data"]
+            print_json(triggers) if as_json else print_triggers(triggers)
+            return
+        if delete is not None:
+            view = api.request("DELETE", f"/api/v1/triggers/{quote(delete, safe='')}")
+            print_json(view) if as_json else console.print(f"deleted {view['trigger_id']}")
+            return
+        bodies = _bodies(role, step_time, stage_time, stage, next_steps, from_file, locals())
+        made = [api.post("/api/v1/triggers", b) for b in bodies]
+    except CliError as exc:
+        fail(exc)
+    if as_json:
+        print_json(made if len(made) != 1 else made[0])
+        return
+    for view in made:
+        console.print(f"watching: {view['trigger_id']} ({view['name']})")
+
+
+def _bodies(
+    role: str | None,
+    step_time: float | None,
+    stage_time: float | None,
+    stage: str | None,
+    next_steps: int,
+    from_file: Path | None,
+    opts: dict[str, Any],
+) -> list[dict[str, Any]]:
+    if from_file is not None:
+        return load_trigger_file(from_file)
+    if role is None or (step_time is None) == (stage_time is None):
+        raise typer.BadParameter("give --role and one of --step-time or --stage-time")
+    if stage_time is not None and stage is None:
+        raise typer.BadParameter("--stage-time needs --stage", param_hint="--stage")
+    factor = step_time if step_time is not None else stage_time
+    assert factor is not None
+    return [trigger_body(role, factor, stage if stage_time else None, next_steps, opts)]
+
+
+def load_trigger_file(path: Path) -> list[dict[str, Any]]:
+    """A JSON file of one trigger (an object) or several (a list), as POST takes them."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read triggers from {path}: {exc}") from None
+    items = data if isinstance(data, list) else [data]
+    if not all(isinstance(i, dict) for i in items):
+        raise CliError(f"{path}: a trigger object, or a list of them")
+    return items
+
+
+def post_trigger_files(api: Any, files: list[Path]) -> list[str]:
+    """``profd up --trigger FILE``: post each file's triggers, but not one whose name the
+    coordinator already has (a coordinator kept across `profd up` keeps its triggers; one
+    restored from its state has none). Returns a line per trigger."""
+    have = {t["name"] for t in api.get("/api/v1/triggers")["data"]}
+    lines = []
+    for path in files:
+        for body in load_trigger_file(path):
+            if body.get("name") in have:
+                lines.append(f"trigger {body['name']}: already watching")
+                continue
+            view = api.post("/api/v1/triggers", body)
+            have.add(view["name"])
+            lines.append(f"trigger {view['name']}: watching ({view['trigger_id']})")
+    return lines

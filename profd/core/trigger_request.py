@@ -1,0 +1,157 @@
+"""A trigger: a condition on live step or stage times, and the session to start when it holds
+(``POST /api/v1/triggers``, ``profd watch``, ``profd up --trigger FILE``; DESIGN.md
+"Triggers").
+
+Pure models (no Ray). The session template is an ordinary session request without its window
+and targets: profd chooses those when the trigger fires (the next ``next_steps`` steps of the
+offending rank and one healthy peer of its role). It is validated here, in full, by building
+the request it would become, so a trigger never fires into a 422.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from profd.core.request import MAX_WINDOW_STEPS, SessionRequest, field_errors
+
+__all__ = [
+    "EVALUATED_KINDS",
+    "TriggerCondition",
+    "TriggerKind",
+    "TriggerRequest",
+]
+
+#: Durations an agent keeps per mark at the coordinator (profd.actors.mark_stats.WINDOW).
+MAX_BASELINE_STEPS = 256
+#: Keys of a session request the trigger decides itself.
+_CHOSEN_AT_FIRING = ("steps", "next_steps", "duration_s", "roles", "wait_for_agents")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TriggerKind(StrEnum):
+    STEP_TIME = "step_time"  # a rank's step takes factor x its role's rolling median
+    STAGE_TIME = "stage_time"  # the same for one stage
+    STRAGGLER = "straggler"  # a rank's stage ends late against its peers (not evaluated yet)
+    OOM = "oom"  # a CUDA out-of-memory in a worker (not evaluated yet)
+
+
+#: Kinds this profd evaluates; the others are refused with 422 rather than never firing.
+EVALUATED_KINDS = frozenset({TriggerKind.STEP_TIME, TriggerKind.STAGE_TIME})
+
+
+class TriggerCondition(_Frozen):
+    """When a trigger holds: one rank's newest duration against its role's rolling median."""
+
+    kind: TriggerKind = Field(description="step_time or stage_time.")
+    role: str = Field(min_length=1, max_length=128, description="Role whose ranks are watched.")
+    stage: str | None = Field(
+        None, min_length=1, max_length=256, description="Stage label (stage_time only)."
+    )
+    factor: float = Field(
+        2.0,
+        gt=1.0,
+        le=1000.0,
+        allow_inf_nan=False,
+        description="Holds when a duration exceeds factor x the role's rolling median.",
+    )
+    baseline_steps: StrictInt = Field(
+        20,
+        ge=3,
+        le=MAX_BASELINE_STEPS,
+        description="Newest durations of each rank of the role pooled for the median; the "
+        "trigger is armed once the role has this many.",
+    )
+    min_ms: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="Never holds for a duration below this."
+    )
+    for_steps: StrictInt = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Holds when the rank's newest this-many durations all break the rule (2 "
+        "or more: a single stall, a GC pause or a checkpoint, starts nothing).",
+    )
+
+    @model_validator(mode="after")
+    def _kind_rules(self) -> TriggerCondition:
+        if self.kind not in EVALUATED_KINDS:
+            kinds = ", ".join(sorted(k.value for k in EVALUATED_KINDS))
+            raise ValueError(f"kind: {self.kind.value!r} is not evaluated yet (use {kinds})")
+        if self.kind is TriggerKind.STAGE_TIME and self.stage is None:
+            raise ValueError("stage: required for a stage_time trigger")
+        if self.kind is TriggerKind.STEP_TIME and self.stage is not None:
+            raise ValueError("stage: only for a stage_time trigger")
+        return self
+
+    @property
+    def mark(self) -> str | None:
+        """The mark watched: a stage label, or None for the step."""
+        return self.stage
+
+
+class TriggerRequest(_Frozen):
+    """``POST /api/v1/triggers``: a condition and the session it starts."""
+
+    name: str = Field(min_length=1, max_length=128, description="Name shown with its firings.")
+    when: TriggerCondition = Field(description="The condition.")
+    session: dict[str, Any] = Field(
+        default_factory=dict,
+        validate_default=True,
+        description="A session request without window or roles (tool, tool options, "
+        "save_path, ...) plus `next_steps` (default 2): what is profiled when it fires.",
+    )
+    cooldown_s: float = Field(
+        300.0, ge=0, le=86_400 * 7, allow_inf_nan=False, description="Quiet time after a firing."
+    )
+    max_per_hour: StrictInt = Field(4, ge=1, le=60, description="Firings in any 60 minutes.")
+    max_disk_mb: float = Field(
+        1024.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Disk budget: no firing once its sessions' traces hold this much.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, v: str) -> str:
+        if not v.isprintable():
+            raise ValueError("must be printable (no control characters)")
+        return v
+
+    @field_validator("session")
+    @classmethod
+    def _template(cls, v: dict[str, Any]) -> dict[str, Any]:
+        chosen = [k for k in _CHOSEN_AT_FIRING if k in v and k != "next_steps"]
+        if chosen:
+            raise ValueError(f"{chosen[0]}: chosen when the trigger fires; leave it out")
+        n = v.get("next_steps", 2)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_WINDOW_STEPS:
+            raise ValueError(f"next_steps: an int in 1..{MAX_WINDOW_STEPS}, got {n!r}")
+        try:
+            _build({**v, "next_steps": n}, "role", (0,))
+        except ValidationError as exc:
+            err = field_errors(exc)[0]
+            raise ValueError(f"{err.field}: {err.message}") from None
+        return {**v, "next_steps": n}
+
+    def session_for(self, ranks: tuple[int, ...]) -> SessionRequest:
+        """The session a firing on ``ranks`` of the watched role starts."""
+        return _build(self.session, self.when.role, ranks)
+
+
+def _build(template: dict[str, Any], role: str, ranks: tuple[int, ...]) -> SessionRequest:
+    return SessionRequest.model_validate({**template, "roles": {role: {"ranks": list(ranks)}}})

@@ -1,0 +1,74 @@
+"""The triggers routes and `profd watch` over a real uvicorn sidecar and an in-process
+coordinator: bad triggers are 422 naming the field (the session template checked with the
+rules of POST /sessions), changes need the token, and the CLI creates, lists and deletes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from helpers import AUTH, TOKEN
+
+GOOD = {"name": "slow-actor", "when": {"kind": "step_time", "role": "actor", "factor": 2.0}}
+
+
+def cli(args: list[str], home: Path) -> subprocess.CompletedProcess:
+    state = home / "state"
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (state / "token").write_text(TOKEN + "\n")
+    env = dict(os.environ, HOME=str(home), PROFD_STATE_DIR=str(state), COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "profd.cli.main", *args],
+        env=env, capture_output=True, text=True, timeout=120, cwd=home,
+    )  # fmt: skip
+
+
+def fields(r: httpx.Response) -> dict[str, str]:
+    assert r.status_code == 422, r.text
+    return {f["field"]: f["message"] for f in r.json()["fields"]}
+
+
+def test_bad_triggers_are_422_naming_the_field_and_changes_need_the_token(sidecar: Any) -> None:
+    url = f"{sidecar.url}/api/v1/triggers"
+    when = GOOD["when"]
+    got = fields(httpx.post(url, json={**GOOD, "when": {**when, "kind": "oom"}}, headers=AUTH))
+    assert "not evaluated yet" in got["when.kind"]
+    hook = {**GOOD, "session": {"finish_hook_cmd": "echo hi"}}
+    assert "disabled" in fields(httpx.post(url, json=hook, headers=AUTH))["session.finish_hook_cmd"]
+    away = {**GOOD, "session": {"save_path": "/etc/profd"}}
+    assert "session.save_path" in fields(httpx.post(url, json=away, headers=AUTH))
+    assert httpx.post(url, json=GOOD).status_code == 401
+    assert httpx.get(url).json()["count"] == 0  # nothing half-applied
+    r = httpx.post(url, json=GOOD, headers=AUTH)
+    assert r.status_code == 201, r.text
+    tid = r.json()["trigger_id"]
+    assert httpx.delete(f"{url}/{tid}").status_code == 401
+    assert httpx.delete(f"{url}/{tid}", headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/{tid}").status_code == 404
+    assert httpx.delete(f"{url}/{tid}", headers=AUTH).status_code == 404
+
+
+def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> None:
+    env = tmp_path
+    r = cli(["watch", "--role", "actor", "--stage", "update", "--stage-time", "1.5",
+             "--min-ms", "200", "--url", sidecar.url, "--json"], env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    made = json.loads(r.stdout)
+    assert made["request"]["when"] == {
+        "kind": "stage_time", "role": "actor", "stage": "update", "factor": 1.5,
+        "baseline_steps": 20, "min_ms": 200.0, "for_steps": 1,
+    }  # fmt: skip
+    assert made["request"]["session"] == {"tool": "torch", "next_steps": 2}
+    listed = cli(["watch", "--list", "--url", sidecar.url], env)
+    assert made["trigger_id"] in listed.stdout and "actor stage update > 1.5 x" in listed.stdout
+    bad = cli(["watch", "--role", "actor", "--url", sidecar.url], env)
+    assert bad.returncode == 2 and "--step-time" in bad.stderr
+    gone = cli(["watch", "--delete", made["trigger_id"], "--url", sidecar.url], env)
+    assert gone.returncode == 0 and f"deleted {made['trigger_id']}" in gone.stdout
+    assert httpx.get(f"{sidecar.url}/api/v1/triggers").json()["count"] == 0
