@@ -46,10 +46,10 @@ MERGED = "a merged trace written by `profd merge` (not a rank's trace)"
 # read again with _FLEXIBLE, and failing that the file takes the generic path. Neither
 # search takes an id inside a nested object for the event's own (both stop at a brace), nor
 # one that is not a whole integer (generic: "5.0" is no id).
-_LINKED = (
+_LINKED_VALUE = (
     rb'"(?:kernel|gpu_mem(?:cpy|set)|cuda_(?:runtime|driver|sync)|privateuse1_(?:runtime|driver))"'
-    rb"(?=\s*+,)(?P<linked>)"  # the whole value, then the mark
 )
+_LINKED = _LINKED_VALUE + rb"(?=\s*+,)(?P<linked>)"  # the whole value, then the mark
 # Kineto's args: the search steps from key to key, comma to comma, up to 15 keys. A key
 # follows "{" or "," (and a comma or quote inside a string cannot be followed by an
 # unescaped '"correlation"' in valid JSON), and the lookahead on the key stops it there:
@@ -58,11 +58,11 @@ _LINKED = (
 # must hold no brace (Columns.add_kineto): else the id may not be this event's, and the
 # segment is read with _FLEXIBLE (so is one where a string in args holds a brace).
 _ARGS_KINETO = (
-    rb'(?(linked)(?:\n? *+,\n? *+"args": \{\n? *+((?:(?!"correlation")[^,]*+,\n? *+){0,15}+)'
+    rb'(?(linked)(?:\n?+ *+,\n?+ *+"args": \{\n?+ *+((?:(?!"correlation")[^,]*+,\n?+ *+){0,15}+)'
     rb'"correlation": (\d++)(?![.eE]))?+)'
 )
-_KINETO = re.compile(
-    rb'"ph"\s*+:\s*+"[XBE]"(?:,\n *+("cat": (?:' + _LINKED + rb"|)"
+_KINETO = re.compile(  # the linked value is matched whole, quotes included: no lookahead
+    rb'"ph"\s*+:\s*+"[XBE]"(?:,\n *+("cat": (?:' + _LINKED_VALUE + rb"(?P<linked>)|)"
     rb"[^\n]*+\n[^\n]*+\n[^\n]*+\n[^,]*+),\n *+"
     rb'"ts": ([0-9.]++,\n *+"dur": [0-9.]++)' + _ARGS_KINETO + rb")?+"
 )
