@@ -109,8 +109,11 @@ def cpu_s(pids: list[int]) -> float:
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone (a relay Ray restarted): what it used is not counted
+            continue
         total += int(fields[11]) + int(fields[12])
     return total / tick
 
@@ -370,8 +373,9 @@ def _standalone_relay(node_id: str) -> Any:
     return (
         ray.remote(NodeRelay)
         .options(
-            name=relay_name(node_id), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
-            max_restarts=-1, max_concurrency=RELAY_MAX_CONCURRENCY,
+            name=relay_name(node_id), namespace=NAMESPACE, get_if_exists=True,
+            lifetime="detached", num_cpus=0, max_restarts=-1,
+            max_concurrency=RELAY_MAX_CONCURRENCY,
         )
         .remote(node_id)
     )  # fmt: skip
