@@ -33,6 +33,11 @@ real Ray RPCs:
   this Ray node (the finder's own default), the second the same actor under a simulated node
   id (without node affinity).
 
+``--agent-hop local`` hosts each relay host's simulated agents in that process instead: their
+``register`` / ``poll`` / ``report`` await their node's relay directly (not an RPC), so the
+figures are the coordinator's and the relays' without 10,000 agent-to-relay Ray calls
+competing for the same 2 cores (on a fleet that hop runs on each node, in parallel).
+
 ``--mode direct`` has no relays: each simulated agent's own long-poll is a Ray call straight to
 the coordinator's ``poll`` (``register`` and ``report`` too); the real agents use
 :func:`~profd.agent.channel.find_ray_link`.
@@ -58,8 +63,9 @@ Measured:
   the session directory: indexed, persisted), ``missed`` (``StepsMissed``), ``collecting``,
   ``part_done`` (``PartDone``); all at once, as a fleet's windows end together.
   ``events_per_s``: those events over the time until every report was acknowledged (a relay
-  answers once the coordinator took its batch; target >= 20,000/s). Every part must have
-  ended (``partial``: 5 steps recorded, one missed) and every trace be indexed, else the run
+  answers once the coordinator took its batch; target >= 20,000/s). A report that fails (a
+  relay's ``report_many`` timing out) is sent again after the channel's back-off, and counted
+  (``report_retries``). Every part must have ended (``partial``: 5 steps recorded, one missed) and every trace be indexed, else the run
   fails.
 
 CPU seconds each kind of process spent during fan-out and events, and its share of a core
@@ -67,10 +73,11 @@ while every agent polls, are printed (the machine is shared: the load average is
 
     python bench/coordinator_scale.py [--agents 10000] [--nodes 1250] [--mode relay|direct]
 
-Last line: ``RESULT agents=10000 nodes=1250 mode=relay fanout_ms=... relay_fanout_ms=...
-events_per_s=... bytes_per_agent=... marginal_bytes_per_agent=...
+Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=rpc fanout_ms=...
+relay_fanout_ms=... events_per_s=... bytes_per_agent=... marginal_bytes_per_agent=...
 relay_host_bytes_per_agent=... plans_delivered=10000 real_agents=16 register_s=...
-create_ms=... targets=met|missed:<which> load_start=... load=...`` (1-minute load averages).
+create_ms=... report_retries=... targets=met|missed:<which> load_start=... load=...``
+(1-minute load averages).
 """
 
 from __future__ import annotations
