@@ -65,8 +65,8 @@ Measured:
   ``events_per_s``: those events over the time until every report was acknowledged (a relay
   answers once the coordinator took its batch; target >= 20,000/s). A report that fails (a
   relay's ``report_many`` timing out) is sent again after the channel's back-off, and counted
-  (``report_retries``). Every part must have ended (``partial``: 5 steps recorded, one missed) and every trace be indexed, else the run
-  fails.
+  (``report_retries``). Every part must have ended (``partial``: 5 steps recorded, one
+  missed) and every trace be indexed, else the run fails.
 
 CPU seconds each kind of process spent during fan-out and events, and its share of a core
 while every agent polls, are printed (the machine is shared: the load average is in RESULT).
