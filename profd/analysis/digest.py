@@ -30,6 +30,7 @@ from profd.analysis.gpu import (
     stage_index,
     stage_pieces,
 )
+from profd.analysis.heap import pad_worker_heap
 from profd.analysis.jsonscan import SEGMENT_BYTES, TraceReadError, TraceStream
 from profd.analysis.ranges import RANGE_CATEGORY, Range, select_stages, step_ranges
 from profd.analysis.scan import MERGED, Columns, LayoutMismatch, scan_fast, scan_generic
@@ -203,6 +204,7 @@ def digest_file(
     engine's), so its operators still land in the per-stage tables.
     """
     started = time.perf_counter()
+    pad_worker_heap()
     p = Path(path)
     digest = FileDigest(path=str(p), file_bytes=p.stat().st_size)
     try:
