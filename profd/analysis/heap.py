@@ -1,9 +1,9 @@
 """Keep glibc's heap from shrinking between the files a worker process digests.
 
-glibc hands memory back to the system as soon as more than 128 KiB lie free at the top of
+glibc hands memory back to the system as soon as (by default) 128 KiB lie free at the top of
 its heap, so each digest's arrays (a few MB, freed when it ends) are faulted in again by
-the next one: about 1,200 page faults per 12 MB file of ``bench/analysis.py``'s trace set,
-and 5-15 % of the workers' CPU time (the kernel zeroing pages, then cache misses on them).
+the next one: 1,400-1,700 page faults per 12 MB file of ``bench/analysis.py``'s trace set,
+5-15 % of the workers' CPU time (the kernel zeroing pages, then cache misses on them).
 In the worker processes a summary starts (``parallel.map_files``: short-lived, one per CPU)
 the top of the heap is kept padded instead, at most 16 MiB more resident memory per worker.
 Nothing changes anywhere else: not in the calling process, not in Ray tasks (long-lived
