@@ -6,12 +6,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, status
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from profd.api.deps import ClientDep, ConfigDep, TokenDep
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
 from profd.api.routes.sessions import check_session_fields
+from profd.core.errors import RequestInvalid
+from profd.core.request import field_errors
 from profd.core.trigger_request import TriggerRequest
 from profd.core.views import TriggerView
 
@@ -74,7 +76,11 @@ async def create_trigger(
     `factor` x the role's rolling median (and `min_ms`), profile the next `next_steps` steps
     of that rank and one healthy peer. The session template is checked now, with the rules
     of POST /api/v1/sessions (422 naming the field)."""
-    await check_session_fields(body.session_for((0,)), client, config, root="session")
+    try:
+        template = body.session_for((0,))
+    except ValidationError as exc:  # checked by the model already; never a 500 regardless
+        raise RequestInvalid.from_fields(field_errors(exc, root="session")) from None
+    await check_session_fields(template, client, config, root="session")
     return await client.call("add_trigger", body)
 
 
@@ -88,6 +94,7 @@ async def list_triggers(client: ClientDep) -> Response:
 
 @router.get("/{trigger_id}", response_model=TriggerView, responses=error_responses(404, 422))
 async def get_trigger(client: ClientDep, trigger_id: str = TriggerId) -> Response:
+    """One trigger with its newest firings and what it suppressed."""
     return model_response(await client.call("get_trigger", trigger_id))
 
 

@@ -57,7 +57,10 @@ class TriggerCondition(_Frozen):
     """When a trigger holds: one rank's newest duration against its role's rolling median."""
 
     kind: TriggerKind = Field(description="step_time or stage_time.")
-    role: str = Field(min_length=1, max_length=128, description="Role whose ranks are watched.")
+    role: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        description="Role whose ranks are watched (a role name, as agents attach with).",
+    )
     stage: str | None = Field(
         None, min_length=1, max_length=256, description="Stage label (stage_time only)."
     )

@@ -197,6 +197,8 @@ def test_openapi_describes_every_field_parameter_and_error(local_coordinator) ->
     assert secured == {
         ("post", "/api/v1/sessions"),
         ("post", "/api/v1/sessions/{session_id}/cancel"),
+        ("post", "/api/v1/triggers"),
+        ("delete", "/api/v1/triggers/{trigger_id}"),
     }  # on loopback only changes need the token
     post = spec["paths"]["/api/v1/sessions"]["post"]["responses"]
     assert {"201", "401", "403", "409", "413", "422"} <= set(post)
