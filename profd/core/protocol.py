@@ -25,10 +25,13 @@ __all__ = [
     "IncompleteFile",
     "LabelDurations",
     "MarkDurations",
+    "OutOfMemory",
     "PartDone",
     "PhaseDone",
     "PollReply",
     "ReplicaInfo",
+    "StackFrame",
+    "StackSample",
     "StepsMissed",
     "TraceWritten",
     "WindowPlan",
@@ -75,6 +78,9 @@ class AgentInfo:
     job_id: str | None = None
     #: Set by rollout replicas' agents only.
     replica: ReplicaInfo | None = None
+    #: The native id of the thread that attached (the training thread): ``profd stacks``
+    #: picks it out of py-spy's dump of the process.
+    thread_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,9 @@ class AgentPlan:
     controller_step: int | None = None
     #: Where the driver is inside that step, for rollout agents.
     controller_phase: ControllerPhase | None = None
+    #: The newest stack request (``GET /stacks``) the agent should answer; 0 when none.
+    #: The agent's poller answers each number once with a ``stack`` event.
+    stacks: int = 0
 
 
 EMPTY_PLAN = AgentPlan(version=0)
@@ -124,6 +133,8 @@ class EventKind(StrEnum):
     CLOSED = "closed"  # the agent shut down
     PHASE = "phase"  # a rollout agent handled a controller phase (payload: PhaseDone)
     TIMES = "times"  # step and stage durations since the last one (payload: MarkDurations)
+    STACK = "stack"  # the training thread's Python stack, answering a request (StackSample)
+    OOM = "oom"  # a CUDA out-of-memory error raised through a mark (payload: OutOfMemory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +215,41 @@ class MarkDurations:
     stages: tuple[LabelDurations, ...] = ()
 
 
-EventPayload = TraceWritten | StepsMissed | PartDone | PhaseDone | MarkDurations
+@dataclass(frozen=True, slots=True)
+class StackFrame:
+    """One frame of a Python stack, innermost first in a :class:`StackSample`."""
+
+    function: str
+    file: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
+class StackSample:
+    """An agent's answer to stack request ``request``: its training thread's frames, innermost
+    first, read by the agent's own poller thread (``method`` ``"agent"``)."""
+
+    request: int
+    frames: tuple[StackFrame, ...]
+    thread: str = ""
+    method: str = "agent"
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutOfMemory:
+    """A CUDA out-of-memory error that left a step or stage mark (``OOM`` events); the
+    mark re-raises it, the job decides what happens next."""
+
+    error: str
+    stage: str | None = None
+    #: A ``torch_memory`` snapshot written when it happened, if one was taken.
+    snapshot_path: str | None = None
+
+
+EventPayload = (
+    TraceWritten | StepsMissed | PartDone | PhaseDone | MarkDurations | StackSample | OutOfMemory
+)
 #: The payload each kind carries; the kinds not listed carry none.
 _PAYLOAD_OF: dict[EventKind, type] = {
     EventKind.TRACE: TraceWritten,
@@ -212,6 +257,8 @@ _PAYLOAD_OF: dict[EventKind, type] = {
     EventKind.PART_DONE: PartDone,
     EventKind.PHASE: PhaseDone,
     EventKind.TIMES: MarkDurations,
+    EventKind.STACK: StackSample,
+    EventKind.OOM: OutOfMemory,
 }
 
 
