@@ -20,7 +20,9 @@ from profd.core.protocol import (
     AgentInfo,
     EventKind,
     MarkDurations,
+    OutOfMemory,
     PollReply,
+    StackSample,
     TraceWritten,
 )
 from profd.core.states import AgentLink
@@ -72,6 +74,8 @@ class AgentDesk:
         on_fresh_step: Callable[[str], None],
         on_events: Callable[[], Awaitable[None]],
         on_times: Callable[[str, MarkDurations, int | None], None] | None = None,
+        on_stack: Callable[[str, StackSample], None] | None = None,
+        on_oom: Callable[[str, AgentEvent], None] | None = None,
     ) -> None:
         self._poll_timeout_s = poll_timeout_s
         self._clock = clock
@@ -84,6 +88,8 @@ class AgentDesk:
         self._on_fresh_step = on_fresh_step  # alignments wait for fresh steps
         self._on_events = on_events  # phase waits re-check their agents
         self._on_times = on_times  # triggers look at the new durations
+        self._on_stack = on_stack  # a stack request gathers its answers
+        self._on_oom = on_oom  # out-of-memory triggers
         self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         #: Since this incarnation started.
         self.reports = 0
@@ -172,9 +178,19 @@ class AgentDesk:
         touched: dict[str, Session] = {}
         for ev in events:
             if isinstance(ev.payload, MarkDurations):  # live step and stage times
+                if ev.step is not None and (rec.current_step or -1) < ev.step:
+                    rec.current_step = ev.step  # fresher than the step its long-poll carried
                 self._times.add(agent_id, ev.payload)
                 if self._on_times is not None:
                     self._on_times(agent_id, ev.payload, ev.step)
+                continue
+            if isinstance(ev.payload, StackSample):  # answers GET /stacks, no session
+                if self._on_stack is not None:
+                    self._on_stack(agent_id, ev.payload)
+                continue
+            if isinstance(ev.payload, OutOfMemory):
+                if self._on_oom is not None:
+                    self._on_oom(agent_id, ev)
                 continue
             if isinstance(ev.payload, TraceWritten):
                 ev = self._indexed(rec, ev)

@@ -38,6 +38,7 @@ from profd.actors.registry import AgentRegistry
 from profd.actors.reporting import metrics_snapshot
 from profd.actors.runner import NodeRunner, default_runner
 from profd.actors.session_book import SessionBook
+from profd.actors.stack_desk import StackDesk
 from profd.actors.store import Store, open_store
 from profd.actors.trace_index import TraceIndex
 from profd.actors.triggers import TriggerDesk
@@ -116,6 +117,7 @@ class ProfileCoordinator:
         self._triggers = TriggerDesk(
             self._registry, self._times, self._traces, self._admission, clock, self._book.live
         )
+        self._stacks = StackDesk(self._registry, self._plans, self._runner, settings, clock)
         self._agents = AgentDesk(
             poll_timeout_s=settings.poll_timeout_s,
             clock=clock,
@@ -128,6 +130,8 @@ class ProfileCoordinator:
             on_fresh_step=self._alignment.note_fresh_step,
             on_events=self._drivers.progressed,
             on_times=self._triggers.on_times,
+            on_stack=self._stacks.on_sample,
+            on_oom=self._triggers.on_oom,
         )
         self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
         self._ticker: asyncio.Task | None = None

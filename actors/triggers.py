@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from profd.actors.trigger_book import Firing, Trigger, TriggerBook
 from profd.core.errors import ConflictError, NotFoundError, ProfdError
-from profd.core.protocol import MarkDurations
+from profd.core.protocol import AgentEvent, MarkDurations
 from profd.core.trigger_request import TriggerRequest
 from profd.core.views import FiringView, TriggerView
 
@@ -108,6 +108,10 @@ class TriggerDesk:
         }
 
     # -- evaluation ----------------------------------------------------------------------
+    def on_oom(self, agent_id: str, event: AgentEvent) -> None:
+        """An agent's mark saw a CUDA out-of-memory error (an ``oom`` event)."""
+        log.warning("agent %s: out of memory: %s", agent_id, event.message)
+
     def on_times(self, agent_id: str, times: MarkDurations, step: int | None = None) -> None:
         """New durations of one agent (already in the rolling windows); ``step``: the step
         it marked last when it sent them."""
