@@ -47,9 +47,17 @@ from profd.core.paging import Page
 from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, PollReply
 from profd.core.request import SessionRequest
 from profd.core.settings import CoordinatorSettings
+from profd.core.stacks import StackQuery
 from profd.core.states import AgentState
 from profd.core.trigger_request import TriggerRequest
-from profd.core.views import AgentView, SessionView, StatusView, TraceView, TriggerView
+from profd.core.views import (
+    AgentView,
+    SessionView,
+    StacksView,
+    StatusView,
+    TraceView,
+    TriggerView,
+)
 
 __all__ = ["ProfileCoordinator", "Registration"]
 
@@ -268,6 +276,13 @@ class ProfileCoordinator:
             )
             for r in recs
         ]
+
+    async def stacks(self, query: dict | StackQuery | None = None) -> StacksView:
+        """Where every matching live agent's training thread is now, grouped by stack (see
+        :mod:`profd.actors.stack_desk`); no session or step mark needed."""
+        if not isinstance(query, StackQuery):
+            query = StackQuery.parse(**(query or {}))
+        return await self._stacks.collect(query)
 
     def _alive(self, agent_id: str) -> bool:
         rec = self._registry.get(agent_id)

@@ -6,6 +6,11 @@ and rank) and per mark — the step, or a stage label — the last :data:`WINDOW
 last value, the rolling median, and counts since the agent was first heard. Agents that are
 gone or closed are dropped (:meth:`MarkStats.forget`, :meth:`MarkStats.retain`).
 
+Stage samples an agent placed in a step (``LabelDurations.spans``) are folded per step as the
+summary folds a trace's ranges: the first start, the last end and the summed wall time of
+the stage in that step, for the newest :data:`WINDOW` steps (:meth:`MarkStats.spans`:
+straggler triggers compare one step's ends across ranks).
+
 For Prometheus the windows become one series per (role, rank, stage). Cardinality is bounded:
 each role exports at most :data:`METRICS_MAX_STAGES` stage labels (those most of its ranks
 report) besides the step, and each (role, stage) at most :data:`METRICS_MAX_RANKS` ranks —
@@ -33,6 +38,7 @@ __all__ = [
     "WINDOW",
     "MarkStats",
     "RollingWindow",
+    "StepSpan",
 ]
 
 #: Durations kept per agent and mark for the rolling median.
@@ -48,10 +54,29 @@ METRICS_MAX_RANKS = 64
 METRICS_MAX_STAGES = 32
 
 
+class StepSpan:
+    """One stage in one step on one agent: first start, last end (coordinator wall clock,
+    seconds), summed wall time and calls."""
+
+    __slots__ = ("calls", "end", "start", "wall")
+
+    def __init__(self, start: float, end: float) -> None:
+        self.start = start
+        self.end = end
+        self.wall = end - start
+        self.calls = 1
+
+    def add(self, start: float, end: float) -> None:
+        self.start = min(self.start, start)
+        self.end = max(self.end, end)
+        self.wall += end - start
+        self.calls += 1
+
+
 class RollingWindow:
     """The last ``size`` durations of one mark on one agent, and counts since the first."""
 
-    __slots__ = ("_median", "count", "last", "lost", "total", "values")
+    __slots__ = ("_median", "count", "last", "lost", "size", "spans", "total", "values")
 
     def __init__(self, size: int = WINDOW) -> None:
         self.values: deque[float] = deque(maxlen=size)
@@ -60,10 +85,14 @@ class RollingWindow:
         self.total = 0.0  # their sum, in seconds
         self.lost = 0  # durations the agent could not send (its ring overwrote them)
         self._median: float | None = None
+        self.size = size
+        #: step -> the stage in that step (newest ``size`` steps; stages only)
+        self.spans: dict[int, StepSpan] = {}
 
     def add(self, d: LabelDurations) -> None:
         """Add one report's durations (non-finite or negative ones are skipped)."""
         self.lost += max(0, int(d.lost))
+        self._add_spans(d.spans)
         kept = [float(x) for x in d.seconds if math.isfinite(x) and x >= 0]
         if not kept:
             return
@@ -72,6 +101,26 @@ class RollingWindow:
         self.total += sum(kept)
         self.last = kept[-1]
         self._median = None
+
+    def _add_spans(self, spans: Any) -> None:
+        for item in spans or ():
+            try:
+                step, start, end = item
+                start, end = float(start), float(end)
+            except (TypeError, ValueError):
+                continue
+            if (
+                isinstance(step, bool) or not isinstance(step, int)
+                or not (math.isfinite(start) and math.isfinite(end)) or end < start
+            ):  # fmt: skip
+                continue
+            span = self.spans.get(step)
+            if span is None:
+                self.spans[step] = StepSpan(start, end)
+                if len(self.spans) > self.size:  # the oldest step goes
+                    del self.spans[min(self.spans)]
+            else:
+                span.add(start, end)
 
     @property
     def median(self) -> float | None:
@@ -171,6 +220,12 @@ class MarkStats:
             return []
         values = w.values
         return list(values)[-n:] if n < len(values) else list(values)
+
+    def spans(self, agent_id: str, stage: str) -> dict[int, StepSpan]:
+        """One agent's stage ``stage`` per step (newest :data:`WINDOW` steps); read only."""
+        a = self._agents.get(agent_id)
+        w = None if a is None else a.stages.get(stage)
+        return {} if w is None else w.spans
 
     def views(self, agent_id: str) -> tuple[TimingView | None, dict[str, TimingView]]:
         """(step, stages by label) of one agent, for its ``AgentView``."""

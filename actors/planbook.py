@@ -9,6 +9,7 @@ agent costs a plan reference and two integers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -83,8 +84,22 @@ class PlanBook:
     ) -> None:
         self._version += 1
         entry.plan = AgentPlan(
-            version=self._version, windows=windows, controller_step=step, controller_phase=phase
+            version=self._version,
+            windows=windows,
+            controller_step=step,
+            controller_phase=phase,
+            stacks=entry.plan.stacks,
         )
+        _signal(entry.waiters)
+
+    def request_stacks(self, agent_id: str, request: int) -> None:
+        """Ask an agent for its stack (``AgentPlan.stacks``): a new plan version with the same
+        windows, which wakes its long-poll."""
+        entry = self._entries.get(agent_id)
+        if entry is None:
+            return
+        self._version += 1
+        entry.plan = dataclasses.replace(entry.plan, version=self._version, stacks=request)
         _signal(entry.waiters)
 
     def wake(self, agent_id: str) -> None:

@@ -1,12 +1,24 @@
-"""Triggers: conditions on live step / stage times that start bounded sessions by themselves.
+"""Triggers: conditions on live step / stage times, or an out-of-memory error, that start
+bounded sessions by themselves.
 
 Pure logic (no Ray), owned by the coordinator. Each ``times`` event an agent sends
 (:class:`~profd.core.protocol.MarkDurations`) is offered to :meth:`TriggerBook.observe`
-after :class:`~profd.actors.mark_stats.MarkStats` took it. A trigger holds when the rank's
-newest ``for_steps`` durations of the watched mark each exceed ``factor`` x the median of
-the role's newest ``baseline_steps`` durations per rank (pooled; the median shrugs off the
-one slow rank) and ``min_ms``. A firing is then *due*; the coordinator turns it into a
-session on that rank and one healthy peer of its role, and tells the book how that went:
+after :class:`~profd.actors.mark_stats.MarkStats` took it; each ``oom`` event to
+:meth:`TriggerBook.out_of_memory`. A trigger holds:
+
+* ``step_time`` / ``stage_time``: when the rank's newest ``for_steps`` durations of the
+  watched mark each exceed ``factor`` x the median of the role's newest ``baseline_steps``
+  durations per rank (pooled; the median shrugs off the one slow rank) and ``min_ms``;
+* ``straggler``: when the rank's stage ended late in each of the newest ``for_steps`` steps
+  judged, by ``min_ms`` at least: a step is judged once every rank of the role that reports
+  the stage has reported its end in that step, with the summary's straggler rule
+  (:func:`late_against_peers`, the same as ``profd.analysis.stragglers``: later than the
+  median end of the *other* ranks by more than ``max(k x MAD x 1.4826, 5 ms, 5 % of the
+  stage's median wall time)``);
+* ``oom``: when a rank of the role reports a CUDA out-of-memory error.
+
+A firing is then *due*; the coordinator turns it into a session on that rank and one
+healthy peer of its role, and tells the book how that went:
 
 * :meth:`fired`: the session exists; cooldown and the hourly cap count from now;
 * nothing, when a live session holds the ranks: the firing stays due (:meth:`due`) and the
@@ -28,11 +40,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
-from profd.core.protocol import MarkDurations
-from profd.core.trigger_request import TriggerRequest
+from profd.core.protocol import MarkDurations, OutOfMemory
+from profd.core.trigger_request import TriggerKind, TriggerRequest
 
-__all__ = ["Evidence", "Firing", "FiringState", "Trigger", "TriggerBook"]
+__all__ = [
+    "Evidence",
+    "Firing",
+    "FiringState",
+    "Lateness",
+    "StragglerRule",
+    "Trigger",
+    "TriggerBook",
+    "late_against_peers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +62,82 @@ HOUR_S = 3600.0
 #: Firings kept per trigger for GET /api/v1/triggers (the counts cover every one).
 KEPT_FIRINGS = 50
 
+#: Steps judged per straggler trigger (the newest; ``for_steps`` is at most 16).
+KEPT_VERDICTS = 64
+MAD_SCALE = 1.4826
+
 #: (role, mark, n) -> the newest n durations of each rank of the role that reports it, per rank.
 History = Callable[[str, str | None, int], dict[int, list[float]]]
+#: (role, stage) -> rank -> (agent id, step -> the stage in that step: ``start``, ``end``,
+#: ``wall`` in seconds; see ``profd.actors.mark_stats.StepSpan``), for the role's alive ranks.
+Spans = Callable[[str, str], dict[int, tuple[str, dict[int, Any]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerRule:
+    """The summary's straggler rule (``profd.analysis.models.StragglerRule``'s defaults, in
+    seconds): late by more than ``max(k x MAD x 1.4826, abs_floor_s, rel_floor x median
+    wall time)``."""
+
+    k: float = 3.0
+    abs_floor_s: float = 0.005
+    rel_floor: float = 0.05
+
+
+RULE = StragglerRule()
+
+
+@dataclass(frozen=True, slots=True)
+class Lateness:
+    """One rank's stage in one step against the other ranks' (seconds)."""
+
+    late: float  # its end minus the peers' median end
+    reference: float  # the peers' median end
+    threshold: float  # the bar ``late`` must pass
+    end: float
+    start_late: float  # its start minus the peers' median start
+    extra_wall: float  # its wall time minus the peers' median wall time
+    start_threshold: float
+    wall_threshold: float
+
+    @property
+    def is_late(self) -> bool:
+        return self.late > self.threshold
+
+    @property
+    def cause(self) -> str:
+        """As ``profd.analysis.models.LateCause``: late start, long duration, or both."""
+        late_start = self.start_late > self.start_threshold
+        long = self.extra_wall > self.wall_threshold
+        if late_start and long:
+            return "late start and long duration"
+        if late_start or long:
+            return "late start" if late_start else "long duration"
+        return "late start" if self.start_late > self.extra_wall else "long duration"
+
+
+def _against(values: list[float], i: int, floor: float, k: float) -> tuple[float, float, float]:
+    peers = values[:i] + values[i + 1 :]
+    ref = statistics.median(peers)
+    spread = statistics.median(abs(p - ref) for p in peers) * MAD_SCALE
+    return values[i] - ref, ref, max(k * spread, floor)
+
+
+def late_against_peers(
+    starts: list[float], ends: list[float], walls: list[float], rule: StragglerRule = RULE
+) -> list[Lateness]:
+    """Each member of one (role, step, stage) group against the others (at least two), by
+    the summary's rule (``profd.analysis.stragglers.late_outliers`` / ``late_cause``)."""
+    if len(ends) < 2:
+        return []
+    floor = max(rule.abs_floor_s, rule.rel_floor * statistics.median(walls))
+    out = []
+    for i in range(len(ends)):
+        late, ref, thr = _against(ends, i, floor, rule.k)
+        start_late, _, start_thr = _against(starts, i, floor, rule.k)
+        extra, _, wall_thr = _against(walls, i, floor, rule.k)
+        out.append(Lateness(late, ref, thr, ends[i], start_late, extra, start_thr, wall_thr))
+    return out
 
 
 class FiringState(StrEnum):
@@ -58,7 +154,13 @@ class Suppressed(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """Why a trigger fired: the rank, what it measured, and the baseline it was held to."""
+    """Why a trigger fired: the rank, what it measured, and the baseline it was held to.
+
+    ``straggler``: ``observed_s`` is the lateness (``late_s``: its stage's end minus the
+    peers' median end, ``peer_median_end_s``) and ``baseline_s`` the rule's bar
+    (``threshold_s``) in ``step``; ``baseline_samples`` the peers compared. ``oom``: the
+    ``error``, the ``stage`` it left (``mark`` "step" when a step mark) and the
+    ``snapshot_path``; no measure (``observed_s`` and ``baseline_s`` 0)."""
 
     role: str
     rank: int
@@ -66,16 +168,42 @@ class Evidence:
     mark: str  # "step" or the stage label
     observed_s: float
     baseline_s: float
-    factor: float
+    factor: float | None
     baseline_samples: int
-    step: int | None = None  # the rank's step as the coordinator knew it then
+    step: int | None = None  # the rank's step as the coordinator knew it then (straggler: judged)
+    kind: str = TriggerKind.STEP_TIME.value
+    #: the healthy peer to profile beside it, when the condition chose one (straggler)
+    peer_rank: int | None = None
+    # straggler
+    late_s: float | None = None
+    threshold_s: float | None = None
+    end_s: float | None = None  # its stage's end, coordinator wall clock
+    peer_median_end_s: float | None = None
+    cause: str | None = None  # late start / long duration / both (as the summary says)
+    # oom
+    error: str | None = None
+    snapshot_path: str | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "role": self.role, "rank": self.rank, "agent_id": self.agent_id, "mark": self.mark,
             "observed_s": round(self.observed_s, 6), "baseline_s": round(self.baseline_s, 6),
             "factor": self.factor, "baseline_samples": self.baseline_samples, "step": self.step,
+            "kind": self.kind,
         }  # fmt: skip
+        if self.kind == TriggerKind.STRAGGLER:
+            out.update(
+                peer_rank=self.peer_rank, late_s=_r(self.late_s), threshold_s=_r(self.threshold_s),
+                end_s=_r(self.end_s), peer_median_end_s=_r(self.peer_median_end_s),
+                cause=self.cause,
+            )  # fmt: skip
+        elif self.kind == TriggerKind.OOM:
+            out.update(error=self.error, snapshot_path=self.snapshot_path)
+        return out
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +227,8 @@ class Trigger:
     suppressed: dict[Suppressed, int] = field(default_factory=dict)
     disk_bytes: int = 0  # traces of its sessions so far
     due: Firing | None = None
+    #: straggler: step -> rank -> its lateness there (the newest KEPT_VERDICTS steps judged)
+    verdicts: dict[int, dict[int, Lateness]] = field(default_factory=dict)
 
     @property
     def fired(self) -> int:
@@ -148,15 +278,24 @@ class TriggerBook:
         times: MarkDurations,
         history: History,
         step: int | None = None,
+        spans: Spans | None = None,
+        profiled: Callable[[str], bool] | None = None,
     ) -> list[Firing]:
         """The firings that ``times`` (just added to the rolling windows) makes due
-        (``step``: the agent's current step, for the evidence)."""
+        (``step``: the agent's current step, for the evidence). ``spans``: the role's stage
+        spans per rank (straggler triggers); ``profiled``: whether an agent's marks carry a
+        profiler's cost now (its durations are not held against it, nor is it called late)."""
         out = []
+        profiled = profiled or (lambda _aid: False)
         for t in self._triggers.values():
             cond = t.request.when
-            if cond.role != role:
+            if cond.role != role or cond.kind is TriggerKind.OOM:
                 continue
-            if not _new_durations(times, cond.mark):
+            if cond.kind is TriggerKind.STRAGGLER:
+                if spans is not None and (firing := self._straggler(t, times, spans, profiled)):
+                    out.append(firing)
+                continue
+            if profiled(agent_id) or not _new_durations(times, cond.mark):
                 continue
             per_rank = history(role, cond.mark, cond.baseline_steps)
             pooled = [x for values in per_rank.values() for x in values[-cond.baseline_steps :]]
@@ -171,7 +310,77 @@ class TriggerBook:
                 continue
             evidence = Evidence(
                 role, rank, agent_id, cond.mark or "step", newest[-1], baseline, cond.factor,
-                len(pooled), step,
+                len(pooled), step, kind=cond.kind.value,
+            )  # fmt: skip
+            firing = self._hold(t, evidence)
+            if firing is not None:
+                out.append(firing)
+        return out
+
+    def _straggler(
+        self, t: Trigger, times: MarkDurations, spans: Spans, profiled: Callable[[str], bool]
+    ) -> Firing | None:
+        """Judge the steps of the watched stage that ``times`` completed (every rank that
+        reports the stage has its end there), then whether a rank was late in the newest
+        ``for_steps`` of them."""
+        cond = t.request.when
+        stage = cond.stage or ""
+        new = sorted({sp[0] for d in times.stages if d.label == stage for sp in d.spans})
+        if not new:
+            return None
+        per_rank = spans(cond.role, stage)
+        if len(per_rank) < 2:
+            return None
+        judged = False
+        for s in new:
+            if s in t.verdicts or any(s not in steps for _, steps in per_rank.values()):
+                continue
+            ranks = sorted(per_rank)
+            got = [per_rank[r][1][s] for r in ranks]
+            lateness = late_against_peers(
+                [g.start for g in got], [g.end for g in got], [g.wall for g in got]
+            )
+            t.verdicts[s] = dict(zip(ranks, lateness, strict=True))
+            judged = True
+        while len(t.verdicts) > KEPT_VERDICTS:
+            del t.verdicts[min(t.verdicts)]
+        if not judged:
+            return None
+        newest = sorted(t.verdicts)[-cond.for_steps :]
+        if len(newest) < cond.for_steps:
+            return None
+        last = t.verdicts[newest[-1]]
+        held = []
+        for r, (aid, _) in per_rank.items():
+            runs = [t.verdicts[s].get(r) for s in newest]
+            late = all(x is not None and x.is_late and x.late * 1e3 >= cond.min_ms for x in runs)
+            if late and not profiled(aid):
+                held.append((-last[r].late, r))
+        if not held:
+            return None
+        rank = min(held)[1]
+        x = last[rank]
+        healthy = [(abs(v.late), r) for r, v in last.items() if r != rank and not v.is_late]
+        evidence = Evidence(
+            cond.role, rank, per_rank[rank][0], stage, x.late, x.threshold, None,
+            len(last) - 1, newest[-1], kind=cond.kind.value,
+            peer_rank=min(healthy)[1] if healthy else None, late_s=x.late,
+            threshold_s=x.threshold, end_s=x.end, peer_median_end_s=x.reference, cause=x.cause,
+        )  # fmt: skip
+        return self._hold(t, evidence)
+
+    def out_of_memory(
+        self, agent_id: str, role: str, rank: int, oom: OutOfMemory, step: int | None = None
+    ) -> list[Firing]:
+        """The firings an out-of-memory error on ``agent_id`` makes due."""
+        out = []
+        for t in self._triggers.values():
+            cond = t.request.when
+            if cond.kind is not TriggerKind.OOM or cond.role != role:
+                continue
+            evidence = Evidence(
+                role, rank, agent_id, oom.stage or "step", 0.0, 0.0, None, 0, step,
+                kind=cond.kind.value, error=oom.error, snapshot_path=oom.snapshot_path,
             )  # fmt: skip
             firing = self._hold(t, evidence)
             if firing is not None:

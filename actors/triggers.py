@@ -1,14 +1,17 @@
 """The coordinator's triggers: the :class:`~profd.actors.trigger_book.TriggerBook` fed with
-live times, and the sessions its firings start.
+live times and out-of-memory events, and the sessions its firings start.
 
-A firing targets the offending rank and one healthy peer of its role (the alive rank whose
-own rolling median of the watched mark is closest to the role's baseline; the lowest rank
-on a tie), for the trigger's ``next_steps``. A live session holding those ranks makes the
-firing wait (retried by each tick and each new times event) rather than fail. An agent's
-durations while it is profiled, and for a few seconds after, are not held against its role:
-they carry the profiler's own cost. Triggers live
-in the coordinator's memory: a restarted coordinator has none until they are posted again
-(``profd up --trigger FILE`` posts its file at every start).
+A firing targets the offending rank and one healthy peer of its role, for the trigger's
+``next_steps``: for a straggler the rank whose stage ended closest to the median in the
+step judged; otherwise the alive rank whose own rolling median of the watched mark (the
+step, for ``oom``) is closest to the role's baseline, leaving out ranks that ran out of
+memory within the hour (the lowest rank on a tie, or when no rank has times). A live
+session holding those ranks makes the firing wait (retried by each tick and each new times
+event) rather than fail. An agent's durations while it is profiled, and for a few seconds
+after, are not held against its role, nor is it called a straggler then: they carry the
+profiler's own cost. Triggers live in the coordinator's memory: a restarted coordinator has
+none until they are posted again (``profd up --trigger FILE`` posts its file at every
+start).
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from profd.actors.trigger_book import Firing, Trigger, TriggerBook
 from profd.core.errors import ConflictError, NotFoundError, ProfdError
-from profd.core.protocol import AgentEvent, MarkDurations
-from profd.core.trigger_request import TriggerRequest
+from profd.core.protocol import AgentEvent, MarkDurations, OutOfMemory
+from profd.core.trigger_request import TriggerKind, TriggerRequest
 from profd.core.views import FiringView, TriggerView
 
 if TYPE_CHECKING:
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 #: After a session, an agent's durations are left out this long: its last profiled step
 #: (the profiler's stop and export) reaches the coordinator up to a report later.
 PROFILED_GRACE_S = 3.0
+#: A rank that ran out of memory is not anyone's healthy peer for this long.
+OOM_UNHEALTHY_S = 3600.0
 
 
 class TriggerDesk:
@@ -57,6 +62,7 @@ class TriggerDesk:
         self._clock = clock
         self._live = live
         self._profiled_at: dict[str, float] = {}  # agent id -> last seen in a live session
+        self._oom_at: dict[str, float] = {}  # agent id -> its last out-of-memory error
         self.book = TriggerBook(clock)
         self._sessions: dict[str, list[str]] = {}  # trigger id -> the sessions it started
         self._firing: asyncio.Task | None = None
@@ -110,22 +116,41 @@ class TriggerDesk:
     # -- evaluation ----------------------------------------------------------------------
     def on_oom(self, agent_id: str, event: AgentEvent) -> None:
         """An agent's mark saw a CUDA out-of-memory error (an ``oom`` event)."""
+        oom = event.payload
         log.warning("agent %s: out of memory: %s", agent_id, event.message)
+        rec = self._registry.get(agent_id)
+        if rec is None or not isinstance(oom, OutOfMemory):
+            return
+        now = self._clock()
+        self._oom_at = {a: at for a, at in self._oom_at.items() if now - at < OOM_UNHEALTHY_S}
+        self._oom_at[agent_id] = now
+        if not len(self.book.all()):
+            return
+        self._count_disk()
+        info = rec.info
+        if self.book.out_of_memory(agent_id, info.role, info.rank, oom, event.step):
+            self.fire_soon()
 
     def on_times(self, agent_id: str, times: MarkDurations, step: int | None = None) -> None:
         """New durations of one agent (already in the rolling windows); ``step``: the step
         it marked last when it sent them."""
         rec = self._registry.get(agent_id)
-        if rec is None or not len(self.book.all()) or self._profiling(agent_id):
+        if rec is None or not len(self.book.all()):
             return
+        self._count_disk()
+        info = rec.info
+        if self.book.observe(
+            agent_id, info.role, info.rank, times, self._history, step, self._spans,
+            self._profiling,
+        ):  # fmt: skip
+            self.fire_soon()
+
+    def _count_disk(self) -> None:
         for t in self.book.all():
             t.disk_bytes = sum(
                 tr.bytes for sid in self._sessions.get(t.trigger_id, ()) for tr in
                 self._traces.of_session(sid)
             )  # fmt: skip
-        info = rec.info
-        if self.book.observe(agent_id, info.role, info.rank, times, self._history, step):
-            self.fire_soon()
 
     def _profiling(self, agent_id: str) -> bool:
         """Whether its durations carry a profiler's cost: it is in a live session, or was
@@ -139,6 +164,19 @@ class TriggerDesk:
             del self._profiled_at[agent_id]
             return False
         return at is not None
+
+    def _oomed(self, agent_id: str, now: float) -> bool:
+        at = self._oom_at.get(agent_id)
+        return at is not None and now - at < OOM_UNHEALTHY_S
+
+    def _spans(self, role: str, stage: str) -> dict[int, tuple[str, dict[int, Any]]]:
+        out = {}
+        for rec in self._registry.alive():
+            if rec.info.role == role:
+                steps = self._times.spans(rec.info.agent_id, stage)
+                if steps:
+                    out[rec.info.rank] = (rec.info.agent_id, steps)
+        return out
 
     def _history(self, role: str, mark: str | None, n: int) -> dict[int, list[float]]:
         out = {}
@@ -181,17 +219,28 @@ class TriggerDesk:
             )  # fmt: skip
 
     def _ranks(self, firing: Firing, t: Trigger) -> tuple[int, ...]:
-        """The offending rank, and the healthy peer closest to the baseline."""
-        ev, mark = firing.evidence, t.request.when.mark
-        peers = []
-        for rec in self._registry.alive():
-            if rec.info.role != ev.role or rec.info.rank == ev.rank:
-                continue
-            values = self._times.recent(rec.info.agent_id, mark, t.request.when.baseline_steps)
+        """The offending rank, and the healthy peer: the one the condition chose
+        (straggler), else the one closest to the baseline."""
+        ev, cond = firing.evidence, t.request.when
+        alive = [
+            r for r in self._registry.alive() if r.info.role == ev.role and r.info.rank != ev.rank
+        ]
+        if ev.peer_rank is not None and any(r.info.rank == ev.peer_rank for r in alive):
+            return ev.rank, ev.peer_rank
+        now = self._clock()
+        alive = [r for r in alive if not self._oomed(r.info.agent_id, now)]
+        durations = cond.kind in (TriggerKind.STEP_TIME, TriggerKind.STAGE_TIME)
+        mark = cond.mark if durations else None  # oom, straggler: their step times
+        medians = []
+        for rec in alive:
+            values = self._times.recent(rec.info.agent_id, mark, cond.baseline_steps)
             if values:
-                mid = sorted(values)[len(values) // 2]
-                peers.append((abs(mid - ev.baseline_s), rec.info.rank))
-        return (ev.rank, min(peers)[1]) if peers else (ev.rank,)
+                medians.append((sorted(values)[len(values) // 2], rec.info.rank))
+        if not medians:  # no times (or none yet): the lowest rank
+            return (ev.rank, min(r.info.rank for r in alive)) if alive else (ev.rank,)
+        # the role's baseline; without one (oom, straggler), the middle of the peers
+        baseline = ev.baseline_s if durations else sorted(medians)[len(medians) // 2][0]
+        return ev.rank, min((abs(m - baseline), r) for m, r in medians)[1]
 
 
 def _firing_view(f: Firing) -> FiringView:

@@ -18,7 +18,7 @@ from profd.actors.runner import default_runner
 from profd.api import metrics
 from profd.api.client import CoordinatorClient, RayCoordinatorClient, SharedReads
 from profd.api.deps import ReadTokenDep
-from profd.api.routes import agents, dashboard, sessions, status, traces, triggers
+from profd.api.routes import agents, dashboard, sessions, stacks, status, traces, triggers
 from profd.api.security import BodyLimit, HostCheck, allowed_host_names
 from profd.api.summaries import SummaryCache
 from profd.core.constants import __version__
@@ -67,7 +67,7 @@ def create_app(
     app.state.summaries = SummaryCache()
     # /healthz (in status.router) stays open for liveness probes; /api/v1/status guards itself.
     app.include_router(status.router)
-    for router in (agents.router, sessions.router, traces.router, triggers.router):
+    for router in (agents.router, sessions.router, stacks.router, traces.router, triggers.router):
         app.include_router(router, dependencies=[ReadTokenDep])
     app.include_router(metrics.router)
     app.include_router(dashboard.router)

@@ -1,5 +1,5 @@
 """One router per resource."""
 
-from profd.api.routes import agents, dashboard, sessions, status, traces
+from profd.api.routes import agents, dashboard, sessions, stacks, status, traces
 
-__all__ = ["agents", "dashboard", "sessions", "status", "traces"]
+__all__ = ["agents", "dashboard", "sessions", "stacks", "status", "traces"]

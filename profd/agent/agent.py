@@ -9,6 +9,11 @@ makes an RPC, takes a lock or allocates on the training thread.
 
 Without a coordinator (no Ray, or profd not started yet) the agent is inert; inside a Ray job
 it keeps looking for the coordinator in the background, so ``profd up`` can come later.
+
+A CUDA out-of-memory error leaving a step or stage mark (a ``torch.cuda.OutOfMemoryError``,
+told by its class name or its "CUDA out of memory" message: torch is not imported for it)
+becomes one ``oom`` event, with the ``torch_memory`` snapshot when such a window records;
+the mark re-raises it either way, and a failure to report it is only logged.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink
@@ -33,12 +40,33 @@ from profd.agent.window_state import IDLE, ArmedPlan
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
 from profd.backends.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.core.naming import sanitize
-from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, MarkDurations
+from profd.core.protocol import (
+    AgentEvent,
+    AgentInfo,
+    AgentPlan,
+    EventKind,
+    MarkDurations,
+    OutOfMemory,
+)
 from profd.core.ray_env import process_start, ray_context, ray_up
 
-__all__ = ["ProfilerAgent"]
+__all__ = ["ProfilerAgent", "is_out_of_memory"]
 
 log = logging.getLogger(__name__)
+
+#: What an ``oom`` event keeps of the error's message.
+OOM_MESSAGE_CHARS = 2000
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error: ``torch.cuda.OutOfMemoryError`` (or a subclass, by class
+    name: torch is not imported here) or any error saying "CUDA out of memory"."""
+    if any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__):
+        return True
+    try:
+        return "CUDA out of memory" in str(exc)
+    except Exception:  # a __str__ that fails: not ours to judge
+        return False
 
 
 class ProfilerAgent:
@@ -84,6 +112,7 @@ class ProfilerAgent:
             capabilities=capabilities(),
             pid_start=process_start(os.getpid()),
             job_id=ray.job_id,
+            thread_id=threading.get_native_id(),
         )
         self._next_step: int | None = None
         self._current_step: int | None = None
@@ -92,7 +121,8 @@ class ProfilerAgent:
         if not mark_times:  # the marks as they were before they were timed
             self.step = self._untimed_step  # type: ignore[method-assign]
             self.stage = self._untimed_stage  # type: ignore[method-assign]
-        self._timings = Timings(enabled=mark_times)
+        self._timings = Timings(enabled=mark_times, on_error=self._mark_error)
+        self._oom_snapshots: set[Path] = set()  # torch_memory snapshots already reported
         #: The training thread's lookups of stage timers (replaced when roles change).
         self._stage_timers = self._timings.plain
         self._role_timers = self._timings.by_role
@@ -323,8 +353,61 @@ class ProfilerAgent:
         self._role_timers = {} if recording else self._timings.by_role
 
     def _take_times(self) -> MarkDurations | None:
-        """Reporter thread: the step and stage durations measured since the last call."""
-        return self._timings.take(self._step_mark)
+        """Reporter thread: the step and stage durations measured since the last call, with
+        the stage spans on the coordinator's clock (none until its offset is measured)."""
+        estimate = self._clock_estimate()
+        base = None
+        if estimate is not None:  # mark_clock -> this process's wall clock -> the coordinator's
+            base = (self._now_ns() + estimate.offset_ns) / 1e9 - mark_clock()
+        return self._timings.take(self._step_mark, base)
+
+    # -- out of memory --------------------------------------------------------------------
+    def _mark_error(self, exc: BaseException, stage: str | None) -> None:
+        """Training thread: an exception is leaving a mark (which re-raises it). A CUDA
+        out-of-memory error is reported once, at the innermost mark it leaves."""
+        try:
+            if not is_out_of_memory(exc) or getattr(exc, "_profd_oom_reported", False):
+                return
+            try:
+                exc._profd_oom_reported = True  # type: ignore[attr-defined]
+            except Exception:  # an error type without attributes: reported by every mark
+                pass
+            error = f"{type(exc).__name__}: {exc}"[:OOM_MESSAGE_CHARS]
+            path = self._oom_snapshot()
+            log.warning("profd: out of memory in %s: %s", stage or "a step", error)
+            payload = OutOfMemory(error=error, stage=stage, snapshot_path=path)
+            self._emit(
+                AgentEvent(EventKind.OOM, None, self._current_step, message=error, payload=payload)
+            )
+        except Exception:
+            log.exception("profd: reporting an out-of-memory error failed")
+
+    def _oom_snapshot(self) -> str | None:
+        """The ``torch_memory`` snapshot of this out-of-memory error, when such a window is
+        armed: the one its OOM observer wrote (on CUDA, before the error is raised), else one
+        the recording collection dumps now; None without one."""
+        windows = [w for w in self._armed.plan.windows if w.tool == "torch_memory"]
+        scope = self._recorder.active
+        dump = None
+        if scope is not None and scope.ws.window.tool == "torch_memory":
+            dump = getattr(scope.current, "dump_oom", None)
+            windows.append(scope.ws.window)
+        if not windows:
+            return None
+        dirs = {Path(w.save_dir) for w in windows}
+        pattern = f"*_pid{os.getpid()}_*_oom*.pickle"
+
+        def fresh() -> set[Path]:
+            return {p for d in dirs if d.is_dir() for p in d.glob(pattern)} - self._oom_snapshots
+
+        new = fresh()
+        if not new and dump is not None:
+            dump()  # writes <stem>_oom<n>.pickle now (the job may not survive the error)
+            new = fresh()
+        if not new:
+            return None
+        self._oom_snapshots |= new
+        return str(max(new, key=lambda p: p.stat().st_mtime_ns))
 
     def _emit(self, event: AgentEvent) -> None:
         if self._channel is not None:
@@ -332,7 +415,14 @@ class ProfilerAgent:
 
     def _install_plan(self, plan: AgentPlan) -> None:
         """Poller thread: publish a plan snapshot and acknowledge new windows."""
-        old = {w.session_id for w in self._armed.plan.windows}
+        held = self._armed.plan
+        if (plan.windows, plan.controller_step, plan.controller_phase) == (
+            held.windows,
+            held.controller_step,
+            held.controller_phase,
+        ):
+            return  # only a stack request (the channel answered it): the marks keep theirs
+        old = {w.session_id for w in held.windows}
         self._armed = ArmedPlan(plan, self._current_step)
         self._step_mark.wake = ADOPT  # after _armed: see _sync_wake
         self._timed.sync(plan.windows)  # thread-free timed windows start right away
@@ -366,6 +456,7 @@ class ProfilerAgent:
         if previous is not None and self._recorder.has_windows:
             self._exit_step(previous)
         self._current_step = step
+        self._timings.bounds.mark(step, mark_clock())  # where its stages' step begins
         armed = self._armed
         if armed.plan.windows or self._recorder.has_windows:
             self._enter_step(step, armed)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from profd.agent.clock_sync import ClockEstimate, estimate_offset
+from profd.agent.stacks import read_stack
 from profd.core.errors import CoordinatorUnavailable
 from profd.core.protocol import (
     AgentEvent,
@@ -32,6 +33,7 @@ from profd.core.protocol import (
     EventKind,
     MarkDurations,
     PollReply,
+    StackSample,
 )
 from profd.core.ray_env import call_coordinator, find_coordinator
 
@@ -152,6 +154,7 @@ class Channel:
         self._take_times = take_times
         self._times_every_s = times_every_s
         self._times_due = 0.0
+        self._stacks_answered = 0
         self._threads = [
             threading.Thread(target=self._poll_loop, name="profd-poller", daemon=True),
             threading.Thread(target=self._report_loop, name="profd-reporter", daemon=True),
@@ -239,7 +242,18 @@ class Channel:
         # A restarted coordinator may count versions from scratch: accept any change.
         if plan.version != self._version:
             self._version = plan.version
+            if plan.stacks and plan.stacks != self._stacks_answered:
+                self._answer_stacks(plan.stacks)
             self._install_plan(plan)
+
+    def _answer_stacks(self, request: int) -> None:
+        """Poller thread: send the training thread's stack for request ``request``."""
+        self._stacks_answered = request
+        try:
+            sample = read_stack(request, self.info.thread_id)
+        except Exception as exc:  # never let a stack request stop the poller
+            sample = StackSample(request, (), error=f"reading the stack failed: {exc}")
+        self.send(AgentEvent(EventKind.STACK, payload=sample))
 
     def _poll_loop(self) -> None:
         attempt = 0

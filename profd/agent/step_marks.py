@@ -5,6 +5,11 @@
 ``mark_times=False``. Both only call into the recorder when a step has work: a plan not
 adopted yet, or a step some window waits for. Each holds its ``ProfilerAgent`` (typed
 ``Any`` here: this module is imported by ``profd.agent.agent``, never the other way).
+
+The timed mark also keeps, per sample, when the step ended and its number (two more slots
+of preallocated rings: the reporter places stage samples in their step with them). An
+exception leaving either mark goes to the agent's ``_mark_error`` (its out-of-memory check)
+and on into the loop: the mark never swallows it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class StepMark:
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
         agent = self._agent
         step = agent._current_step
+        if et is not None:  # before a window's stop: a torch_memory collection is still open
+            agent._mark_error(ev, None)
         try:
             due = step >= agent._recorder.wake_at
         except TypeError:
@@ -65,7 +72,9 @@ class TimedStepMark:
     ``agent.step(n)`` does the enter's work (window check, first clock read) and
     ``__enter__`` is a C no-op: a Python frame less per step, a tenth of an idle mark."""
 
-    __slots__ = ("_agent", "head", "label", "ring", "t0", "tail", "wake", "wake_exit")
+    __slots__ = (
+        "_agent", "ends", "head", "label", "ring", "steps", "t0", "tail", "wake", "wake_exit",
+    )  # fmt: skip
 
     __enter__ = ENTER_NOTHING
 
@@ -73,6 +82,8 @@ class TimedStepMark:
         self._agent = agent
         self.label = STEP_LABEL
         self.ring: list[float] = [0.0] * RING
+        self.ends: list[float] = [0.0] * RING  # when each step ended (mark_clock)
+        self.steps: list[Any] = [None] * RING  # which step it was
         self.head = 0
         self.tail = 0
         self.t0 = 0.0  # 0.0 until the first step (perf_counter never reads 0)
@@ -83,15 +94,21 @@ class TimedStepMark:
         self.wake_exit = NO_STEP
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
-        elapsed = mark_clock() - self.t0  # before a window's stop: not the step's own time
+        t1 = mark_clock()  # before a window's stop: not the step's own time
+        agent = self._agent
+        step = agent._current_step
         i = self.head
-        self.ring[i & MASK] = elapsed
+        j = i & MASK
+        self.ring[j] = t1 - self.t0
+        self.ends[j] = t1
+        self.steps[j] = step
         self.head = i + 1
-        step = self._agent._current_step
+        if et is not None:  # before a window's stop: a torch_memory collection is still open
+            agent._mark_error(ev, None)
         try:
             due = step >= self.wake_exit
         except TypeError:
             due = False
         if due:
-            self._agent._exit_step(step)
+            agent._exit_step(step)
         return False

@@ -14,6 +14,16 @@ keeps only the slots that ``head`` had not come back to when it finished reading
 that fills (a stalled reporter, no coordinator, marks faster than ``RING`` per report)
 overwrites its oldest samples; the next report counts them as ``lost``.
 
+Each sample also keeps when it ended (the clock read the duration was taken from, stored
+in a second preallocated ring), and the step mark keeps its step number: the reporter
+places each stage sample in the step it ended in and ships ``(step, start, end)`` on the
+coordinator's wall clock (``LabelDurations.spans``), so straggler triggers can compare one
+step's stage ends across ranks. A stage is placed once its step is over (SPMD), or, in a
+worker that follows its driver's steps, in the step it followed last (:class:`StepBounds`).
+
+An exception leaving a mark is offered to ``on_error`` (the agent's out-of-memory check):
+one ``is not None`` test when there is none.
+
 Known limits, for the price of one attribute store per enter: a label nested inside itself,
 or marked from two threads at once, measures from the latest enter. Stage labels beyond
 :data:`MAX_LABELS` are not timed (logged once).
@@ -23,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -37,6 +49,7 @@ __all__ = [
     "STEP_LABEL",
     "UNTIMED",
     "StageTimer",
+    "StepBounds",
     "TimedRange",
     "Timings",
     "drain",
@@ -66,26 +79,62 @@ mark_clock = time.perf_counter
 ENTER_NOTHING = staticmethod(type(None))
 
 
+def _ignore(exc: BaseException, label: str | None) -> None:
+    """The default ``on_error``: nothing to tell."""
+
+
+#: ``on_error(exc, label)``: an exception left a mark (``label`` None: the step mark).
+OnError = Callable[[BaseException, "str | None"], None]
+
+
 class StageTimer:
     """Times one stage label: what an idle ``agent.stage(name)`` returns (one per label,
     reused by every call: no allocation). ``agent.stage`` sets :attr:`t0`."""
 
-    __slots__ = ("head", "label", "ring", "t0", "tail")
+    __slots__ = ("ends", "head", "label", "on_error", "ring", "t0", "tail")
 
     __enter__ = ENTER_NOTHING
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, on_error: OnError = _ignore) -> None:
         self.label = label
         self.ring: list[float] = [0.0] * RING
+        self.ends: list[float] = [0.0] * RING  # when each sample ended (mark_clock)
         self.head = 0  # samples written (training thread)
         self.tail = 0  # samples taken (reporter thread)
         self.t0 = 0.0
+        self.on_error = on_error
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        t1 = mark_clock()
         i = self.head
-        self.ring[i & MASK] = mark_clock() - self.t0
+        j = i & MASK
+        self.ring[j] = t1 - self.t0
+        self.ends[j] = t1
         self.head = i + 1
+        if et is not None:  # re-raised: the mark never swallows it
+            self.on_error(ev, self.label)
         return False
+
+
+class StepBounds:
+    """Where each step began in a worker that follows its driver's steps (single-controller
+    jobs mark no step): written on the training thread when it moves to a new step (not an
+    idle mark's path), read by the reporter to place stage samples in their step."""
+
+    __slots__ = ("head", "ring", "steps", "tail")
+
+    def __init__(self) -> None:
+        self.ring: list[float] = [0.0] * RING
+        self.steps: list[Any] = [None] * RING
+        self.head = 0
+        self.tail = 0
+
+    def mark(self, step: Any, t: float) -> None:
+        i = self.head
+        j = i & MASK
+        self.ring[j] = t
+        self.steps[j] = step
+        self.head = i + 1
 
 
 class _Untimed:
@@ -118,33 +167,55 @@ class TimedRange:
         return self._cm.__enter__()
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        if et is not None:  # before the range closes: a torch_memory collection is still open
+            self._timer.on_error(ev, self._timer.label)
         try:
             return bool(self._cm.__exit__(et, ev, tb))
         finally:
             self._timer.__exit__(None, None, None)
 
 
-def drain(timer: Any) -> LabelDurations | None:
-    """Reporter thread: the samples of ``timer`` (a :class:`StageTimer` or the step mark)
-    since the last drain, or ``None`` when there are none."""
+def _take(timer: Any, *rings: str) -> tuple[int, list[list[Any]]] | None:
+    """Reporter thread: (lost, one list per ring named) of ``timer``'s samples since the
+    last take, or ``None`` when there are none."""
     head = timer.head
     tail = timer.tail
     if head == tail:
         return None
     start = max(tail, head - RING)
-    ring = timer.ring
-    seconds = [ring[j & MASK] for j in range(start, head)]
+    cols = []
+    for name in rings:
+        ring = getattr(timer, name)
+        cols.append([ring[j & MASK] for j in range(start, head)])
     # the training thread may have lapped the slots read first: keep the ones it had not
     valid = max(start, timer.head - RING)
     timer.tail = head
-    return LabelDurations(timer.label, tuple(seconds[valid - start :]), lost=valid - tail)
+    return valid - tail, [c[valid - start :] for c in cols]
+
+
+def drain(timer: Any) -> LabelDurations | None:
+    """Reporter thread: the samples of ``timer`` (a :class:`StageTimer` or the step mark)
+    since the last drain, or ``None`` when there are none."""
+    got = _take(timer, "ring")
+    if got is None:
+        return None
+    lost, (seconds,) = got
+    return LabelDurations(timer.label, tuple(seconds), lost=lost)
+
+
+#: Step intervals (and driver step starts) the reporter keeps to place stage samples.
+KEPT_STEPS = 2 * RING
 
 
 class Timings:
-    """The stage timers of one agent, and what its reporter takes from them."""
+    """The stage timers of one agent, and what its reporter takes from them (each stage
+    sample placed in its step, see the module docstring)."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, on_error: OnError = _ignore) -> None:
         self.enabled = enabled
+        self.on_error = on_error
+        #: Training thread (driver-following workers): where each followed step began.
+        self.bounds = StepBounds()
         #: label -> timer, for ``stage(name)`` without a role (the training thread's lookup)
         self.plain: dict[str, StageTimer | _Untimed] = {}
         #: role -> name -> timer, for ``stage(name, role=...)``
@@ -153,6 +224,10 @@ class Timings:
         self._by_label: dict[str, StageTimer | _Untimed] = {}
         self._lookups = 0
         self._warned = False
+        # reporter thread only: what places stage samples in steps
+        self._intervals: list[tuple[float, float, int]] = []  # (end, start, step), by end
+        self._starts: list[tuple[float, int]] = []  # followed steps: (start, step)
+        self._pending: dict[str, list[tuple[float, float]]] = {}  # label -> (start, end)
 
     def timer(self, name: str, role: str | None, label: str) -> StageTimer | _Untimed:
         """Training thread, first mark of a (name, role): its timer, kept for the next
@@ -170,7 +245,7 @@ class Timings:
                     )
                 timer = UNTIMED
             else:
-                timer = StageTimer(label)
+                timer = StageTimer(label, self.on_error)
                 self._timers.append(timer)  # one append per label, ever (bounded)
             if self._lookups < MAX_LOOKUPS:
                 self._by_label[label] = timer
@@ -189,10 +264,63 @@ class Timings:
         self._by_label = {label: t for label, t in self._by_label.items() if t is not UNTIMED}
         self._lookups = 0
 
-    def take(self, step_mark: Any) -> MarkDurations | None:
-        """Reporter thread: everything measured since the last call, or ``None``."""
-        step = drain(step_mark) if self.enabled else None
-        stages = tuple(d for t in list(self._timers) if (d := drain(t)) is not None)
+    def take(self, step_mark: Any, wall_base: float | None = None) -> MarkDurations | None:
+        """Reporter thread: everything measured since the last call, or ``None``.
+        ``wall_base``: add it to a :data:`mark_clock` reading to get the coordinator's wall
+        clock (None while the offset is unknown: stage samples wait to be placed)."""
+        # stages first: every step boundary they need is written by then
+        raw = [(t.label, got) for t in list(self._timers) if (got := _take(t, "ring", "ends"))]
+        step = None
+        if self.enabled and (got := _take(step_mark, "ring", "ends", "steps")) is not None:
+            lost, (seconds, ends, numbers) = got
+            step = LabelDurations(step_mark.label, tuple(seconds), lost=lost)
+            for d, end, n in zip(seconds, ends, numbers, strict=True):
+                if isinstance(n, int) and not isinstance(n, bool):
+                    self._intervals.append((end, end - d, n))
+            del self._intervals[:-KEPT_STEPS]
+        if (got := _take(self.bounds, "ring", "steps")) is not None:
+            self._starts.extend(zip(*got[1], strict=True))
+            del self._starts[:-KEPT_STEPS]
+        marks_steps = bool(self._intervals) or getattr(step_mark, "t0", 0.0) != 0.0
+        stages = []
+        for label, (lost, (seconds, ends)) in raw:
+            waiting = self._pending.setdefault(label, [])
+            waiting.extend((end - d, end) for d, end in zip(seconds, ends, strict=True))
+            spans = self._place(label, marks_steps, wall_base)
+            stages.append(LabelDurations(label, tuple(seconds), lost=lost, spans=spans))
+        for label in self._pending.keys() - {label for label, _ in raw}:  # older ones
+            if (spans := self._place(label, marks_steps, wall_base)) and wall_base is not None:
+                stages.append(LabelDurations(label, (), spans=spans))
         if step is None and not stages:
             return None
-        return MarkDurations(step=step, stages=stages)
+        return MarkDurations(step=step, stages=tuple(stages))
+
+    def _place(
+        self, label: str, marks_steps: bool, wall_base: float | None
+    ) -> tuple[tuple[int, float, float], ...]:
+        """The waiting samples of ``label`` that can be placed in a step now, as spans; the
+        others wait (their step is not over yet) or, outside every step, go."""
+        waiting = self._pending.get(label)
+        if not waiting or wall_base is None:
+            if waiting:
+                del waiting[:-RING]
+            return ()
+        out, keep = [], []
+        if marks_steps:  # SPMD: the step whose interval holds the end, once it is over
+            ends = self._intervals
+            newest = ends[-1][0] if ends else None
+            for start, end in waiting:
+                if newest is None or end > newest:
+                    keep.append((start, end))
+                    continue
+                i = bisect_left(ends, (end, float("-inf"), 0))
+                if i < len(ends) and ends[i][1] <= end:
+                    out.append((ends[i][2], start + wall_base, end + wall_base))
+        elif self._starts:  # following a driver: the step followed last when it began
+            starts = self._starts
+            for start, end in waiting:
+                i = bisect_left(starts, (start, float("inf"))) - 1
+                if i >= 0:
+                    out.append((starts[i][1], start + wall_base, end + wall_base))
+        self._pending[label] = keep[-RING:]
+        return tuple(out)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any
 from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
 from profd.core.files import publish_unique, temp_path
 from profd.core.request import PySpyToolConfig, ToolKind
+from profd.core.stacks import find_py_spy
 
 __all__ = ["PySpyBackend", "find_py_spy", "ptrace_refusal", "py_spy_command"]
 
@@ -75,13 +74,6 @@ log = logging.getLogger(__name__)
 EXT = ".speedscope.json"
 #: How long py-spy may take to write its profile after SIGINT.
 WRITE_TIMEOUT_S = 120.0
-
-
-def find_py_spy() -> str | None:
-    beside = Path(sys.executable).with_name("py-spy")
-    if beside.exists():
-        return str(beside)
-    return shutil.which("py-spy")
 
 
 def py_spy_command(exe: str, pid: int, output: Path, options: PySpyToolConfig) -> list[str]:

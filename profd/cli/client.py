@@ -141,6 +141,7 @@ class ApiClient:
         state_dir: Path,
         token: str | None = None,
         default: str | None = None,
+        timeout: float = 30.0,
     ) -> ApiClient:
         """A client of --url, else of the sidecar `profd up` recorded, else of ``default``
         (then an unreachable sidecar is reported with where profd last ran, if known)."""
@@ -150,6 +151,7 @@ class ApiClient:
             token or read_token(state_dir),
             token_file=state_dir / TOKEN_FILE,
             last=load_last(state_dir) if defaulted else None,
+            timeout=timeout,
         )
 
     def _auth_hint(self, status: int) -> str:

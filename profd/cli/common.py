@@ -31,10 +31,10 @@ def load_settings() -> ProfdSettings:
     return ProfdSettings()
 
 
-def sidecar_client(url: str | None) -> ApiClient:
+def sidecar_client(url: str | None, timeout: float = 30.0) -> ApiClient:
     settings = load_settings()
     return ApiClient.from_state(
-        url, settings.state_dir, default=default_url(settings.host, settings.port)
+        url, settings.state_dir, default=default_url(settings.host, settings.port), timeout=timeout
     )
 
 

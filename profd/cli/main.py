@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from profd.cli import analysis, diff_view, export_view, service, watch_view
+from profd.cli import analysis, diff_view, export_view, service, stacks_view, watch_view
 from profd.cli.client import ApiClient, CliError, format_bytes
 from profd.cli.common import (
     JsonOpt,
@@ -365,6 +365,7 @@ service.register(app)
 analysis.register(app)  # profd merge / profd summarize
 app.command("diff")(diff_view.diff)
 app.command("watch")(watch_view.watch)
+app.command("stacks")(stacks_view.stacks)
 app.command("export")(export_view.export)
 
 

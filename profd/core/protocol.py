@@ -204,6 +204,11 @@ class LabelDurations:
     #: Samples the agent's ring overwrote before they could be sent (its reporter was
     #: stalled or disconnected, or marks came faster than the ring holds between reports).
     lost: int = 0
+    #: ``(step, start, end)`` of stage samples placed in a step, seconds on the
+    #: coordinator's wall clock (the agent's clock offset applied): straggler triggers
+    #: compare one step's stage ends across a role's ranks. Placed once the step is over,
+    #: so they may come a report after their durations; empty from older agents.
+    spans: tuple[tuple[int, float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,10 +243,13 @@ class StackSample:
 
 @dataclass(frozen=True, slots=True)
 class OutOfMemory:
-    """A CUDA out-of-memory error that left a step or stage mark (``OOM`` events); the
-    mark re-raises it, the job decides what happens next."""
+    """A CUDA out-of-memory error that left a step or stage mark (``OOM`` events, one per
+    error however many marks it crosses); the mark re-raises it, the job decides what
+    happens next."""
 
+    #: The error, as ``"<class name>: <message>"`` (the message cut at 2,000 characters).
     error: str
+    #: The innermost stage mark it left (its label as traces name it); None: a step mark.
     stage: str | None = None
     #: A ``torch_memory`` snapshot written when it happened, if one was taken.
     snapshot_path: str | None = None

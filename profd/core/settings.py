@@ -45,6 +45,11 @@ class CoordinatorSettings(BaseModel):
         "0 turns it off.",
     )
     state_dir: str | None = Field(None, description="Where the coordinator keeps its state.")
+    stacks_py_spy: bool = Field(
+        True,
+        description="profd stacks may run py-spy on a node to read its processes (it attaches "
+        "with ptrace for a moment); False: only the agents' own threads read stacks.",
+    )
 
 
 class ProfdSettings(BaseSettings):
@@ -62,6 +67,7 @@ class ProfdSettings(BaseSettings):
     align_lead_steps: int = 1
     align_lead_s: float = 0.6
     session_timeout_s: float = 86_400.0
+    stacks_py_spy: bool = True
 
     def coordinator(self, cwd: Path | None = None) -> CoordinatorSettings:
         base = (cwd or Path.cwd()).resolve()
@@ -77,6 +83,7 @@ class ProfdSettings(BaseSettings):
             align_lead_s=self.align_lead_s,
             session_timeout_s=self.session_timeout_s,
             state_dir=str(self.state_dir),
+            stacks_py_spy=self.stacks_py_spy,
         )
 
 

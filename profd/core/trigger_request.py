@@ -1,6 +1,12 @@
-"""A trigger: a condition on live step or stage times, and the session to start when it holds
-(``POST /api/v1/triggers``, ``profd watch``, ``profd up --trigger FILE``; DESIGN.md
-"Triggers").
+"""A trigger: a condition on live step or stage times (or a CUDA out-of-memory error), and the
+session to start when it holds (``POST /api/v1/triggers``, ``profd watch``,
+``profd up --trigger FILE``; DESIGN.md "Triggers").
+
+Kinds: ``step_time`` / ``stage_time`` (a rank's duration against its role's rolling median),
+``straggler`` (a rank's stage ends late against the same step's stage on its peers, by the
+summary's straggler rule) and ``oom`` (an out-of-memory error left a mark). A field a kind
+does not use is refused (422 naming it) unless it holds its default (a listed trigger shows
+every field, and may be posted back as it is).
 
 Pure models (no Ray). The session template is an ordinary session request without its window
 and targets: profd chooses those when the trigger fires (the next ``next_steps`` steps of the
@@ -45,24 +51,37 @@ class _Frozen(BaseModel):
 class TriggerKind(StrEnum):
     STEP_TIME = "step_time"  # a rank's step takes factor x its role's rolling median
     STAGE_TIME = "stage_time"  # the same for one stage
-    STRAGGLER = "straggler"  # a rank's stage ends late against its peers (not evaluated yet)
-    OOM = "oom"  # a CUDA out-of-memory in a worker (not evaluated yet)
+    STRAGGLER = "straggler"  # a rank's stage ends late against its peers' in the same step
+    OOM = "oom"  # a CUDA out-of-memory error left a worker's mark
 
 
-#: Kinds this profd evaluates; the others are refused with 422 rather than never firing.
-EVALUATED_KINDS = frozenset({TriggerKind.STEP_TIME, TriggerKind.STAGE_TIME})
+#: Kinds this profd evaluates (every kind of the grammar).
+EVALUATED_KINDS = frozenset(TriggerKind)
+
+#: The fields each kind uses besides ``kind`` and ``role`` (any other one set is a 422).
+_USES: dict[TriggerKind, frozenset[str]] = {
+    TriggerKind.STEP_TIME: frozenset({"factor", "baseline_steps", "min_ms", "for_steps"}),
+    TriggerKind.STAGE_TIME: frozenset({"stage", "factor", "baseline_steps", "min_ms", "for_steps"}),
+    TriggerKind.STRAGGLER: frozenset({"stage", "min_ms", "for_steps"}),
+    TriggerKind.OOM: frozenset(),
+}
 
 
 class TriggerCondition(_Frozen):
-    """When a trigger holds: one rank's newest duration against its role's rolling median."""
+    """When a trigger holds: one rank's newest duration against its role's rolling median
+    (step_time, stage_time), one rank's stage ending late against its peers' in the same
+    step (straggler), or an out-of-memory error in one rank (oom)."""
 
-    kind: TriggerKind = Field(description="step_time or stage_time.")
+    kind: TriggerKind = Field(description="step_time, stage_time, straggler or oom.")
     role: str = Field(
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
         description="Role whose ranks are watched (a role name, as agents attach with).",
     )
     stage: str | None = Field(
-        None, min_length=1, max_length=256, description="Stage label (stage_time only)."
+        None,
+        min_length=1,
+        max_length=256,
+        description="Stage label (stage_time and straggler, required there).",
     )
     factor: float = Field(
         2.0,
@@ -79,14 +98,18 @@ class TriggerCondition(_Frozen):
         "trigger is armed once the role has this many.",
     )
     min_ms: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Never holds for a duration below this."
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Never holds for a duration (straggler: a lateness) below this.",
     )
     for_steps: StrictInt = Field(
         1,
         ge=1,
         le=16,
         description="Holds when the rank's newest this-many durations all break the rule (2 "
-        "or more: a single stall, a GC pause or a checkpoint, starts nothing).",
+        "or more: a single stall, a GC pause or a checkpoint, starts nothing); straggler: "
+        "its stage ended late in this many consecutive steps.",
     )
 
     @model_validator(mode="after")
@@ -94,10 +117,17 @@ class TriggerCondition(_Frozen):
         if self.kind not in EVALUATED_KINDS:
             kinds = ", ".join(sorted(k.value for k in EVALUATED_KINDS))
             raise ValueError(f"kind: {self.kind.value!r} is not evaluated yet (use {kinds})")
-        if self.kind is TriggerKind.STAGE_TIME and self.stage is None:
-            raise ValueError("stage: required for a stage_time trigger")
-        if self.kind is TriggerKind.STEP_TIME and self.stage is not None:
-            raise ValueError("stage: only for a stage_time trigger")
+        needs_stage = self.kind in (TriggerKind.STAGE_TIME, TriggerKind.STRAGGLER)
+        if needs_stage and self.stage is None:
+            raise ValueError(f"stage: required for a {self.kind.value} trigger")
+        uses = _USES[self.kind]
+        for name in sorted(self.model_fields_set - uses - {"kind", "role"}):
+            if getattr(self, name) == type(self).model_fields[name].default:
+                continue  # the default, as a listed trigger shows it: posting it back is fine
+            users = sorted(k.value for k, f in _USES.items() if name in f)
+            raise ValueError(
+                f"{name}: not used by a {self.kind.value} trigger (only {', '.join(users)})"
+            )
         return self
 
     @property

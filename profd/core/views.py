@@ -17,6 +17,11 @@ __all__ = [
     "ProgressView",
     "ReplicaView",
     "SessionView",
+    "StackFrameView",
+    "StackGroupView",
+    "StackMissingView",
+    "StackRankView",
+    "StacksView",
     "StatusView",
     "TimingView",
     "TraceView",
@@ -252,7 +257,13 @@ class FiringView(_View):
     evidence: dict = Field(
         description="rank, role, agent_id, mark ('step' or the stage), observed_s, "
         "baseline_s (the role's rolling median), factor, baseline_samples, step (the rank's "
-        "step as the coordinator knew it then)."
+        "step as the coordinator knew it then), kind (the trigger's). straggler: observed_s "
+        "and late_s are its stage's end minus the peers' median end (peer_median_end_s; "
+        "end_s its own, coordinator wall clock) in step, baseline_s and threshold_s the "
+        "rule's bar, factor null, baseline_samples the peers compared, peer_rank the healthy "
+        "peer, cause (late start, long duration or both). oom: error, snapshot_path (a "
+        "torch_memory snapshot or null), mark the stage it left ('step': a step mark), "
+        "observed_s and baseline_s 0, factor null."
     )
 
 
@@ -268,3 +279,46 @@ class TriggerView(_View):
     )
     disk_bytes: int = Field(description="Trace bytes of the sessions it started.")
     firings: list[FiringView] = Field(description="Its newest firings (at most 50), newest first.")
+
+
+class StackFrameView(_View):
+    function: str = Field(description="The function's qualified name (as py-spy names it).")
+    file: str = Field(description="Its source file.")
+    line: int = Field(description="The line it is at.")
+
+
+class StackRankView(_View):
+    role: str
+    rank: int
+    pid: int
+    node: str = Field(description="The host name of the process's node.")
+    method: str = Field(description="Who read the stack: py_spy, or agent (its own thread).")
+    thread: str = Field("", description="The name of the thread shown (the training thread).")
+
+
+class StackGroupView(_View):
+    stack: list[StackFrameView] = Field(description="The frames, innermost first.")
+    ranks: list[StackRankView] = Field(description="The processes with exactly this stack.")
+
+
+class StackMissingView(_View):
+    role: str
+    rank: int | None
+    pid: int | None = None
+    node: str | None = None
+    reason: str = Field(description="Why no stack came back.")
+
+
+class StacksView(_View):
+    """``GET /api/v1/stacks``: where every attached process's training thread is now."""
+
+    groups: list[StackGroupView] = Field(
+        description="Processes grouped by identical stack, the smallest (odd) groups first."
+    )
+    missing: list[StackMissingView] = Field(
+        default_factory=list, description="Processes asked that gave no stack, with why."
+    )
+    method: str = Field(description="The method asked for: auto, py_spy or agent.")
+    native: bool = Field(description="Native frames were asked for (py-spy only).")
+    notes: list[str] = Field(default_factory=list, description="What the reader should know.")
+    taken_at: float = Field(description="When the stacks were read (Unix time).")

@@ -6,7 +6,11 @@
    endpoints and file names), and a single-controller driver (verl style) that runs the steps;
 3. while the job runs, ``POST /api/v1/sessions`` for the next 2 steps on every rank and
    replica;
-4. wait for the session to finish and print the training and rollout traces side by side.
+4. wait for the session to finish and print the training and rollout traces side by side;
+5. ``POST /api/v1/triggers``: a ``stage_time`` trigger on the actors' ``update_actor`` stage;
+   then make actor rank 1 slow (its ``update_actor`` runs 3x longer from a step on) and print
+   the trigger's firing (rank, observed vs baseline, step) and the session it started by
+   itself on the slow rank and its healthy peer, with their traces.
 """
 
 from __future__ import annotations
@@ -36,16 +40,63 @@ WORKERS = (("actor_rollout_ref", 0, 2), ("actor_rollout_ref", 1, 2), ("critic", 
 REPLICAS = 2
 TERMINAL = ("done", "partial", "failed", "cancelled", "expired")
 
+#: Every update stage takes at least this long (a real update waits on its all-reduce);
+#: it keeps the stage's time steady on a busy machine, so only the injected rank is slow.
+UPDATE_S = 0.05
+#: The rank made slow (its index in WORKERS) and how much longer its update stage runs.
+SLOW_WORKER, SLOW_BY = 1, 3.0
+#: The trigger the demo posts (the same as ``profd watch --role actor_rollout_ref --stage
+#: update_actor --stage-time 2 --baseline-steps 8 --min-ms 100 --for-steps 2``).
+TRIGGER = {
+    "name": "slow-update-actor",
+    "when": {
+        "kind": "stage_time",
+        "role": "actor_rollout_ref",
+        "stage": "update_actor",
+        "factor": 2.0,
+        "baseline_steps": 8,
+        "min_ms": 100.0,
+        "for_steps": 2,
+    },
+    "session": {"tool": "torch", "next_steps": 2},
+    "cooldown_s": 300.0,
+}
+
+
+@dataclass
+class Firing:
+    """What the demo's trigger did: the trigger (GET /api/v1/triggers/{id}), its firing,
+    the step the slowdown began at, and the session it started with that session's traces."""
+
+    trigger: dict[str, Any]
+    firing: dict[str, Any]
+    slow_from: int
+    session: dict[str, Any]
+    traces: list[dict[str, Any]]
+    #: The step it fired in: the evidence's, else (a single-controller worker marks no
+    #: step of its own) the driver's step running when it fired.
+    step: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.session.get("state") == "done" and bool(self.traces)
+
 
 @dataclass
 class DemoResult:
     session: dict[str, Any]
     traces: list[dict[str, Any]]
     workers: list[dict[str, Any]] = field(default_factory=list)
+    fired: Firing | None = None
 
     @property
     def ok(self) -> bool:
-        return self.session.get("state") == "done" and bool(self.traces)
+        return (
+            self.session.get("state") == "done"
+            and bool(self.traces)
+            and self.fired is not None
+            and self.fired.ok
+        )
 
 
 def _wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -135,9 +186,12 @@ def _drive(
     steps: int,
     min_step_s: float,
     until: threading.Event,
-    progress: dict[str, int],
+    progress: dict[str, Any],
 ) -> None:
-    """The single controller: every step, generation on the replicas, then the workers."""
+    """The single controller: every step, generation on the replicas, then the workers.
+    From step ``progress["slow_from"]`` on, worker ``SLOW_WORKER``'s update runs slow
+    (``progress["slowed_at"]``: the first such step); ``progress["began"]`` keeps when each
+    step began (wall clock, as firings say)."""
     import ray
 
     from profd.driver.controller import Controller
@@ -147,18 +201,28 @@ def _drive(
     while step < steps or not until.is_set():
         step += 1
         started = time.perf_counter()
+        progress.setdefault("began", []).append((time.time(), step))
+        slow_from = progress.get("slow_from")
+        slow = slow_from is not None and step >= slow_from
+        if slow:
+            progress.setdefault("slowed_at", step)  # the first step it ran slow
         with ctl.step(step):
             with ctl.rollout():
                 for f in fakes:
                     f.advance(4)  # engine iterations: the replicas generate
-            ray.get([w.work.remote() for w in workers])
+            ray.get(
+                [
+                    w.work.remote(UPDATE_S * (SLOW_BY if slow and i == SLOW_WORKER else 1.0))
+                    for i, w in enumerate(workers)
+                ]
+            )
         progress["step"] = step
         time.sleep(max(0.0, min_step_s - (time.perf_counter() - started)))
-        if step >= steps + 40:
-            break  # the session never ended: stop the job anyway
+        if step >= steps + 150:
+            break  # the sessions never ended: stop the job anyway
 
 
-def _trigger(api: ApiClient, console: Console, progress: dict[str, int]) -> dict[str, Any]:
+def _profile(api: ApiClient, console: Console, progress: dict[str, Any]) -> dict[str, Any]:
     """While the job runs: ask over HTTP for the next 2 steps on every rank and replica."""
 
     def registered() -> bool:
@@ -179,11 +243,88 @@ def _trigger(api: ApiClient, console: Console, progress: dict[str, int]) -> dict
     )
     sid = session["session_id"]
 
+    return _wait_session(api, sid, 180)
+
+
+def _wait_session(api: ApiClient, sid: str, timeout: float) -> dict[str, Any]:
     def finished() -> dict[str, Any] | None:
         view = api.get(f"/api/v1/sessions/{sid}")
         return view if view["state"] in TERMINAL else None
 
-    return _wait_for(finished, 180, f"session {sid} to finish", interval=0.25)
+    return _wait_for(finished, timeout, f"session {sid} to finish", interval=0.25)
+
+
+def _session_traces(api: ApiClient, sid: str) -> list[dict[str, Any]]:
+    return sorted(
+        api.get_all("/api/v1/traces", session_id=sid),
+        key=lambda t: (t["role"], t["rank"], t["steps"], t["file_name"]),
+    )
+
+
+def _watch(api: ApiClient, console: Console, progress: dict[str, Any]) -> Firing:
+    """Post the trigger, make one actor rank slow, and follow the trigger's firing to the
+    end of the session it started."""
+    from profd.actors.triggers import PROFILED_GRACE_S
+
+    # Durations an agent measured while profiled, and a few seconds after, are not held
+    # against it (they carry the profiler's cost): the first session's ranks are watched
+    # again only once that grace has passed, so the slowdown starts then.
+    grace_ends = time.monotonic() + PROFILED_GRACE_S + 0.2
+    console.print()
+    console.print(f"POST {api.url}/api/v1/triggers {TRIGGER}")
+    made = api.post("/api/v1/triggers", TRIGGER)
+    tid, w = made["trigger_id"], TRIGGER["when"]
+    console.print(
+        f"Trigger [bold]{tid}[/bold] ({made['name']}): when an {w['role']} rank's "
+        f"{w['stage']} takes over {w['factor']:g}x the role's rolling median (and "
+        f"{w['min_ms']:g} ms) {w['for_steps']} steps in a row, profile its next "
+        f"{TRIGGER['session']['next_steps']} steps and its closest peer's"
+    )
+    time.sleep(max(0.0, grace_ends - time.monotonic()))
+    role, rank, _ = WORKERS[SLOW_WORKER]
+    slow_from = progress["began"][-1][1] + 1  # the next step the driver begins
+    progress["slow_from"] = slow_from
+    console.print(
+        f"Making {role} rank {rank} slow: its update_actor runs {SLOW_BY:g}x longer "
+        f"({UPDATE_S * 1000:.0f} -> {UPDATE_S * SLOW_BY * 1000:.0f} ms) from step {slow_from}"
+    )
+
+    def settled() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        view = api.get(f"/api/v1/triggers/{tid}")
+        done = [f for f in view["firings"] if f["state"] != "due"]
+        return (view, done[-1]) if done else None  # newest first: the first firing
+
+    _, firing = _wait_for(settled, 60, f"trigger {tid} to fire", interval=0.2)
+    if firing["state"] != "fired":
+        raise RuntimeError(f"trigger {tid}: its session was refused: {firing['error']}")
+    session = _wait_session(api, firing["session_id"], 120)
+    trigger = api.get(f"/api/v1/triggers/{tid}")
+    step = firing["evidence"].get("step")
+    if step is None:
+        step = max((n for at, n in progress["began"] if at <= firing["at"]), default=None)
+    traces = _session_traces(api, session["session_id"])
+    slowed_at = progress.get("slowed_at", slow_from)
+    return Firing(trigger, firing, slowed_at, session, traces, step)
+
+
+def _print_firing(console: Console, fired: Firing) -> None:
+    f, ev, s = fired.firing, fired.firing["evidence"], fired.session
+    step = fired.step
+    late = "" if step is None else f" (slow since step {fired.slow_from})"
+    console.print(
+        f"Trigger [bold]{fired.trigger['trigger_id']}[/bold] fired in step {step}{late}: "
+        f"{ev['role']} rank {ev['rank']} {ev['mark']} took "
+        f"[bold]{ev['observed_s'] * 1000:.1f} ms[/bold] against a baseline of "
+        f"{ev['baseline_s'] * 1000:.1f} ms ({ev['observed_s'] / ev['baseline_s']:.1f}x; "
+        f"factor {ev['factor']:g}, median of {ev['baseline_samples']})"
+    )
+    ranks = sorted({t["rank"] for t in s["targets"]}, key=lambda r: r != ev["rank"])
+    peers = "".join(f" and {r} (its peer)" for r in ranks if r != ev["rank"])
+    console.print(
+        f"It started session [bold]{f['session_id']}[/bold] by itself: steps {s['steps']} on "
+        f"{ev['role']} rank {ev['rank']} (the slow one){peers}, trigger_id {s['trigger_id']}"
+    )
+    _print_outcome(console, s, fired.traces)
 
 
 def _print_outcome(console: Console, session: dict[str, Any], traces: list[dict]) -> None:
@@ -191,6 +332,9 @@ def _print_outcome(console: Console, session: dict[str, Any], traces: list[dict]
         f"Session {session['session_id']} [bold]{session['state']}[/bold]: {session['reason']}"
     )
     console.print(trace_table(traces))
+
+
+def _print_hints(console: Console) -> None:
     console.print(
         "Open a trace at [cyan]https://ui.perfetto.dev[/cyan] (Open trace file) or in "
         "[cyan]chrome://tracing[/cyan] (Load); both read .json.gz directly. "
@@ -243,18 +387,21 @@ def run_demo(
             )
             driver.start()
             try:
-                session = _trigger(api, console, progress)
+                session = _profile(api, console, progress)
+                traces = _session_traces(api, session["session_id"])
+                _print_outcome(console, session, traces)
+                fired = _watch(api, console, progress)
+                _print_firing(console, fired)
             finally:
                 until.set()
                 driver.join(300)
             results = ray.get([w.close.remote() for w in workers], timeout=120)
-        traces = sorted(
-            api.get_all("/api/v1/traces", session_id=session["session_id"]),
-            key=lambda t: (t["role"], t["rank"], t["steps"], t["file_name"]),
-        )
-        _print_outcome(console, session, traces)
+        _print_hints(console)
         return DemoResult(
-            session=session, traces=traces, workers=[{"closed_cleanly": r} for r in results]
+            session=session,
+            traces=traces,
+            workers=[{"closed_cleanly": r} for r in results],
+            fired=fired,
         )
     finally:
         for w in workers:

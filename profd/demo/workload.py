@@ -81,10 +81,13 @@ class DemoWorker:
         logits = model(tokens[:, :-1])
         return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
-    def _update(self, tokens: Any, target: Any) -> float:
-        """Mini-batches of micro-batches; the optimiser steps once per mini-batch."""
+    def _update(self, tokens: Any, target: Any, at_least_s: float = 0.0) -> float:
+        """Mini-batches of micro-batches; the optimiser steps once per mini-batch. Then, if
+        that took less than ``at_least_s``, waits for the rest (standing in for the time a
+        real job's update waits on its all-reduce)."""
         torch = self._torch
         agent = self.agent
+        started = time.perf_counter()
         total = 0.0
         for i, mb in enumerate(tokens.chunk(MINI_BATCHES)):
             mb_target = target.chunk(MINI_BATCHES)[i]
@@ -103,9 +106,12 @@ class DemoWorker:
                         loss.backward()
                         total += loss.item()
                 self.optim.step()
+        spare = at_least_s - (time.perf_counter() - started)
+        if spare > 0:
+            time.sleep(spare)
         return total
 
-    def _actor_step(self) -> float:
+    def _actor_step(self, update_s: float = 0.0) -> float:
         agent = self.agent
         torch = self._torch
         with agent.stage("generate_sequences"):
@@ -116,9 +122,9 @@ class DemoWorker:
             ref = self._log_prob(self.ref, tokens)
         advantages = torch.nn.functional.pad((old - ref).detach(), (1, 0))
         with agent.stage("update_actor", update_loop=True):
-            return self._update(tokens, advantages)
+            return self._update(tokens, advantages, update_s)
 
-    def _critic_step(self) -> float:
+    def _critic_step(self, update_s: float = 0.0) -> float:
         agent = self.agent
         torch = self._torch
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
@@ -126,13 +132,17 @@ class DemoWorker:
             values = self.model(tokens).squeeze(-1)
         returns = values + torch.randn_like(values) * 0.1
         with agent.stage("update_critic", update_loop=True):
-            return self._update(tokens, returns)
+            return self._update(tokens, returns, update_s)
 
     # -- single-controller style ------------------------------------------------------------
-    def work(self) -> float:
+    def work(self, update_s: float = 0.0) -> float:
         """One step's stages, called by a driver that marks the step itself
-        (``profd.controller().step(n)``); the worker never calls ``agent.step``."""
-        return self._critic_step() if self.role == "critic" else self._actor_step()
+        (``profd.controller().step(n)``); the worker never calls ``agent.step``.
+        ``update_s``: the update stage takes at least this long (the demo makes one rank
+        slow by raising it)."""
+        if self.role == "critic":
+            return self._critic_step(update_s)
+        return self._actor_step(update_s)
 
     def close(self) -> bool:
         return self.agent.close(timeout=120)

@@ -99,7 +99,12 @@ class RolloutService:
             collect_budget_s=int(stop_s + agent.flush.timeout_s) + 1,
         )
         # the process hosting this replica's agent: a dead host is lost within seconds
-        self.info = replace(info, pid_start=process_start(os.getpid()), job_id=ray.job_id)
+        self.info = replace(
+            info,
+            pid_start=process_start(os.getpid()),
+            job_id=ray.job_id,
+            thread_id=threading.get_native_id(),
+        )
         self._windows: dict[str, _Window] = {}
         self._finished: set[str] = set()
         self._phase: tuple[int | None, ControllerPhase | None] = (None, None)

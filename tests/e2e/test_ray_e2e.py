@@ -152,13 +152,14 @@ def test_worker_without_a_coordinator_completes_its_loop(ray_session, tmp_path) 
 
 
 def test_demo_runs_against_an_existing_cluster(ray_session, tmp_path, monkeypatch) -> None:
-    """The demo's own flow (HTTP trigger, table) on the test session's Ray."""
+    """The demo's own flow (a session over HTTP, its table; a trigger firing on the rank
+    it slowed, and the session it started) on the test session's Ray."""
     import io
 
     from rich.console import Console
 
     from profd.cli.ray_cluster import stop_services
-    from profd.demo.run import run_demo
+    from profd.demo.run import SLOW_BY, UPDATE_S, run_demo
 
     stop_services()
     monkeypatch.chdir(tmp_path)
@@ -186,8 +187,11 @@ def test_demo_runs_against_an_existing_cluster(ray_session, tmp_path, monkeypatc
         assert Path(t["path"]).parent.parent == tmp_path / "out"
     assert "ui.perfetto.dev" in text
     check_demo_files(result.session, result.traces)
-    # the engines' own directories are gone once their files moved into the session
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [result.session["session_id"]]
+    fired = check_demo_firing(result, text)
+    # the engines' own directories are gone once their files moved into the sessions
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [result.session["session_id"], fired.session["session_id"]]
+    )
     # the demo's own summary and merge are on one clock: training and rollout tracks together
     from profd.analysis.merge import merge_dir
     from profd.analysis.summary import summarize_dir
@@ -196,7 +200,62 @@ def test_demo_runs_against_an_existing_cluster(ray_session, tmp_path, monkeypatc
     summary = summarize_dir(session_dir)
     assert not summary.skipped and 0 < summary.span_ms < 600_000, summary.span_ms
     merged = merge_dir(session_dir, tmp_path / "merged.json.gz")
-    assert not merged.skipped and len(merged.tracks) == 5  # 3 workers, 2 replicas
+    assert not merged.skipped and not merged.aligned
+    assert len(merged.tracks) == 5  # 3 workers, 2 replicas
+    # the triggered session's two ranks on one clock too; the slow rank's update stands out
+    fired_dir = Path(fired.traces[0]["path"]).parent
+    merged = merge_dir(fired_dir, tmp_path / "fired.json.gz")
+    assert not merged.skipped and not merged.aligned and len(merged.tracks) == 2
+    summary = summarize_dir(fired_dir)
+    assert not summary.skipped and 0 < summary.span_ms < 60_000, summary.span_ms
+    walls: dict[int, list[float]] = {}
+    for st in summary.stage_times:
+        if st.stage == "update_actor":
+            walls.setdefault(st.rank, []).append(st.wall_ms)
+    assert sorted(walls) == [0, 1] and min(walls[1]) > max(walls[0]), walls
+    assert min(walls[1]) >= 0.9 * SLOW_BY * UPDATE_S * 1000, walls
+
+
+def check_demo_firing(result: Any, text: str) -> Any:
+    """The demo's trigger fired once, on the rank it slowed, within a few steps of the
+    slowdown, with its evidence; its session profiled that rank and its peer, and the demo
+    printed all of it."""
+    from profd.demo.run import SLOW_BY, SLOW_WORKER, TRIGGER, UPDATE_S, WORKERS
+
+    fired = result.fired
+    assert fired is not None and fired.ok, text
+    assert "POST http://127.0.0.1:" in text and "/api/v1/triggers" in text
+    trigger, firing, ev = fired.trigger, fired.firing, fired.firing["evidence"]
+    role, rank, _ = WORKERS[SLOW_WORKER]
+    assert trigger["name"] == TRIGGER["name"] and trigger["fired"] == 1, trigger
+    assert [f["state"] for f in trigger["firings"]] == ["fired"], trigger
+    assert firing["state"] == "fired" and firing["session_id"] == fired.session["session_id"]
+    assert (ev["role"], ev["rank"], ev["mark"]) == (role, rank, "update_actor"), ev
+    assert ev["observed_s"] >= 0.9 * SLOW_BY * UPDATE_S, ev
+    assert ev["observed_s"] > TRIGGER["when"]["factor"] * ev["baseline_s"], ev
+    assert UPDATE_S <= ev["baseline_s"] < 2 * UPDATE_S, ev
+    assert ev["baseline_samples"] >= TRIGGER["when"]["baseline_steps"], ev
+    # fired within 5 steps of the slowdown (2 slow steps in a row are needed)
+    assert fired.step is not None and fired.slow_from < fired.step <= fired.slow_from + 5
+    s = fired.session
+    assert s["trigger_id"] == trigger["trigger_id"] and s["evidence"] == ev
+    assert s["state"] == "done" and s["steps"][0] > fired.step, s
+    assert sorted((t["role"], t["rank"]) for t in s["targets"]) == [(role, 0), (role, 1)]
+    assert sorted((t["rank"], t["steps"][0]) for t in fired.traces) == [
+        (r, step) for r in (0, 1) for step in s["steps"]
+    ]
+    check_demo_files(s, fired.traces)
+    line = (
+        f"Trigger {trigger['trigger_id']} fired in step {fired.step} "
+        f"(slow since step {fired.slow_from}): {role} rank {rank} update_actor took "
+        f"{ev['observed_s'] * 1000:.1f} ms against a baseline of {ev['baseline_s'] * 1000:.1f} ms"
+    )
+    flat = " ".join(text.split())  # as printed, whatever the console's width
+    assert line in flat, text
+    assert f"It started session {s['session_id']} by itself" in flat
+    for t in fired.traces:
+        assert Path(t["path"]).is_file() and t["file_name"] in text
+    return fired
 
 
 def check_demo_files(session: dict, traces: list[dict]) -> None:

@@ -741,3 +741,217 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     check_phone_width(chrome, sid, tmp_path)
     uncaught = [e["message"] for e in chrome.get_log("browser") if "Uncaught" in e["message"]]
     assert not uncaught
+
+
+# -- triggers and their firings ---------------------------------------------------------------
+SLOW_FROM = 12  # from this step on, actor rank 1's "update" runs 3x longer
+UPDATE_S = 0.04
+TRIGGER = {
+    "name": "slow-update",
+    "when": {
+        "kind": "stage_time",
+        "role": "actor",
+        "stage": "update",
+        "factor": 2.0,
+        "baseline_steps": 5,
+        "min_ms": 80.0,
+        "for_steps": 2,
+    },
+    "session": {"tool": "torch", "next_steps": 1},
+}
+
+
+@pytest.fixture
+def fired(make_sidecar, local_coordinator) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A sidecar whose trigger fired for real: two actors mark steps, each a stage "update";
+    from step ``SLOW_FROM`` rank 1's takes 3x as long; the trigger's session on rank 1 and
+    its peer ran to the end. Yields the URL and the trigger as GET /triggers/{id} says."""
+    import threading
+
+    actors = start_agents(local_coordinator, 2, "actor")
+    stop = threading.Event()
+
+    def train() -> None:  # one thread: a torch profiler per process, one window at a time
+        n = 0
+        while not stop.is_set():
+            n += 1
+            for rank, a in enumerate(actors):
+                with a.step(n), a.stage("update"):
+                    time.sleep(UPDATE_S * (3 if rank == 1 and n >= SLOW_FROM else 1))
+
+    loop = threading.Thread(target=train, daemon=True)
+    try:
+        with make_sidecar() as srv:
+            r = httpx.post(f"{srv.url}/api/v1/triggers", json=TRIGGER, headers=AUTH)
+            assert r.status_code == 201, r.text
+            tid = r.json()["trigger_id"]
+            loop.start()
+
+            def session_done() -> dict[str, Any] | None:
+                t = httpx.get(f"{srv.url}/api/v1/triggers/{tid}").json()
+                sid = t["firings"][-1]["session_id"] if t["firings"] else None
+                if sid is None:
+                    return None
+                return t if wait_terminal(local_coordinator, sid, 30) else None
+
+            trigger = wait_until(session_done, 60, 0.1, what="the trigger's session to end")
+            yield srv.url, trigger
+    finally:
+        stop.set()
+        if loop.is_alive():
+            loop.join(10)
+        for a in actors:
+            a.close(timeout=10)
+
+
+def firing_rows(chrome: Any) -> list[dict[str, Any]]:
+    return chrome.execute_script(
+        "return [...document.querySelectorAll('#firings tbody tr:not(.empty)')].map(tr => ({"
+        " id: tr.dataset.firingId, trigger: tr.dataset.triggerId,"
+        " cells: [...tr.cells].map(td => td.innerText.trim()),"
+        " at: tr.cells[0].dataset.at, stateClass: tr.cells[2].className,"
+        " link: (a => a && [a.getAttribute('href'), a.textContent, a.dataset.sessionId])"
+        "(tr.querySelector('a.session-link'))}));"
+    )
+
+
+def check_triggers_table(chrome: Any, trigger: dict[str, Any]) -> None:
+    (row,) = wait_until(lambda: rows(chrome, "triggers"), 20, what="the trigger listed")
+    assert row[:2] == [trigger["trigger_id"], "slow-update"]
+    assert row[2] == "actor stage update > 2× the median of 5 per rank, at least 80 ms, 2 in a row"
+    assert row[3] == "torch · next 1 steps" and row[4] == str(trigger["fired"]) == "1"
+    quiet = {k: v for k, v in trigger["suppressed"].items() if v}
+    assert row[5] == (" · ".join(f"{k} {v}" for k, v in sorted(quiet.items())) or "–")
+    assert row[6].endswith("(1024 MB)")
+
+
+def check_firing_row(chrome: Any, url: str, trigger: dict[str, Any]) -> None:
+    """The real firing: its time, evidence and a link that opens its session's summary."""
+    import datetime
+
+    (firing,) = trigger["firings"]
+    ev, sid = firing["evidence"], firing["session_id"]
+    (row,) = wait_until(lambda: firing_rows(chrome), 20, what="the firing listed")
+    assert row["id"] == firing["firing_id"] and row["trigger"] == trigger["trigger_id"]
+    at = firing["at"]
+    assert float(row["at"]) == at
+    when = datetime.datetime.fromtimestamp(at).strftime("%Y-%m-%d %H:%M:%S")
+    cells = row["cells"]
+    assert cells[:6] == [when, "slow-update", "fired", "actor", "1", "update"], cells
+    assert "state-fired" in row["stateClass"]
+    assert near(cells[6], ev["observed_s"] * 1000) and near(cells[7], ev["baseline_s"] * 1000)
+    assert ms_value(cells[6]) >= 3 * UPDATE_S * 1000 * 0.95  # rank 1's slow update
+    assert ms_value(cells[7]) < 2 * UPDATE_S * 1000  # the role's median: the healthy ones
+    assert cells[8] == f"{ev['observed_s'] / ev['baseline_s']:.1f}×"
+    assert ev["step"] >= SLOW_FROM + 1 and cells[9] == str(ev["step"])  # 2 slow in a row
+    assert cells[10] == sid
+    href, label, data_sid = row["link"]
+    assert label == data_sid == sid and href == f"/?{urlencode({'interval': 500, 'summary': sid})}"
+    view = httpx.get(f"{url}/api/v1/sessions/{sid}").json()
+    assert view["trigger_id"] == trigger["trigger_id"] and view["evidence"] == ev
+    assert sorted(t["rank"] for t in view["targets"]) == [0, 1]  # the slow rank and its peer
+    assert chrome.execute_script(
+        "return [...document.querySelectorAll('#sessions tbody tr')]"
+        ".filter(tr => tr.dataset.triggerId === arguments[0]).map(tr => tr.dataset.sessionId);",
+        trigger["trigger_id"],
+    ) == [sid]
+    # the link opens the session's summary and timeline, on this page
+    chrome.execute_script("document.querySelector('#firings a.session-link').click();")
+    panel_state(chrome, sid, "ok")
+    timeline_state(chrome, sid, "ok")
+    assert f"summary={sid}" in chrome.current_url
+    late = rows(chrome, "sum-stages")
+    assert {r[1] for r in late} == {"update"}
+
+
+def fake_triggers(real: dict[str, Any], n: int = 120) -> list[dict[str, Any]]:
+    """Two triggers shaped like ``real``: one with markup in its name and stage and ``n``
+    firings (fired, due and failed, the failure's error markup too), one with none."""
+    firing = real["firings"][0]
+    firings = []
+    for k in range(n):
+        state = ("fired", "due", "failed")[k % 3]
+        firings.append(
+            firing
+            | {
+                "firing_id": f"{real['trigger_id']}.{k}",
+                "at": firing["at"] - 60.0 * k,
+                "state": state,
+                "session_id": firing["session_id"] if state == "fired" else None,
+                "error": HOSTILE if state == "failed" else None,
+                "evidence": firing["evidence"] | {"mark": HOSTILE_STAGE, "rank": k, "step": None},
+            }
+        )
+    request = real["request"] | {"when": real["request"]["when"] | {"stage": HOSTILE_STAGE}}
+    hostile = real | {
+        "name": HOSTILE,
+        "request": request,
+        "firings": firings,
+        "fired": n // 3,
+        "suppressed": {"cooldown": 7, "max_per_hour": 0, "disk_budget": 2},
+    }
+    idle = real | {"trigger_id": "trg-idle", "name": "idle", "firings": [], "fired": 0}
+    return [idle | {"suppressed": {}}, hostile]
+
+
+FAKE_TRIGGERS = """
+const [fake] = arguments, real = window.fetch;
+window.__realFetch = window.__realFetch || real;
+window.fetch = (input, init) => String(input).endsWith('/api/v1/triggers')
+  ? Promise.resolve(new Response(JSON.stringify({data: fake, count: fake.length}),
+      {status: 200, headers: {'Content-Type': 'application/json'}}))
+  : window.__realFetch(input, init);
+"""
+
+
+def check_firings_hostile(chrome: Any, trigger: dict[str, Any]) -> None:
+    """Markup in names, stages and errors shows as text; 120 firings show the newest 100,
+    newest first; suppressed counts by reason; a trigger without firings is listed too."""
+    from selenium.webdriver.common.by import By
+
+    fake = fake_triggers(trigger)
+    chrome.execute_script(FAKE_TRIGGERS, fake)
+    shown = wait_until(
+        lambda: len(x := firing_rows(chrome)) == 100 and x, 20, what="100 fake firings"
+    )
+    assert chrome.find_element(By.ID, "firings-shown").text == "(newest 100 of 120)"
+    assert [r["id"] for r in shown] == [f["firing_id"] for f in fake[1]["firings"][:100]]
+    assert all(r["cells"][1] == HOSTILE and r["cells"][5] == HOSTILE_STAGE for r in shown)
+    assert [r["cells"][2] for r in shown[:3]] == ["fired", "due", "failed"]
+    assert shown[0]["link"][2] == trigger["firings"][0]["session_id"]
+    assert shown[1]["link"] is None and shown[1]["cells"][10] == "waiting for its ranks"
+    assert shown[2]["link"] is None and shown[2]["cells"][10] == HOSTILE
+    assert all(r["cells"][9] == "–" for r in shown)  # no step known
+    table = rows(chrome, "triggers")
+    assert [r[1] for r in table] == ["idle", HOSTILE]
+    assert table[0][4] == "0" and table[0][5] == "–"
+    assert HOSTILE_STAGE in table[1][2] and table[1][5] == "cooldown 7 · disk_budget 2"
+    assert chrome.execute_script("return window.__pwned === undefined")
+    markup = "#triggers-section img, #triggers-section svg, #triggers-section b"
+    assert not chrome.find_elements(By.CSS_SELECTOR, markup)  # shown as text, never parsed
+    section = chrome.find_element(By.ID, "triggers-section")
+    chrome.execute_script("arguments[0].scrollIntoView({block: 'start'});", section)
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "dashboard-firings.png").write_bytes(section.screenshot_as_png)
+
+    # the route failing (a 500 here) says so in the section; the rest of the page goes on
+    chrome.execute_script(
+        "window.fetch = (input, init) => String(input).endsWith('/api/v1/triggers')"
+        ' ? Promise.resolve(new Response(\'{"message": "boom"}\', {status: 500}))'
+        " : window.__realFetch(input, init);"
+    )
+    msg = chrome.find_element(By.ID, "triggers-msg")
+    wait_until(lambda: msg.text == "triggers: HTTP 500: boom", 10, what="the error shown")
+    assert chrome.find_element(By.ID, "conn").text == "connected"
+    chrome.execute_script("window.fetch = window.__realFetch;")
+    wait_until(lambda: len(firing_rows(chrome)) == 1 and not msg.text, 10, what="real again")
+
+
+def test_dashboard_shows_trigger_firings(chrome, fired) -> None:
+    url, trigger = fired
+    chrome.get(f"{url}/?interval=500")
+    check_triggers_table(chrome, trigger)
+    check_firing_row(chrome, url, trigger)
+    check_firings_hostile(chrome, trigger)
+    uncaught = [e["message"] for e in chrome.get_log("browser") if "Uncaught" in e["message"]]
+    assert not uncaught
