@@ -46,7 +46,7 @@ UPDATE_S = 0.05
 #: The rank made slow (its index in WORKERS) and how much longer its update stage runs.
 SLOW_WORKER, SLOW_BY = 1, 3.0
 #: The trigger the demo posts (the same as ``profd watch --role actor_rollout_ref --stage
-#: update_actor --stage-time 2 --baseline-steps 8 --min-ms 100 --for-steps 2``).
+#: update_actor --stage-time 2 --baseline-steps 10 --min-ms 100 --for-steps 2``).
 TRIGGER = {
     "name": "slow-update-actor",
     "when": {
@@ -54,7 +54,7 @@ TRIGGER = {
         "role": "actor_rollout_ref",
         "stage": "update_actor",
         "factor": 2.0,
-        "baseline_steps": 8,
+        "baseline_steps": 10,
         "min_ms": 100.0,
         "for_steps": 2,
     },

@@ -753,7 +753,7 @@ TRIGGER = {
         "role": "actor",
         "stage": "update",
         "factor": 2.0,
-        "baseline_steps": 5,
+        "baseline_steps": 20,
         "min_ms": 80.0,
         "for_steps": 2,
     },
@@ -765,7 +765,8 @@ TRIGGER = {
 def fired(make_sidecar, local_coordinator) -> Iterator[tuple[str, dict[str, Any]]]:
     """A sidecar whose trigger fired for real: two actors mark steps, each a stage "update";
     from step ``SLOW_FROM`` rank 1's takes 3x as long; the trigger's session on rank 1 and
-    its peer ran to the end. Yields the URL and the trigger as GET /triggers/{id} says."""
+    its peer ran to the end; then the actors stop marking. Yields the URL and the trigger
+    as GET /triggers/{id} says."""
     import threading
 
     actors = start_agents(local_coordinator, 2, "actor")
@@ -794,7 +795,10 @@ def fired(make_sidecar, local_coordinator) -> Iterator[tuple[str, dict[str, Any]
                     return None
                 return t if wait_terminal(local_coordinator, sid, 30) else None
 
-            trigger = wait_until(session_done, 60, 0.1, what="the trigger's session to end")
+            wait_until(session_done, 60, 0.1, what="the trigger's session to end")
+            stop.set()  # nothing more to count (rank 1 would go on breaking the rule)
+            loop.join(10)
+            trigger = httpx.get(f"{srv.url}/api/v1/triggers/{tid}").json()
             yield srv.url, trigger
     finally:
         stop.set()
@@ -818,8 +822,8 @@ def firing_rows(chrome: Any) -> list[dict[str, Any]]:
 def check_triggers_table(chrome: Any, trigger: dict[str, Any]) -> None:
     (row,) = wait_until(lambda: rows(chrome, "triggers"), 20, what="the trigger listed")
     assert row[:2] == [trigger["trigger_id"], "slow-update"]
-    assert row[2] == "actor stage update > 2× the median of 5 per rank, at least 80 ms, 2 in a row"
-    assert row[3] == "torch · next 1 steps" and row[4] == str(trigger["fired"]) == "1"
+    assert row[2] == "actor stage update > 2× the median of 20 per rank, at least 80 ms, 2 in a row"
+    assert row[3] == "torch · next 1 step" and row[4] == str(trigger["fired"]) == "1"
     quiet = {k: v for k, v in trigger["suppressed"].items() if v}
     assert row[5] == (" · ".join(f"{k} {v}" for k, v in sorted(quiet.items())) or "–")
     assert row[6].endswith("(1024 MB)")
@@ -844,7 +848,8 @@ def check_firing_row(chrome: Any, url: str, trigger: dict[str, Any]) -> None:
     assert ms_value(cells[7]) < 2 * UPDATE_S * 1000  # the role's median: the healthy ones
     assert cells[8] == f"{ev['observed_s'] / ev['baseline_s']:.1f}×"
     assert ev["step"] >= SLOW_FROM + 1 and cells[9] == str(ev["step"])  # 2 slow in a row
-    assert cells[10] == sid
+    assert cells[10] == f"factor 2 · median of {ev['baseline_samples']}"
+    assert cells[11] == sid
     href, label, data_sid = row["link"]
     assert label == data_sid == sid and href == f"/?{urlencode({'interval': 500, 'summary': sid})}"
     view = httpx.get(f"{url}/api/v1/sessions/{sid}").json()
@@ -865,8 +870,9 @@ def check_firing_row(chrome: Any, url: str, trigger: dict[str, Any]) -> None:
 
 
 def fake_triggers(real: dict[str, Any], n: int = 120) -> list[dict[str, Any]]:
-    """Two triggers shaped like ``real``: one with markup in its name and stage and ``n``
-    firings (fired, due and failed, the failure's error markup too), one with none."""
+    """Triggers shaped like ``real``: one with markup in its name and stage and ``n``
+    firings (fired, due and failed, the failure's error markup too), one with none, and a
+    straggler and an oom trigger with one firing each, the newest."""
     firing = real["firings"][0]
     firings = []
     for k in range(n):
@@ -891,7 +897,30 @@ def fake_triggers(real: dict[str, Any], n: int = 120) -> list[dict[str, Any]]:
         "suppressed": {"cooldown": 7, "max_per_hour": 0, "disk_budget": 2},
     }
     idle = real | {"trigger_id": "trg-idle", "name": "idle", "firings": [], "fired": 0}
-    return [idle | {"suppressed": {}}, hostile]
+    ev = firing["evidence"]
+    late = ev | {"kind": "straggler", "observed_s": 0.25, "baseline_s": 0.05, "factor": None}
+    late |= {"late_s": 0.25, "threshold_s": 0.05, "peer_rank": 0, "cause": "long duration"}
+    when = real["request"]["when"]
+    straggler = real | {
+        "trigger_id": "trg-late",
+        "name": "late",
+        "request": real["request"]
+        | {"when": {"kind": "straggler", "role": when["role"], "stage": "update"}},
+        "firings": [
+            firing | {"firing_id": "trg-late.1", "at": firing["at"] + 20, "evidence": late}
+        ],
+    }
+    oom_ev = ev | {"kind": "oom", "observed_s": 0.0, "baseline_s": 0.0, "factor": None}
+    oom_ev |= {"error": HOSTILE, "snapshot_path": "/x/<b>snap</b>.pickle", "mark": "step"}
+    oom = real | {
+        "trigger_id": "trg-oom",
+        "name": "oom",
+        "request": real["request"] | {"when": {"kind": "oom", "role": when["role"]}},
+        "firings": [
+            firing | {"firing_id": "trg-oom.1", "at": firing["at"] + 10, "evidence": oom_ev}
+        ],
+    }
+    return [idle | {"suppressed": {}}, hostile, straggler, oom]
 
 
 FAKE_TRIGGERS = """
@@ -914,18 +943,27 @@ def check_firings_hostile(chrome: Any, trigger: dict[str, Any]) -> None:
     shown = wait_until(
         lambda: len(x := firing_rows(chrome)) == 100 and x, 20, what="100 fake firings"
     )
-    assert chrome.find_element(By.ID, "firings-shown").text == "(newest 100 of 120)"
-    assert [r["id"] for r in shown] == [f["firing_id"] for f in fake[1]["firings"][:100]]
-    assert all(r["cells"][1] == HOSTILE and r["cells"][5] == HOSTILE_STAGE for r in shown)
-    assert [r["cells"][2] for r in shown[:3]] == ["fired", "due", "failed"]
-    assert shown[0]["link"][2] == trigger["firings"][0]["session_id"]
-    assert shown[1]["link"] is None and shown[1]["cells"][10] == "waiting for its ranks"
-    assert shown[2]["link"] is None and shown[2]["cells"][10] == HOSTILE
-    assert all(r["cells"][9] == "–" for r in shown)  # no step known
+    assert chrome.find_element(By.ID, "firings-shown").text == "(newest 100 of 122)"
+    first, second, *rest = shown  # newest first: the straggler's, the oom's, then the rest
+    assert [r["id"] for r in rest] == [f["firing_id"] for f in fake[1]["firings"][:98]]
+    assert first["cells"][1:8] == ["late", "fired", "actor", "1", "update", "250.00 ms", "50.00 ms"]
+    assert first["cells"][10] == (
+        "ended 250.00 ms after its peers' median end (bar 50.00 ms) · long duration · peer 0"
+    )
+    assert second["cells"][1:9] == ["oom", "fired", "actor", "1", "step", "–", "–", "–"]
+    assert second["cells"][10] == f"{HOSTILE} · snapshot /x/<b>snap</b>.pickle"
+    assert all(r["cells"][1] == HOSTILE and r["cells"][5] == HOSTILE_STAGE for r in rest)
+    assert [r["cells"][2] for r in rest[:3]] == ["fired", "due", "failed"]
+    assert rest[0]["link"][2] == trigger["firings"][0]["session_id"]
+    assert rest[1]["link"] is None and rest[1]["cells"][11] == "waiting for its ranks"
+    assert rest[2]["link"] is None and rest[2]["cells"][11] == HOSTILE
+    assert all(r["cells"][9] == "–" for r in rest)  # no step known
     table = rows(chrome, "triggers")
-    assert [r[1] for r in table] == ["idle", HOSTILE]
+    assert [r[1] for r in table] == ["idle", HOSTILE, "late", "oom"]
     assert table[0][4] == "0" and table[0][5] == "–"
     assert HOSTILE_STAGE in table[1][2] and table[1][5] == "cooldown 7 · disk_budget 2"
+    assert table[2][2] == "actor stage update ends late against its peers"
+    assert table[3][2] == "actor: a CUDA out-of-memory error"
     assert chrome.execute_script("return window.__pwned === undefined")
     markup = "#triggers-section img, #triggers-section svg, #triggers-section b"
     assert not chrome.find_elements(By.CSS_SELECTOR, markup)  # shown as text, never parsed
