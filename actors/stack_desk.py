@@ -177,16 +177,16 @@ class StackDesk:
                 )
             except Exception as exc:  # the node task failed or never ran: the agents answer
                 why = f"the node task did not run ({type(exc).__name__}: {exc})"
-                return [PySpyDump(pid, error=why) for pid, _ in procs]
+                return [PySpyDump(pid, tid, error=why) for pid, tid in procs]
 
         nodes = list(by_node.items())
         dumps = await asyncio.gather(*(one_node(n, recs) for n, recs in nodes))
         read: list[RankStack] = []
         refused: list[tuple[AgentRecord, str]] = []
         for (_, recs), node_dumps in zip(nodes, dumps, strict=True):
-            by_pid = {d.pid: d for d in node_dumps}
+            by_proc = {(d.pid, d.thread_id): d for d in node_dumps}
             for rec in recs:
-                d = by_pid.get(rec.info.pid)
+                d = by_proc.get((rec.info.pid, rec.info.thread_id))
                 if d is None or d.frames is None:
                     refused.append((rec, d.error if d and d.error else "py-spy gave nothing"))
                 else:

@@ -175,6 +175,8 @@ class PySpyDump:
     """One process read by py-spy: its frames, or why py-spy could not read it."""
 
     pid: int
+    #: The native id of the thread asked for (the one that attached).
+    thread_id: int | None = None
     frames: tuple[StackFrame, ...] | None = None
     thread: str = ""
     error: str | None = None
@@ -191,45 +193,56 @@ def _refusal(stderr: str, code: int) -> str:
     return "py-spy: " + ("; ".join(said[:4]) if said else f"exit {code}")
 
 
-def _dump_one(exe: str, pid: int, thread_id: int | None, native: bool) -> PySpyDump:
+def _dump_process(exe: str, pid: int, native: bool) -> list[ThreadStack] | str:
+    """One ``py-spy dump`` of a process: its threads, or why py-spy could not read it."""
     cmd = [exe, "dump", "--json", "--pid", str(pid)]
     if native:
         cmd.append("--native")
     try:
         out = subprocess.run(
-            cmd,
-            capture_output=True,
-            timeout=PY_SPY_TIMEOUT_S,
-            check=False,
-            stdin=subprocess.DEVNULL,
+            cmd, capture_output=True, timeout=PY_SPY_TIMEOUT_S, stdin=subprocess.DEVNULL
         )
     except subprocess.TimeoutExpired:
-        return PySpyDump(pid, error=f"py-spy did not answer within {PY_SPY_TIMEOUT_S:.0f} s")
+        return f"py-spy did not answer within {PY_SPY_TIMEOUT_S:.0f} s"
     except OSError as exc:
-        return PySpyDump(pid, error=f"py-spy could not run: {exc}")
+        return f"py-spy could not run: {exc}"
     if out.returncode != 0:
-        return PySpyDump(pid, error=_refusal(out.stderr.decode(errors="replace"), out.returncode))
+        return _refusal(out.stderr.decode(errors="replace"), out.returncode)
     try:
-        chosen = pick_thread(threads_from_py_spy(orjson.loads(out.stdout)), thread_id)
+        return threads_from_py_spy(orjson.loads(out.stdout))
     except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
-        return PySpyDump(pid, error=f"py-spy's output could not be read: {exc}")
-    if chosen is None:
-        return PySpyDump(pid, error="py-spy found no thread of the job")
-    return PySpyDump(pid, frames=chosen.frames, thread=chosen.name)
+        return f"py-spy's output could not be read: {exc}"
 
 
 def dump_with_py_spy(
     processes: Sequence[tuple[int, int | None]], native: bool = False
 ) -> list[PySpyDump]:
-    """Read each ``(pid, thread id)`` of this node with ``py-spy dump`` (a few at a time).
-    Runs on the processes' node; never raises: a process py-spy cannot read says why."""
+    """Read each ``(pid, thread id)`` of this node with ``py-spy dump``: one dump per process
+    (two cannot suspend one process at once), a few processes at a time. Runs on the
+    processes' node; never raises: a process py-spy cannot read says why."""
     exe = find_py_spy()
+    pids = sorted({pid for pid, _ in processes})
     if exe is None:
-        return [
-            PySpyDump(pid, error="py-spy is not installed on this node") for pid, _ in processes
-        ]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(processes) or 1)) as pool:
-        return list(pool.map(lambda p: _dump_one(exe, p[0], p[1], native), processes))
+        dumps: dict[int, list[ThreadStack] | str] = dict.fromkeys(
+            pids, "py-spy is not installed on this node"
+        )
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(pids) or 1)) as pool:
+            dumps = dict(
+                zip(pids, pool.map(lambda p: _dump_process(exe, p, native), pids), strict=True)
+            )
+    out = []
+    for pid, tid in processes:
+        threads = dumps[pid]
+        if isinstance(threads, str):
+            out.append(PySpyDump(pid, tid, error=threads))
+            continue
+        chosen = pick_thread(threads, tid)
+        if chosen is None:
+            out.append(PySpyDump(pid, tid, error="py-spy found no thread of the job"))
+        else:
+            out.append(PySpyDump(pid, tid, frames=chosen.frames, thread=chosen.name))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

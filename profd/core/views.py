@@ -288,9 +288,9 @@ class StackFrameView(_View):
 
 
 class StackRankView(_View):
-    role: str
-    rank: int
-    pid: int
+    role: str = Field(description="The agent's role.")
+    rank: int = Field(description="Its rank in the role.")
+    pid: int = Field(description="Its process id.")
     node: str = Field(description="The host name of the process's node.")
     method: str = Field(description="Who read the stack: py_spy, or agent (its own thread).")
     thread: str = Field("", description="The name of the thread shown (the training thread).")
@@ -302,10 +302,10 @@ class StackGroupView(_View):
 
 
 class StackMissingView(_View):
-    role: str
-    rank: int | None
-    pid: int | None = None
-    node: str | None = None
+    role: str = Field(description="The agent's role ('*' for a rank asked of every role).")
+    rank: int | None = Field(description="Its rank.")
+    pid: int | None = Field(None, description="Its process id, when an agent was found.")
+    node: str | None = Field(None, description="The host name of its node, when found.")
     reason: str = Field(description="Why no stack came back.")
 
 
