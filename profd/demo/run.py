@@ -1,4 +1,5 @@
-"""``profd demo``: a live job, a session triggered over HTTP, and the traces it produced.
+"""``profd demo``: a live job, a session asked for over HTTP, the traces it produced, and a
+trigger that profiles a slow rank by itself.
 
 1. start a local Ray on 127.0.0.1 (or join ``address``), the coordinator and the sidecar;
 2. start the synthetic RL job: two ``actor_rollout_ref`` ranks and one ``critic`` (Ray
@@ -33,7 +34,7 @@ from profd.core.constants import NAMESPACE
 from profd.core.ray_env import apply_loopback_env, init_local_ray, is_local_address
 from profd.core.settings import ProfdSettings, SidecarConfig
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["DemoResult", "Firing", "run_demo"]
 
 WORKERS = (("actor_rollout_ref", 0, 2), ("actor_rollout_ref", 1, 2), ("critic", 0, 1))
 #: Rollout replicas (tp=1 each: global GPU ranks 0 and 1).
@@ -46,7 +47,10 @@ UPDATE_S = 0.05
 #: The rank made slow (its index in WORKERS) and how much longer its update stage runs.
 SLOW_WORKER, SLOW_BY = 1, 3.0
 #: The trigger the demo posts (the same as ``profd watch --role actor_rollout_ref --stage
-#: update_actor --stage-time 2 --baseline-steps 10 --min-ms 100 --for-steps 2``).
+#: update_actor --stage-time 2 --baseline-steps 10 --min-ms 100 --for-steps 2``). Its
+#: baseline is several times the durations one report carries (a rank ships its new ones
+#: about once a second: 2-3 steps here), so the slow rank's first report does not yet pull
+#: the pooled median up; two slow steps in a row and 100 ms keep one stall from firing it.
 TRIGGER = {
     "name": "slow-update-actor",
     "when": {
@@ -325,6 +329,8 @@ def _print_firing(console: Console, fired: Firing) -> None:
         f"{ev['role']} rank {ev['rank']} (the slow one){peers}, trigger_id {s['trigger_id']}"
     )
     _print_outcome(console, s, fired.traces)
+    if not fired.ok:
+        console.print(f"[red]The trigger's session ended {s['state']}: {s['reason']}[/red]")
 
 
 def _print_outcome(console: Console, session: dict[str, Any], traces: list[dict]) -> None:
