@@ -110,14 +110,17 @@ def test_the_stuck_rank_is_alone_in_its_wait_by_py_spy_and_by_the_agents(hung: H
 
 
 def test_native_frames_filters_and_bad_queries(hung: Home) -> None:
-    native = _stacks(hung, "--native", "--ranks", "2")
+    r = hung.http("GET", "/api/v1/stacks", params={"native": "true", "ranks": "2"})
+    assert r.status_code == 200, r.text
+    native = r.json()
     ((group),) = native["groups"]
     assert [r["rank"] for r in group["ranks"]] == [2] and native["native"] is True
     lines = [f["line"] for f in group["stack"]]
     assert 0 in lines and any(n > 0 for n in lines)  # native frames beside Python ones
     assert "DataParallelRank.load_batch" in [f["function"] for f in group["stack"]]
 
-    one = _stacks(hung, "--role", "trainer", "--ranks", "1,7")
+    params = {"role": "trainer", "ranks": ["1", "7"]}
+    one = hung.http("GET", "/api/v1/stacks", params=params).json()
     assert [[r["rank"] for r in g["ranks"]] for g in one["groups"]] == [[1]]
     assert [(m["rank"], m["reason"]) for m in one["missing"]] == [
         (7, "no live agent has this rank")
