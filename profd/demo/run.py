@@ -42,15 +42,17 @@ REPLICAS = 2
 TERMINAL = ("done", "partial", "failed", "cancelled", "expired")
 
 #: Every update stage takes at least this long (a real update waits on its all-reduce);
-#: it keeps the stage's time steady on a busy machine, so only the injected rank is slow.
-UPDATE_S = 0.05
+#: it keeps the stage's time steady on a busy machine (its compute, tens of ms, took 120 ms
+#: at a load of 10 on 2 cores), so only the injected rank is slow.
+UPDATE_S = 0.1
 #: The rank made slow (its index in WORKERS) and how much longer its update stage runs.
 SLOW_WORKER, SLOW_BY = 1, 3.0
 #: The trigger the demo posts (the same as ``profd watch --role actor_rollout_ref --stage
-#: update_actor --stage-time 2 --baseline-steps 10 --min-ms 100 --for-steps 2``). Its
+#: update_actor --stage-time 2 --baseline-steps 10 --min-ms 200 --for-steps 2``). Its
 #: baseline is several times the durations one report carries (a rank ships its new ones
 #: about once a second: 2-3 steps here), so the slow rank's first report does not yet pull
-#: the pooled median up; two slow steps in a row and 100 ms keep one stall from firing it.
+#: the pooled median up; two slow steps in a row and 200 ms keep a stall, or a loaded
+#: machine, from firing it.
 TRIGGER = {
     "name": "slow-update-actor",
     "when": {
@@ -59,7 +61,7 @@ TRIGGER = {
         "stage": "update_actor",
         "factor": 2.0,
         "baseline_steps": 10,
-        "min_ms": 100.0,
+        "min_ms": 200.0,
         "for_steps": 2,
     },
     "session": {"tool": "torch", "next_steps": 2},
@@ -272,8 +274,8 @@ def _watch(api: ApiClient, console: Console, progress: dict[str, Any]) -> Firing
 
     # Durations an agent measured while profiled, and a few seconds after, are not held
     # against it (they carry the profiler's cost): the first session's ranks are watched
-    # again only once that grace has passed, so the slowdown starts then.
-    grace_ends = time.monotonic() + PROFILED_GRACE_S + 0.2
+    # again only once that grace has passed, so the trigger and the slowdown start then.
+    time.sleep(PROFILED_GRACE_S + 0.2)
     console.print()
     console.print(f"POST {api.url}/api/v1/triggers {TRIGGER}")
     made = api.post("/api/v1/triggers", TRIGGER)
@@ -284,7 +286,6 @@ def _watch(api: ApiClient, console: Console, progress: dict[str, Any]) -> Firing
         f"{w['min_ms']:g} ms) {w['for_steps']} steps in a row, profile its next "
         f"{TRIGGER['session']['next_steps']} steps and its closest peer's"
     )
-    time.sleep(max(0.0, grace_ends - time.monotonic()))
     role, rank, _ = WORKERS[SLOW_WORKER]
     slow_from = progress["began"][-1][1] + 1  # the next step the driver begins
     progress["slow_from"] = slow_from
