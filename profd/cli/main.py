@@ -351,13 +351,19 @@ def demo(
     save_root: Annotated[Path | None, typer.Option(help="Where traces go.")] = None,
     address: Annotated[str | None, typer.Option(help="Join this Ray cluster instead.")] = None,
 ) -> None:
-    """Run a small RL job, profile 2 of its steps over HTTP, and show the traces."""
+    """Run a small RL job, profile 2 of its steps over HTTP, show the traces, then make one
+    rank slow and show the trigger that profiles it by itself."""
     from profd.demo.run import run_demo
 
     logging.basicConfig(level=logging.WARNING)
     result = run_demo(console, steps=steps, port=port, save_root=save_root, address=address)
     if not result.ok:
-        err_console.print(f"[red]demo session ended {result.session.get('state')}[/red]")
+        first = result.session.get("state")
+        fired = result.fired.session.get("state") if result.fired is not None else None
+        if first != "done" or not result.traces:
+            err_console.print(f"[red]demo session ended {first}[/red]")
+        else:
+            err_console.print(f"[red]the demo's triggered session ended {fired}[/red]")
         raise typer.Exit(1)
 
 
