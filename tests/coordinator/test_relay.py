@@ -124,3 +124,15 @@ def test_a_lost_coordinator_makes_the_relays_agents_register_again(relayed) -> N
     caller.down = False
     wait_until(lambda: all(a.connected for a in agents), 30, 0.05, what="registered again")
     assert stats(owner, relay).coordinator_errors >= 1
+
+
+def test_a_stack_request_reaches_the_agents_behind_the_relay(relayed) -> None:
+    """``profd stacks --method agent``: the request rides in the plans the relay hands out,
+    the answers come back in its batches."""
+    owner, relay, caller, agents = relayed
+    wait_until(lambda: stats(owner, relay).parked_polls == 3, 10, 0.02, what="polls parked")
+    view = owner.call("stacks", {"method": "agent", "timeout_s": 10})
+    assert view.missing == []
+    assert sorted(r.rank for g in view.groups for r in g.ranks) == [0, 1, 2]
+    assert {r.method for g in view.groups for r in g.ranks} == {"agent"}
+    assert caller.calls.get("report", 0) == 0 and caller.calls.get("report_many", 0) >= 1
