@@ -4,11 +4,16 @@ are busy."""
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
 import pytest
 from pydantic import ValidationError
 
-from profd.actors.trigger_book import FiringState, Suppressed, TriggerBook
-from profd.core.protocol import LabelDurations, MarkDurations
+from profd.actors.trigger_book import FiringState, Suppressed, TriggerBook, late_against_peers
+from profd.analysis.models import StragglerRule
+from profd.analysis.stragglers import late_cause, late_outliers
+from profd.core.protocol import LabelDurations, MarkDurations, OutOfMemory
 from profd.core.request import field_errors
 from profd.core.trigger_request import TriggerRequest
 
@@ -37,11 +42,27 @@ def test_bad_triggers_name_the_field_and_the_rule() -> None:
     base = {"name": "t", "when": {"kind": "step_time", "role": "actor"}}
     assert "when.factor" in errors({**base, "when": {**base["when"], "factor": 1.0}})
     assert "when.stage" in errors({**base, "when": {**base["when"], "kind": "stage_time"}})
-    got = errors({**base, "when": {**base["when"], "kind": "straggler"}})
-    assert "not evaluated yet" in got["when.kind"]
-    assert "chosen when the trigger fires" in errors({**base, "session": {"roles": {}}})[
-        "session.roles"
-    ]
+    # straggler and oom are evaluated: their own rules, and fields they do not use refused
+    assert (
+        "required" in errors({**base, "when": {**base["when"], "kind": "straggler"}})["when.stage"]
+    )
+    late = {**base["when"], "kind": "straggler", "stage": "update"}
+    assert (
+        "not used by a straggler"
+        in errors({**base, "when": {**late, "factor": 3.0}})["when.factor"]
+    )
+    oom = {**base["when"], "kind": "oom"}
+    assert "not used by a oom" in errors({**base, "when": {**oom, "stage": "update"}})["when.stage"]
+    assert "when.for_steps" in errors({**base, "when": {**oom, "for_steps": 2}})
+    assert "step_time" in errors({**base, "when": {**base["when"], "stage": "x"}})["when.stage"]
+    made = TriggerRequest.model_validate({**base, "when": {**late, "min_ms": 50, "for_steps": 2}})
+    again = TriggerRequest.model_validate(made.model_dump(mode="json"))  # as listed, posted back
+    assert again == made and again.when.mark == "update"
+    assert TriggerRequest.model_validate({**base, "when": oom}).when.kind == "oom"
+    assert (
+        "chosen when the trigger fires"
+        in errors({**base, "session": {"roles": {}}})["session.roles"]
+    )
     assert "session.next_steps" in errors({**base, "session": {"next_steps": 0}})
     # the template is checked as the session it becomes: a bad tool fails now, not at firing
     assert "session.tool" in errors({**base, "session": {"tool": "nope"}})
@@ -133,3 +154,121 @@ def test_a_stage_trigger_watches_only_its_stage() -> None:
     assert (f.evidence.mark, f.evidence.rank) == ("update_actor", 1)
     failed = book.failed(f, "no agent")
     assert failed.state is FiringState.FAILED and book.due() == []
+
+
+# -- straggler ------------------------------------------------------------------------------
+def test_the_live_straggler_rule_is_the_summarys() -> None:
+    rng, rule = random.Random(7), StragglerRule()
+    for _ in range(300):
+        n = rng.randint(2, 9)
+        starts = [rng.uniform(0, 0.05) for _ in range(n)]
+        walls = [rng.uniform(0.05, 0.2) for _ in range(n)]
+        if rng.random() < 0.5:  # one slow or late rank, often
+            i = rng.randrange(n)
+            starts[i] += rng.choice([0.0, 0.3])
+            walls[i] += rng.choice([0.0, 0.3])
+        ends = [s + w for s, w in zip(starts, walls, strict=True)]
+        ms = [[x * 1000 for x in v] for v in (starts, ends, walls)]
+        want = {h.index: h for h in late_outliers(ms[1], ms[2], rule)}
+        got = late_against_peers(starts, ends, walls)
+        assert {i for i, x in enumerate(got) if x.is_late} == set(want)
+        for i, h in want.items():
+            assert abs(got[i].late * 1000 - h.late) < 1e-6
+            assert abs(got[i].threshold * 1000 - h.threshold) < 1e-6
+            assert got[i].cause == late_cause(ms[0], ms[2], i, rule)[2].value
+
+
+def straggler(**when) -> TriggerRequest:
+    return TriggerRequest.model_validate(
+        {"name": "late", "when": {"kind": "straggler", "role": "actor", "stage": "update",
+                                  **when}, "cooldown_s": 60}
+    )  # fmt: skip
+
+
+class Ends:
+    """The role's stage spans per rank, as the coordinator's MarkStats keeps them."""
+
+    def __init__(self, ranks: int) -> None:
+        self.steps: dict[int, dict[int, SimpleNamespace]] = {r: {} for r in range(ranks)}
+
+    def add(self, rank: int, step: int, start: float, end: float) -> MarkDurations:
+        self.steps[rank][step] = SimpleNamespace(start=start, end=end, wall=end - start)
+        d = LabelDurations("update", (end - start,), spans=((step, start, end),))
+        return MarkDurations(step=None, stages=(d,))
+
+    def __call__(self, role: str, stage: str) -> dict:
+        assert (role, stage) == ("actor", "update")
+        return {r: (f"a{r}", s) for r, s in self.steps.items() if s}
+
+
+def run_step(book, ends, step, late, profiled=None, order=(0, 1, 2, 3)) -> list:
+    """Every rank's stage ends at ``step + 0.1`` (ends spread 1 ms), ``late[r]`` later."""
+    out = []
+    for r in order:
+        start = step + 0.001 * r
+        times = ends.add(r, step, start, start + 0.1 + late.get(r, 0.0))
+        out += book.observe(f"a{r}", "actor", r, times, history_of({}), step, ends, profiled)
+    return out
+
+
+def test_a_straggler_fires_after_for_steps_late_steps_on_it_with_the_peer_it_chose() -> None:
+    clock = Clock()
+    book = TriggerBook(clock)
+    t = book.add(straggler(for_steps=2, min_ms=100))
+    ends = Ends(4)
+    assert run_step(book, ends, 1, {}) == [] and run_step(book, ends, 2, {2: 0.05}) == []
+    assert run_step(book, ends, 3, {2: 0.5}) == []  # late once (50 ms before: under min_ms)
+    # step 4 is judged only once every rank has reported it: rank 2, late, reports first
+    assert run_step(book, ends, 4, {2: 0.4}, order=(2, 0, 1)) == []
+    [f] = run_step(book, ends, 4, {2: 0.4}, order=(3,))
+    ev = f.evidence
+    assert (ev.kind, ev.rank, ev.agent_id, ev.mark, ev.step) == ("straggler", 2, "a2", "update", 4)
+    assert abs(ev.late_s - 0.4) < 0.01 and ev.observed_s == ev.late_s
+    assert ev.threshold_s == ev.baseline_s and 0.005 <= ev.threshold_s < 0.05
+    assert abs(ev.peer_median_end_s - 4.101) < 1e-9 and abs(ev.end_s - 4.502) < 1e-9
+    assert ev.cause == "long duration" and ev.baseline_samples == 3
+    assert ev.peer_rank in (1, 3)  # ends closest to the median end of step 4 (rank 0: first)
+    d = ev.as_dict()
+    assert d["kind"] == "straggler" and d["factor"] is None and d["peer_rank"] == ev.peer_rank
+    book.fired(f, "s-1")
+    assert run_step(book, ends, 5, {2: 0.4}) == []
+    assert t.suppressed == {Suppressed.COOLDOWN: 1}
+
+
+def test_a_profiled_rank_is_not_called_a_straggler_and_stages_elsewhere_are_ignored() -> None:
+    book = TriggerBook(Clock())
+    t = book.add(straggler(for_steps=1))
+    ends = Ends(3)
+    assert run_step(book, ends, 1, {1: 0.3}, profiled=lambda a: a == "a1", order=(0, 1, 2)) == []
+    other = MarkDurations(step=None, stages=(LabelDurations("gen", (1.0,), spans=((2, 0, 9),)),))
+    assert book.observe("a0", "actor", 0, other, history_of({}), 2, ends) == []
+    [f] = run_step(book, ends, 2, {1: 0.3}, order=(0, 1, 2))
+    assert f.evidence.rank == 1 and sorted(t.verdicts) == [1, 2]
+    lone = TriggerBook(Clock())  # a role of one rank has no peers: never judged
+    lone.add(straggler())
+    one = Ends(1)
+    assert run_step(lone, one, 1, {0: 5.0}, order=(0,)) == []
+
+
+# -- oom ------------------------------------------------------------------------------------
+def test_an_out_of_memory_error_fires_on_its_rank_then_cooldown() -> None:
+    clock = Clock()
+    book = TriggerBook(clock)
+    t = book.add(
+        TriggerRequest.model_validate(
+            {"name": "oom", "when": {"kind": "oom", "role": "actor"}, "cooldown_s": 60}
+        )
+    )
+    book.add(request())  # a step_time trigger: an oom is not its business
+    oom = OutOfMemory("OutOfMemoryError: CUDA out of memory.", "update", "/p/x_oom1.pickle")
+    assert book.out_of_memory("c1", "critic", 1, oom, 7) == []
+    [f] = book.out_of_memory("a1", "actor", 1, oom, 7)
+    ev = f.evidence.as_dict()
+    assert (ev["kind"], ev["rank"], ev["agent_id"], ev["mark"], ev["step"]) == (
+        "oom", 1, "a1", "update", 7
+    )  # fmt: skip
+    assert ev["error"] == oom.error and ev["snapshot_path"] == "/p/x_oom1.pickle"
+    book.fired(f, "s-1")
+    assert book.out_of_memory("a1", "actor", 1, oom, 8) == []
+    assert t.suppressed == {Suppressed.COOLDOWN: 1}
+    assert book.observe("a1", "actor", 1, step(9.0), history_of({1: [9.0] * 8})) == []

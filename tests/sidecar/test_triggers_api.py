@@ -37,8 +37,12 @@ def fields(r: httpx.Response) -> dict[str, str]:
 def test_bad_triggers_are_422_naming_the_field_and_changes_need_the_token(sidecar: Any) -> None:
     url = f"{sidecar.url}/api/v1/triggers"
     when = GOOD["when"]
-    got = fields(httpx.post(url, json={**GOOD, "when": {**when, "kind": "oom"}}, headers=AUTH))
-    assert "not evaluated yet" in got["when.kind"]
+    late = {**when, "kind": "straggler"}
+    got = fields(httpx.post(url, json={**GOOD, "when": late}, headers=AUTH))
+    assert "required for a straggler trigger" in got["when.stage"]
+    oom = {"kind": "oom", "role": "actor", "stage": "update"}
+    got = fields(httpx.post(url, json={**GOOD, "when": oom}, headers=AUTH))
+    assert "not used by a oom trigger" in got["when.stage"]
     hook = {**GOOD, "session": {"finish_hook_cmd": "echo hi"}}
     assert "disabled" in fields(httpx.post(url, json=hook, headers=AUTH))["session.finish_hook_cmd"]
     away = {**GOOD, "session": {"save_path": "/etc/profd"}}
@@ -52,6 +56,15 @@ def test_bad_triggers_are_422_naming_the_field_and_changes_need_the_token(sideca
     assert httpx.delete(f"{url}/{tid}", headers=AUTH).status_code == 200
     assert httpx.get(f"{url}/{tid}").status_code == 404
     assert httpx.delete(f"{url}/{tid}", headers=AUTH).status_code == 404
+    # the other kinds are accepted, and a listed one posts back as it is
+    for when in ({**late, "stage": "update", "min_ms": 50}, {"kind": "oom", "role": "actor"}):
+        r = httpx.post(url, json={**GOOD, "name": when["kind"], "when": when}, headers=AUTH)
+        assert r.status_code == 201, r.text
+        listed = r.json()["request"]
+        assert listed["when"]["kind"] == when["kind"]
+        again = httpx.post(url, json={**listed, "name": "again"}, headers=AUTH)
+        assert again.status_code == 201 and again.json()["request"]["when"] == listed["when"]
+    assert httpx.get(url).json()["count"] == 4
 
 
 def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> None:

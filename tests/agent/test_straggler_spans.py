@@ -1,0 +1,88 @@
+"""The stage spans straggler triggers compare (``LabelDurations.spans``), from a real agent's
+marks (no coordinator): each stage sample placed in the step it ended in, on the
+coordinator's wall clock (the agent's clock offset applied), once that step is over; in a
+worker following its driver's steps, in the step it followed; waiting while the offset is
+unknown; a stage outside every step is not placed."""
+
+from __future__ import annotations
+
+import time
+
+from profd.agent import ProfilerAgent
+from profd.agent.clock_sync import ClockEstimate
+from profd.core.protocol import AgentPlan, MarkDurations
+
+OFFSET_NS = 5 * 10**9  # the coordinator's clock is 5 s ahead of this process's
+
+
+def agent(offset: int | None = OFFSET_NS) -> ProfilerAgent:
+    a = ProfilerAgent("actor", 0, 2, find_link=lambda: None)
+    a._clock_estimate = lambda: (  # type: ignore[method-assign]
+        None if offset is None else ClockEstimate(offset, 1000, time.time_ns(), 5)
+    )
+    return a
+
+
+def spans(times: MarkDurations | None, label: str) -> list[tuple[int, float, float]]:
+    if times is None:
+        return []
+    return [s for d in times.stages if d.label == label for s in d.spans]
+
+
+def test_spmd_stages_are_placed_in_their_step_once_it_is_over() -> None:
+    a = agent()
+    before = time.time() + OFFSET_NS / 1e9
+    with a.step(1):
+        with a.stage("fwd"):
+            time.sleep(0.01)
+        early = a._take_times()  # the step is not over: its duration ships, its span waits
+        with a.stage("fwd"):
+            pass
+    with a.stage("between"):  # outside every step: never placed
+        pass
+    with a.step(2), a.stage("fwd"):
+        pass
+    after = time.time() + OFFSET_NS / 1e9
+    assert [d.label for d in early.stages] == ["fwd"] and early.stages[0].spans == ()
+    late = a._take_times()
+    (fwd,) = [d for d in late.stages if d.label == "fwd"]
+    assert len(fwd.seconds) == 2  # the durations since the last take
+    got = spans(late, "fwd")
+    assert [s for s, _, _ in got] == [1, 1, 2]  # the first waited for step 1 to end
+    for _, start, end in got:
+        assert before - 0.05 <= start <= end <= after + 0.05  # the coordinator's clock
+    assert got[0][2] - got[0][1] >= 0.01 and spans(late, "between") == []
+    assert a.close(5)
+
+
+def test_a_driver_following_worker_places_stages_in_the_step_it_followed() -> None:
+    a = agent()
+    for step in (7, 8):
+        a._install_plan(AgentPlan(version=step, controller_step=step))
+        with a.stage("generate"):  # the first mark of a step follows the driver
+            pass
+        with a.stage("reward"):
+            pass
+    times = a._take_times()
+    assert times.step is None  # a worker marks no step of its own
+    assert [s for s, _, _ in spans(times, "generate")] == [7, 8]
+    assert [s for s, _, _ in spans(times, "reward")] == [7, 8]
+    assert a.close(5)
+
+
+def test_spans_wait_while_the_clock_offset_is_unknown() -> None:
+    offset: list[int | None] = [None]
+    a = agent()
+    a._clock_estimate = lambda: (  # type: ignore[method-assign]
+        None if offset[0] is None else ClockEstimate(offset[0], 1000, time.time_ns(), 5)
+    )
+    for step in range(3):
+        with a.step(step), a.stage("update"):
+            pass
+    first = a._take_times()
+    assert len(first.stages[0].seconds) == 3 and spans(first, "update") == []
+    offset[0] = -OFFSET_NS
+    got = spans(a._take_times(), "update")
+    assert [s for s, _, _ in got] == [0, 1, 2]
+    assert abs(got[-1][2] - (time.time() - OFFSET_NS / 1e9)) < 1.0
+    assert a.close(5)
