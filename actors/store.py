@@ -370,8 +370,11 @@ class SqliteStore:
             with self._lock:
                 self._db.execute("BEGIN")
                 try:
+                    by_sql: dict[str, list[Any]] = {}
                     for sql, values in batch.values():
-                        self._db.execute(sql, values)
+                        by_sql.setdefault(sql, []).append(values)
+                    for sql, rows in by_sql.items():  # one statement per table, not per row
+                        self._db.executemany(sql, rows)
                     self._before_commit()
                     self._db.execute("COMMIT")
                 except BaseException:

@@ -11,7 +11,6 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, cast
 
 from profd.core.errors import NotFoundError
@@ -95,7 +94,7 @@ class TraceIndex:
             scope=p.scope,
             steps=[int(s) for s in p.steps],
             path=path,
-            file_name=Path(path).name,
+            file_name=path.rsplit("/", 1)[-1],
             bytes=int(p.bytes),
             node_id=info.node_id,
             node_ip=info.node_ip,
@@ -159,13 +158,16 @@ class TraceIndex:
 
 
 def _inside_session_dir(path: str, session: Session | None, session_id: str) -> bool:
-    """Whether ``path`` (on the agent's node, so compared as text, not resolved here) lies
-    inside the session's directory — or, for a session this coordinator does not know, inside
-    a directory named by the session id."""
-    p = PurePosixPath(os.path.normpath(path))
-    if not p.is_absolute():
+    """Whether ``path`` (normalised; on the agent's node, so compared as text, not resolved
+    here) lies inside the session's directory — or, for a session this coordinator does not
+    know, inside a directory named by the session id. Plain string checks: this runs for
+    every trace a fleet writes."""
+    if not path.startswith("/"):
         return False
     if session is not None:
-        root = PurePosixPath(os.path.normpath(session.save_dir))
-        return p != root and p.is_relative_to(root)
-    return bool(session_id) and session_id in p.parts[:-1]
+        root = os.path.normpath(session.save_dir)
+        if not root.startswith("/"):
+            return False
+        prefix = root if root.endswith("/") else root + "/"
+        return len(path) > len(prefix) and path.startswith(prefix)
+    return bool(session_id) and session_id in path.split("/")[:-1]

@@ -421,3 +421,19 @@ def test_a_slow_agent_is_named_and_unknown_phases_refused(tmp_path: Path) -> Non
         assert done == DriverAck(2, phase=ControllerPhase.ROLLOUT_BEGIN)
 
     run(go)
+
+
+def test_the_session_directory_check_is_by_whole_path_components() -> None:
+    import os
+    from types import SimpleNamespace
+
+    from profd.actors.trace_index import _inside_session_dir
+
+    s = SimpleNamespace(save_dir="/save/s1/")
+    inside = lambda p: _inside_session_dir(os.path.normpath(p), s, "s1")  # noqa: E731
+    assert inside("/save/s1/a.json.gz") and inside("/save/s1/sub/a.json")
+    assert not inside("/save/s1") and not inside("/save/s1-evil/a.json")
+    assert not inside("/save/s1/../s2/a.json") and not inside("save/s1/a.json")
+    unknown = lambda p: _inside_session_dir(os.path.normpath(p), None, "s1")  # noqa: E731
+    assert unknown("/any/s1/a.json") and not unknown("/any/s1x/a.json")
+    assert not unknown("/any/a/s1") and not _inside_session_dir("/any/s1/a", None, "")
