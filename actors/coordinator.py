@@ -375,6 +375,12 @@ class ProfileCoordinator:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def flush_state(self, timeout_s: float = 10.0) -> bool:
+        """Write what the store still has queued; ``False`` if some rows were not written
+        within ``timeout_s``. ``profd down`` asks this before it stops the coordinator (a
+        killed actor never runs ``close()``)."""
+        return await asyncio.to_thread(self._store.flush, timeout_s)
+
     def close(self) -> None:
         """Release the state directory (a coordinator in a process that lives on, once its
         loop is stopped)."""

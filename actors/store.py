@@ -90,6 +90,8 @@ class Store(Protocol):
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None: ...
 
+    def flush(self, timeout_s: float) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -109,6 +111,9 @@ class MemoryStore:
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
         pass
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
 
     def close(self) -> None:
         pass

@@ -274,8 +274,16 @@ def start_services(
 def stop_services() -> list[str]:
     """Stop the sidecar, the coordinator and the node relays; the names of what was stopped."""
     from profd.actors import kill_named, kill_relays
+    from profd.core.ray_env import find_actor
 
     stopped = []
+    coordinator = find_actor(COORDINATOR_NAME)
+    if coordinator is not None:  # its last queued rows reach the disk before it is killed
+        try:
+            if not call_coordinator(coordinator, "flush_state", 10.0, timeout=15.0):
+                log.warning("profd down: the coordinator's last state rows were not written")
+        except Exception as exc:  # a coordinator that does not answer is stopped all the same
+            log.warning("profd down: could not flush the coordinator's state (%s)", exc)
     for name in (SIDECAR_NAME, COORDINATOR_NAME):
         if kill_named(name):
             stopped.append(name)

@@ -129,7 +129,7 @@ def test_a_lost_coordinator_makes_the_relays_agents_register_again(relayed) -> N
 def test_a_stack_request_reaches_the_agents_behind_the_relay(relayed) -> None:
     """``profd stacks --method agent``: the request rides in the plans the relay hands out,
     the answers come back in its batches."""
-    owner, relay, caller, agents = relayed
+    owner, relay, caller, _ = relayed
     wait_until(lambda: stats(owner, relay).parked_polls == 3, 10, 0.02, what="polls parked")
     view = owner.call("stacks", {"method": "agent", "timeout_s": 10})
     assert view.missing == []

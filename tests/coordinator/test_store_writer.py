@@ -188,3 +188,24 @@ def test_close_gives_up_on_a_stuck_disk_and_says_what_it_dropped(
     assert store.failed_writes == 1 and "closed" in (store.last_error or "")
     store.gate.set()  # the stuck commit ends; the writer then lets go of the state directory
     StateLock(store.path.parent, wait_s=5).release()
+
+
+def test_flush_state_writes_what_is_queued_before_profd_down_kills_the_coordinator(
+    tmp_path: Path,
+) -> None:
+    """`profd down` kills the coordinator actor (no ``close()``): it asks ``flush_state``
+    first, which returns once the queued rows are on disk (False while the disk is stuck)."""
+    store = state_store(tmp_path)
+    owner = InProcessCoordinator(ProfileCoordinator(coordinator_settings(tmp_path), store=store))
+    try:
+        start_agents(owner, 1, "actor")
+        sid = owner.call("create_session", {"next_steps": 1, "roles": {"actor": {}}}).session_id
+        assert store.entered.wait(5)  # its rows wait behind a stuck commit
+        assert owner.call("flush_state", 0.2) is False
+        store.gate.set()
+        assert owner.call("flush_state", 5.0) is True
+        saved = SqliteStore(store.path).load()  # what a restarted coordinator would read
+        assert sid in [s["session_id"] for s in saved["sessions"]]
+    finally:
+        store.gate.set()
+        owner.close()
