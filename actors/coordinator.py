@@ -123,7 +123,13 @@ class ProfileCoordinator:
         )
         self._admission = Admission(self._registry, self._book, self._alignment, self._drivers)
         self._triggers = TriggerDesk(
-            self._registry, self._times, self._traces, self._admission, clock, self._book.live
+            self._registry,
+            self._times,
+            self._traces,
+            self._admission,
+            clock,
+            self._book.live,
+            self._plans,
         )
         self._stacks = StackDesk(self._registry, self._plans, self._runner, settings, clock)
         self._agents = AgentDesk(
@@ -134,7 +140,7 @@ class ProfileCoordinator:
             book=self._book,
             traces=self._traces,
             times=self._times,
-            on_register=self._admission.adopt,
+            on_register=self._adopt,
             on_fresh_step=self._alignment.note_fresh_step,
             on_events=self._drivers.progressed,
             on_times=self._triggers.on_times,
@@ -144,6 +150,12 @@ class ProfileCoordinator:
         self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
         self._ticker: asyncio.Task | None = None
         self._restore()
+
+    def _adopt(self, info: AgentInfo) -> None:
+        """A new agent: launch-time sessions take it, a straggler trigger's role times its
+        mark ends."""
+        self._triggers.adopt(info)
+        self._admission.adopt(info)
 
     def _restore(self) -> None:
         """Pick up sessions and the trace index a previous incarnation persisted."""

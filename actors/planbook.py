@@ -89,8 +89,18 @@ class PlanBook:
             controller_step=step,
             controller_phase=phase,
             stacks=entry.plan.stacks,
+            spans=entry.plan.spans,
         )
         _signal(entry.waiters)
+
+    def set_spans(self, agent_id: str, on: bool) -> None:
+        """Tell an agent whether its marks keep their end times (a straggler trigger watches
+        its role): a new plan version only when that changes."""
+        entry = self._entries.get(agent_id)
+        if entry is not None and entry.plan.spans != on:
+            self._version += 1
+            entry.plan = dataclasses.replace(entry.plan, version=self._version, spans=on)
+            _signal(entry.waiters)
 
     def request_stacks(self, agent_id: str, request: int) -> None:
         """Ask an agent for its stack (``AgentPlan.stacks``): a new plan version with the same

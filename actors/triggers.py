@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from profd.actors.trigger_book import Firing, Trigger, TriggerBook
 from profd.core.errors import ConflictError, NotFoundError, ProfdError
-from profd.core.protocol import AgentEvent, MarkDurations, OutOfMemory
+from profd.core.protocol import AgentEvent, AgentInfo, MarkDurations, OutOfMemory
 from profd.core.trigger_request import TriggerKind, TriggerRequest
 from profd.core.views import FiringView, TriggerView
 
 if TYPE_CHECKING:
     from profd.actors.admission import Admission
     from profd.actors.mark_stats import MarkStats
+    from profd.actors.planbook import PlanBook
     from profd.actors.registry import AgentRegistry
     from profd.actors.sessions import Session
     from profd.actors.trace_index import TraceIndex
@@ -54,8 +55,10 @@ class TriggerDesk:
         admission: Admission,
         clock: Callable[[], float],
         live: Callable[[], Iterable[Session]] = tuple,
+        plans: PlanBook | None = None,
     ) -> None:
         self._registry = registry
+        self._plans = plans
         self._times = times
         self._traces = traces
         self._admission = admission
@@ -75,6 +78,7 @@ class TriggerDesk:
         t = self.book.add(request)
         self._sessions[t.trigger_id] = []
         log.info("trigger %s (%s) added: %s", t.trigger_id, request.name, request.when)
+        self._sync_spans()
         return self.view(t)
 
     def remove(self, trigger_id: str) -> TriggerView:
@@ -83,7 +87,29 @@ class TriggerDesk:
         except KeyError:
             raise NotFoundError(f"no trigger {trigger_id!r}", trigger_id=trigger_id) from None
         self._sessions.pop(trigger_id, None)
+        self._sync_spans()
         return self.view(t)
+
+    # -- span mode -----------------------------------------------------------------------
+    def _span_roles(self) -> set[str]:
+        """The roles a straggler trigger watches: their agents' marks keep end times."""
+        return {
+            t.request.when.role
+            for t in self.book.all()
+            if t.request.when.kind is TriggerKind.STRAGGLER
+        }
+
+    def _sync_spans(self) -> None:
+        if self._plans is None:
+            return
+        roles = self._span_roles()
+        for rec in self._registry.all():
+            self._plans.set_spans(rec.info.agent_id, rec.info.role in roles)
+
+    def adopt(self, info: AgentInfo) -> None:
+        """A new (or re-registered) agent: span mode if a straggler trigger watches its role."""
+        if self._plans is not None:
+            self._plans.set_spans(info.agent_id, info.role in self._span_roles())
 
     def get(self, trigger_id: str) -> TriggerView:
         try:

@@ -10,6 +10,9 @@ Variants, each a loop of N ``with`` blocks:
   ``mark_times=False`` (what recording the durations costs is the difference);
 * ``armed_step``: ``step`` on an agent whose plan holds a torch window for a much later step,
   so every step mark checks whether that step has come;
+* ``watched_step`` / ``watched_stage``: the marks of an agent whose role a straggler
+  trigger watches (its plan's ``spans``: marks also keep when they ended, and the step mark
+  its number);
 * ``record_function``: torch's own range with no profiler running (N/10 marks).
 
 The variants run interleaved: every round runs each variant once for N marks (a few ms), in
@@ -19,14 +22,16 @@ hold the core is not counted. Per round the cost of a mark is its loop time minu
 loop's (same round), in ns; ratios are taken within a round and their median over the rounds
 is reported, with the spread of the per-round values. Targets: the slowest idle mark ≤ 1.2x
 ``nullcontext`` (``ratio``, durations recorded: the default), the armed step mark ≤ 2x
-(``armed_ratio``). ``untimed_ratio`` is the slowest untimed mark's, and ``timing_ns`` the
-median per-round cost of recording durations in the slowest of step and stage.
+(``armed_ratio``). ``untimed_ratio`` is the slowest untimed mark's, ``watched_ratio`` the
+slowest watched mark's (no target: it is paid only while a straggler trigger watches), and
+``timing_ns`` the median per-round cost of recording durations in the slowest of step and
+stage.
 
     python bench/marks.py [--n 20000] [--rounds 200]
 
-Last line: ``RESULT ratio=... armed_ratio=... untimed_ratio=... timing_ns=... mark_ns=...
-armed_ns=... nullcontext_ns=... record_function_ns=... load=...`` (``load``: the 1-minute load
-average at the end).
+Last line: ``RESULT ratio=... armed_ratio=... untimed_ratio=... watched_ratio=...
+timing_ns=... mark_ns=... armed_ns=... nullcontext_ns=... record_function_ns=... load=...``
+(``load``: the 1-minute load average at the end).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ log = logging.getLogger("bench.marks")
 
 IDLE_MARKS = ("step", "stage", "mini_batch", "micro_batch")
 UNTIMED_MARKS = ("untimed_step", "untimed_stage")
+WATCHED_MARKS = ("watched_step", "watched_stage")
 #: The armed agent's window: the last step a session may name, far beyond this bench's.
 LATER_STEP = 2**53 - 1
 
@@ -81,7 +87,7 @@ def armed_agent(save_dir: str) -> ProfilerAgent:
 
 
 def loops(
-    idle: ProfilerAgent, armed: ProfilerAgent, untimed: ProfilerAgent
+    idle: ProfilerAgent, armed: ProfilerAgent, untimed: ProfilerAgent, watched: ProfilerAgent
 ) -> dict[str, Callable[[int], None]]:
     def empty(n: int) -> None:
         for _ in range(n):
@@ -132,6 +138,16 @@ def loops(
             with untimed.stage("compute_log_prob"):
                 pass
 
+    def watched_step(n: int) -> None:
+        for i in range(n):
+            with watched.step(i):
+                pass
+
+    def watched_stage(n: int) -> None:
+        for _ in range(n):
+            with watched.stage("compute_log_prob"):
+                pass
+
     return {
         "empty": empty,
         "nullcontext": nullctx,
@@ -142,6 +158,8 @@ def loops(
         "armed_step": armed_step,
         "untimed_step": untimed_step,
         "untimed_stage": untimed_stage,
+        "watched_step": watched_step,
+        "watched_stage": watched_stage,
         "record_function": rf,
     }
 
@@ -182,6 +200,8 @@ def report(rows: dict[str, list[float]], n: int, rounds: int, load_start: tuple)
     ratio, armed_ratio = statistics.median(idle_r), statistics.median(armed_r)
     untimed = max(UNTIMED_MARKS, key=med.__getitem__)
     untimed_ratio = statistics.median(ratios(rows, untimed))
+    watched = max(WATCHED_MARKS, key=med.__getitem__)
+    watched_ratio = statistics.median(ratios(rows, watched))
     timing_ns = max(
         statistics.median(a - b for a, b in zip(rows[m], rows[f"untimed_{m}"], strict=True))
         for m in ("step", "stage")
@@ -193,6 +213,10 @@ def report(rows: dict[str, list[float]], n: int, rounds: int, load_start: tuple)
     print(
         f"without recording durations (mark_times=False): slowest {untimed}, "
         f"{untimed_ratio:.2f}x nullcontext; recording them costs {timing_ns:.1f} ns per mark"
+    )
+    print(
+        f"watched by a straggler trigger (ends kept): slowest {watched}, "
+        f"{watched_ratio:.2f}x nullcontext"
     )
     print(
         f"armed step mark: {armed_ratio:.2f}x nullcontext (per-round ratios "
@@ -207,7 +231,8 @@ def report(rows: dict[str, list[float]], n: int, rounds: int, load_start: tuple)
     )
     print(
         f"RESULT ratio={ratio:.2f} armed_ratio={armed_ratio:.2f} "
-        f"untimed_ratio={untimed_ratio:.2f} timing_ns={timing_ns:.1f} mark_ns={med[worst]:.1f} "
+        f"untimed_ratio={untimed_ratio:.2f} watched_ratio={watched_ratio:.2f} "
+        f"timing_ns={timing_ns:.1f} mark_ns={med[worst]:.1f} "
         f"armed_ns={med['armed_step']:.1f} nullcontext_ns={med['nullcontext']:.1f} "
         f"record_function_ns={med['record_function']:.1f} load={load_end[0]:.2f}"
     )
@@ -222,7 +247,9 @@ def main() -> None:
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         idle, armed, untimed = idle_agent(), armed_agent(tmp), idle_agent(mark_times=False)
-        fns = loops(idle, armed, untimed)
+        watched = idle_agent()
+        watched._install_plan(AgentPlan(version=1, spans=True))  # a straggler trigger's role
+        fns = loops(idle, armed, untimed, watched)
         for fn in fns.values():  # warm up
             fn(1000)
         rows = run_rounds(fns, args.n, args.rounds)
@@ -231,7 +258,9 @@ def main() -> None:
         times = idle._take_times()
         if times is None or times.step is None or not times.stages:
             raise RuntimeError("the idle agent's marks recorded no durations")
-        idle.close(), armed.close(), untimed.close()
+        if type(watched._step_mark).__name__ != "SpanStepMark":
+            raise RuntimeError("the watched agent's marks do not keep their ends")
+        idle.close(), armed.close(), untimed.close(), watched.close()
     report(rows, args.n, args.rounds, load_start)
 
 

@@ -415,13 +415,15 @@ class ProfilerAgent:
 
     def _install_plan(self, plan: AgentPlan) -> None:
         """Poller thread: publish a plan snapshot and acknowledge new windows."""
+        if plan.spans != self._timings.spans:
+            self._timings.set_spans(plan.spans, self._step_mark)
         held = self._armed.plan
         if (plan.windows, plan.controller_step, plan.controller_phase) == (
             held.windows,
             held.controller_step,
             held.controller_phase,
         ):
-            return  # only a stack request (the channel answered it): the marks keep theirs
+            return  # a stack request or span mode (done above): the marks keep their plan
         old = {w.session_id for w in held.windows}
         self._armed = ArmedPlan(plan, self._current_step)
         self._step_mark.wake = ADOPT  # after _armed: see _sync_wake

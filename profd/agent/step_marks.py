@@ -6,8 +6,9 @@
 adopted yet, or a step some window waits for. Each holds its ``ProfilerAgent`` (typed
 ``Any`` here: this module is imported by ``profd.agent.agent``, never the other way).
 
-The timed mark also keeps, per sample, when the step ended and its number (two more slots
-of preallocated rings: the reporter places stage samples in their step with them). An
+While a straggler trigger watches, the timed mark also keeps, per sample, when the step
+ended and its number (two more slots of preallocated rings: the reporter places stage
+samples in their step with them); otherwise it writes the duration only. An
 exception leaving either mark goes to the agent's ``_mark_error`` (its out-of-memory check)
 and on into the loop: the mark never swallows it.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from profd.agent.timings import ENTER_NOTHING, MASK, RING, STEP_LABEL, mark_clock
+from profd.agent.timings import ENTER_NOTHING, MASK, NO_SPANS, RING, STEP_LABEL, mark_clock
 from profd.agent.window_state import NO_STEP
 
 __all__ = ["ADOPT", "StepMark", "TimedStepMark"]
@@ -70,10 +71,13 @@ class TimedStepMark:
     duration goes into this mark's ring (:mod:`profd.agent.timings`).
 
     ``agent.step(n)`` does the enter's work (window check, first clock read) and
-    ``__enter__`` is a C no-op: a Python frame less per step, a tenth of an idle mark."""
+    ``__enter__`` is a C no-op: a Python frame less per step, a tenth of an idle mark.
+    While a straggler trigger watches the agent's role the mark is a :class:`SpanStepMark`
+    (the poller swaps its class, see :meth:`Timings.set_spans`)."""
 
     __slots__ = (
-        "_agent", "ends", "head", "label", "ring", "steps", "t0", "tail", "wake", "wake_exit",
+        "_agent", "ends", "head", "label", "ring", "span_from", "steps", "t0", "tail", "wake",
+        "wake_exit",
     )  # fmt: skip
 
     __enter__ = ENTER_NOTHING
@@ -82,8 +86,10 @@ class TimedStepMark:
         self._agent = agent
         self.label = STEP_LABEL
         self.ring: list[float] = [0.0] * RING
-        self.ends: list[float] = [0.0] * RING  # when each step ended (mark_clock)
-        self.steps: list[Any] = [None] * RING  # which step it was
+        self.ends: list[float] = [0.0] * RING  # when each step ended (span mode only)
+        self.steps: list[Any] = [None] * RING  # which step it was (span mode only)
+        #: The first sample whose end and step were written (span mode since then).
+        self.span_from = NO_SPANS
         self.head = 0
         self.tail = 0
         self.t0 = 0.0  # 0.0 until the first step (perf_counter never reads 0)
@@ -92,6 +98,29 @@ class TimedStepMark:
         #: (ProfilerAgent._sync_wake): one comparison per boundary, as for an idle agent.
         self.wake = NO_STEP
         self.wake_exit = NO_STEP
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        elapsed = mark_clock() - self.t0  # before a window's stop: not the step's own time
+        i = self.head
+        self.ring[i & MASK] = elapsed
+        self.head = i + 1
+        step = self._agent._current_step
+        if et is not None:  # before a window's stop: a torch_memory collection is still open
+            self._agent._mark_error(ev, None)
+        try:
+            due = step >= self.wake_exit
+        except TypeError:
+            due = False
+        if due:
+            self._agent._exit_step(step)
+        return False
+
+
+class SpanStepMark(TimedStepMark):
+    """The step mark while a straggler trigger watches: it also keeps when each step ended
+    and its number, so the reporter can place stage samples in their step."""
+
+    __slots__ = ()
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
         t1 = mark_clock()  # before a window's stop: not the step's own time
@@ -112,3 +141,6 @@ class TimedStepMark:
         if due:
             agent._exit_step(step)
         return False
+
+
+TimedStepMark.SPAN_CLASSES = (TimedStepMark, SpanStepMark)  # type: ignore[attr-defined]

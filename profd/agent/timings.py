@@ -32,9 +32,10 @@ or marked from two threads at once, measures from the latest enter. Stage labels
 from __future__ import annotations
 
 import logging
+import math
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -45,9 +46,11 @@ __all__ = [
     "MASK",
     "MAX_LABELS",
     "MAX_LOOKUPS",
+    "NO_SPANS",
     "RING",
     "STEP_LABEL",
     "UNTIMED",
+    "SpanStageTimer",
     "StageTimer",
     "StepBounds",
     "TimedRange",
@@ -87,22 +90,42 @@ def _ignore(exc: BaseException, label: str | None) -> None:
 OnError = Callable[[BaseException, "str | None"], None]
 
 
+#: ``span_from`` of a timer that keeps no ends (no straggler trigger watches its role).
+NO_SPANS = 1 << 62
+
+
 class StageTimer:
     """Times one stage label: what an idle ``agent.stage(name)`` returns (one per label,
-    reused by every call: no allocation). ``agent.stage`` sets :attr:`t0`."""
+    reused by every call: no allocation). ``agent.stage`` sets :attr:`t0`. While a straggler
+    trigger watches the role it is a :class:`SpanStageTimer` (same slots; the poller swaps
+    the class, :meth:`Timings.set_spans`), which also keeps when each sample ended."""
 
-    __slots__ = ("ends", "head", "label", "on_error", "ring", "t0", "tail")
+    __slots__ = ("ends", "head", "label", "on_error", "ring", "span_from", "t0", "tail")
 
     __enter__ = ENTER_NOTHING
 
     def __init__(self, label: str, on_error: OnError = _ignore) -> None:
         self.label = label
         self.ring: list[float] = [0.0] * RING
-        self.ends: list[float] = [0.0] * RING  # when each sample ended (mark_clock)
+        self.ends: list[float] = [0.0] * RING  # when each sample ended (span mode only)
+        #: The first sample whose end was written (span mode since then).
+        self.span_from = NO_SPANS
         self.head = 0  # samples written (training thread)
         self.tail = 0  # samples taken (reporter thread)
         self.t0 = 0.0
         self.on_error = on_error
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        i = self.head
+        self.ring[i & MASK] = mark_clock() - self.t0
+        self.head = i + 1
+        if et is not None:  # re-raised: the mark never swallows it
+            self.on_error(ev, self.label)
+        return False
+
+
+class SpanStageTimer(StageTimer):
+    __slots__ = ()
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
         t1 = mark_clock()
@@ -114,6 +137,9 @@ class StageTimer:
         if et is not None:  # re-raised: the mark never swallows it
             self.on_error(ev, self.label)
         return False
+
+
+StageTimer.SPAN_CLASSES = (StageTimer, SpanStageTimer)  # type: ignore[attr-defined]
 
 
 class StepBounds:
@@ -175,9 +201,9 @@ class TimedRange:
             self._timer.__exit__(None, None, None)
 
 
-def _take(timer: Any, *rings: str) -> tuple[int, list[list[Any]]] | None:
-    """Reporter thread: (lost, one list per ring named) of ``timer``'s samples since the
-    last take, or ``None`` when there are none."""
+def _take(timer: Any, *rings: str) -> tuple[int, int, list[list[Any]]] | None:
+    """Reporter thread: (lost, index of the first sample, one list per ring named) of
+    ``timer``'s samples since the last take, or ``None`` when there are none."""
     head = timer.head
     tail = timer.tail
     if head == tail:
@@ -190,7 +216,7 @@ def _take(timer: Any, *rings: str) -> tuple[int, list[list[Any]]] | None:
     # the training thread may have lapped the slots read first: keep the ones it had not
     valid = max(start, timer.head - RING)
     timer.tail = head
-    return valid - tail, [c[valid - start :] for c in cols]
+    return valid - tail, valid, [c[valid - start :] for c in cols]
 
 
 def drain(timer: Any) -> LabelDurations | None:
@@ -199,8 +225,35 @@ def drain(timer: Any) -> LabelDurations | None:
     got = _take(timer, "ring")
     if got is None:
         return None
-    lost, (seconds,) = got
+    lost, _, (seconds,) = got
     return LabelDurations(timer.label, tuple(seconds), lost=lost)
+
+
+#: What a slot's end holds until a span-keeping exit writes it.
+_UNSET = [math.nan] * RING
+
+
+def _span(timer: Any, on: bool) -> None:
+    """Swap ``timer`` (a stage timer or the timed step mark: classes naming their
+    ``SPAN_CLASSES``, plain and span-keeping) to the one or the other. Turning it on, every
+    end is first unset (NaN): a sample whose exit was under way under the old class keeps
+    that, and is never taken for one with an end."""
+    classes = getattr(type(timer), "SPAN_CLASSES", None)
+    if classes is None:  # the untimed step mark: nothing to keep
+        return
+    if on:
+        timer.ends[:] = _UNSET  # the same list: the training thread holds it
+    timer.__class__ = classes[1] if on else classes[0]
+    timer.span_from = timer.head if on else NO_SPANS
+
+
+def _spanned(timer: Any, first: int, samples: Iterable[Any]) -> Iterator[Any]:
+    """The samples (from index ``first``; each with its end second) whose end was written:
+    from ``span_from`` on, ends set."""
+    skip = timer.span_from - first
+    for k, sample in enumerate(samples):
+        if k >= skip and sample[1] == sample[1]:  # NaN: not written
+            yield sample
 
 
 #: Step intervals (and driver step starts) the reporter keeps to place stage samples.
@@ -224,6 +277,8 @@ class Timings:
         self._by_label: dict[str, StageTimer | _Untimed] = {}
         self._lookups = 0
         self._warned = False
+        #: Whether the marks keep their ends (:meth:`set_spans`).
+        self.spans = False
         # reporter thread only: what places stage samples in steps
         self._intervals: list[tuple[float, float, int]] = []  # (end, start, step), by end
         self._starts: list[tuple[float, int]] = []  # followed steps: (start, step)
@@ -246,6 +301,8 @@ class Timings:
                 timer = UNTIMED
             else:
                 timer = StageTimer(label, self.on_error)
+                if self.spans:
+                    _span(timer, True)
                 self._timers.append(timer)  # one append per label, ever (bounded)
             if self._lookups < MAX_LOOKUPS:
                 self._by_label[label] = timer
@@ -256,6 +313,19 @@ class Timings:
             else:
                 self.by_role.setdefault(role, {})[name] = timer
         return timer
+
+    def set_spans(self, on: bool, step_mark: Any) -> None:
+        """Poller thread: keep stage ends (and the step mark's ends and numbers) from now on,
+        or stop: a straggler trigger watches the agent's role. Idle marks without one write
+        the duration only."""
+        if on == self.spans:
+            return
+        self.spans = on
+        for timer in [*self._timers, step_mark]:
+            _span(timer, on)
+        if not on:
+            self._pending.clear()
+            self._intervals.clear()
 
     def relabel(self) -> None:
         """The agent's roles changed (labels get role prefixes): look labels up again."""
@@ -269,26 +339,30 @@ class Timings:
         ``wall_base``: add it to a :data:`mark_clock` reading to get the coordinator's wall
         clock (None while the offset is unknown: stage samples wait to be placed)."""
         # stages first: every step boundary they need is written by then
-        raw = [(t.label, got) for t in list(self._timers) if (got := _take(t, "ring", "ends"))]
+        raw = [(t, got) for t in list(self._timers) if (got := _take(t, "ring", "ends"))]
         step = None
         if self.enabled and (got := _take(step_mark, "ring", "ends", "steps")) is not None:
-            lost, (seconds, ends, numbers) = got
+            lost, first, (seconds, ends, numbers) = got
             step = LabelDurations(step_mark.label, tuple(seconds), lost=lost)
-            for d, end, n in zip(seconds, ends, numbers, strict=True):
+            for d, end, n in _spanned(step_mark, first, zip(seconds, ends, numbers, strict=True)):
                 if isinstance(n, int) and not isinstance(n, bool):
                     self._intervals.append((end, end - d, n))
             del self._intervals[:-KEPT_STEPS]
         if (got := _take(self.bounds, "ring", "steps")) is not None:
-            self._starts.extend(zip(*got[1], strict=True))
+            self._starts.extend(zip(*got[2], strict=True))
             del self._starts[:-KEPT_STEPS]
         marks_steps = bool(self._intervals) or getattr(step_mark, "t0", 0.0) != 0.0
         stages = []
-        for label, (lost, (seconds, ends)) in raw:
+        for timer, (lost, first, (seconds, ends)) in raw:
+            label = timer.label
             waiting = self._pending.setdefault(label, [])
-            waiting.extend((end - d, end) for d, end in zip(seconds, ends, strict=True))
+            waiting.extend(
+                (end - d, end)
+                for d, end in _spanned(timer, first, zip(seconds, ends, strict=True))
+            )
             spans = self._place(label, marks_steps, wall_base)
             stages.append(LabelDurations(label, tuple(seconds), lost=lost, spans=spans))
-        for label in self._pending.keys() - {label for label, _ in raw}:  # older ones
+        for label in self._pending.keys() - {t.label for t, _ in raw}:  # older ones
             if (spans := self._place(label, marks_steps, wall_base)) and wall_base is not None:
                 stages.append(LabelDurations(label, (), spans=spans))
         if step is None and not stages:

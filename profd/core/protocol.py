@@ -117,6 +117,10 @@ class AgentPlan:
     #: The newest stack request (``GET /stacks``) the agent should answer; 0 when none.
     #: The agent's poller answers each number once with a ``stack`` event.
     stacks: int = 0
+    #: A straggler trigger watches this agent's role: its marks keep when they ended (and
+    #: the step mark its step), so stage ends can be compared across ranks. Off, an idle
+    #: mark writes its duration only.
+    spans: bool = False
 
 
 EMPTY_PLAN = AgentPlan(version=0)

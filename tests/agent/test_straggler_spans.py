@@ -15,11 +15,13 @@ from profd.core.protocol import AgentPlan, MarkDurations
 OFFSET_NS = 5 * 10**9  # the coordinator's clock is 5 s ahead of this process's
 
 
-def agent(offset: int | None = OFFSET_NS) -> ProfilerAgent:
+def agent(offset: int | None = OFFSET_NS, spans: bool = True) -> ProfilerAgent:
+    """An agent whose plan says a straggler trigger watches its role (span mode)."""
     a = ProfilerAgent("actor", 0, 2, find_link=lambda: None)
     a._clock_estimate = lambda: (  # type: ignore[method-assign]
         None if offset is None else ClockEstimate(offset, 1000, time.time_ns(), 5)
     )
+    a._install_plan(AgentPlan(version=1, spans=spans))
     return a
 
 
@@ -58,7 +60,7 @@ def test_spmd_stages_are_placed_in_their_step_once_it_is_over() -> None:
 def test_a_driver_following_worker_places_stages_in_the_step_it_followed() -> None:
     a = agent()
     for step in (7, 8):
-        a._install_plan(AgentPlan(version=step, controller_step=step))
+        a._install_plan(AgentPlan(version=step, controller_step=step, spans=True))
         with a.stage("generate"):  # the first mark of a step follows the driver
             pass
         with a.stage("reward"):
@@ -85,4 +87,34 @@ def test_spans_wait_while_the_clock_offset_is_unknown() -> None:
     got = spans(a._take_times(), "update")
     assert [s for s, _, _ in got] == [0, 1, 2]
     assert abs(got[-1][2] - (time.time() - OFFSET_NS / 1e9)) < 1.0
+    assert a.close(5)
+
+
+def test_without_a_straggler_trigger_marks_keep_no_ends_and_ship_no_spans() -> None:
+    from profd.agent.step_marks import SpanStepMark, TimedStepMark
+    from profd.agent.timings import SpanStageTimer, StageTimer
+
+    a = agent(spans=False)
+    for step in range(3):
+        with a.step(step), a.stage("fwd"):
+            pass
+    timer = a._stage_timers["fwd"]
+    assert type(timer) is StageTimer and type(a._step_mark) is TimedStepMark
+    assert timer.ends == [0.0] * len(timer.ends)  # the idle mark wrote its duration only
+    plain = a._take_times()
+    assert len(plain.step.seconds) == 3 and spans(plain, "fwd") == []
+    in_flight = timer.head  # a plain exit under way while the poller swaps the class ...
+    a._install_plan(AgentPlan(version=2, spans=True))  # a straggler trigger now watches
+    assert type(timer) is SpanStageTimer and type(a._step_mark) is SpanStepMark
+    timer.ring[in_flight] = 0.001  # ... ends after it: a duration, no end
+    timer.head = in_flight + 1
+    for step in range(3, 6):
+        with a.step(step), a.stage("fwd"):
+            pass
+    # the in-flight sample is left out (its end was never written), the others are placed
+    times = a._take_times()
+    assert [s for s, _, _ in spans(times, "fwd")] == [3, 4, 5]
+    assert len(next(d for d in times.stages if d.label == "fwd").seconds) == 4
+    a._install_plan(AgentPlan(version=3, spans=False))
+    assert type(timer) is StageTimer and type(a._step_mark) is TimedStepMark
     assert a.close(5)
