@@ -14,29 +14,35 @@ from rich.table import Table
 from profd.cli.client import CliError
 from profd.cli.common import JsonOpt, UrlOpt, console, fail, print_json, sidecar_client
 
-__all__ = ["print_triggers", "trigger_body", "watch"]
+__all__ = ["describe", "print_triggers", "trigger_body", "watch"]
 
 
 def trigger_body(
     role: str,
-    factor: float,
+    factor: float | None,
     stage: str | None,
     next_steps: int,
     options: dict[str, Any],
+    kind: str | None = None,
 ) -> dict[str, Any]:
-    """The POST /api/v1/triggers body of the command line's options."""
-    when: dict[str, Any] = {
-        "kind": "stage_time" if stage else "step_time",
-        "role": role,
-        "factor": factor,
-        "stage": stage,
-        "baseline_steps": options["baseline_steps"],
-        "min_ms": options["min_ms"],
-        "for_steps": options["for_steps"],
-    }
-    mark = f"stage {stage}" if stage else "step"
+    """The POST /api/v1/triggers body of the command line's options. ``kind``: straggler or
+    oom (else step_time, or stage_time with a stage); only the fields a kind uses are sent."""
+    kind = kind or ("stage_time" if stage else "step_time")
+    when: dict[str, Any] = {"kind": kind, "role": role}
+    if kind in ("step_time", "stage_time"):
+        when.update(
+            factor=factor, stage=stage, baseline_steps=options["baseline_steps"],
+            min_ms=options["min_ms"], for_steps=options["for_steps"],
+        )  # fmt: skip
+        mark = f"stage-{stage}" if stage else "step"
+        default_name = f"{role}-{mark}-x{factor:g}"
+    elif kind == "straggler":
+        when.update(stage=stage, min_ms=options["min_ms"], for_steps=options["for_steps"])
+        default_name = f"{role}-{stage}-straggler"
+    else:
+        default_name = f"{role}-oom"
     return {
-        "name": options["name"] or f"{role}-{mark.replace(' ', '-')}-x{factor:g}",
+        "name": options["name"] or default_name,
         "when": when,
         "session": {"tool": options["tool"], "next_steps": next_steps},
         "cooldown_s": options["cooldown_s"],
@@ -45,23 +51,35 @@ def trigger_body(
     }
 
 
+def describe(when: dict[str, Any]) -> str:
+    """A trigger's condition in a few words."""
+    kind = when["kind"]
+    if kind == "straggler":
+        return f"{when['role']} stage {when['stage']} ends late vs its peers"
+    if kind == "oom":
+        return f"{when['role']}: CUDA out of memory"
+    mark = f"stage {when['stage']}" if when.get("stage") else "step"
+    return f"{when['role']} {mark} > {when['factor']:g} x median of {when['baseline_steps']}"
+
+
+def _last(f: dict[str, Any]) -> str:
+    ev = f["evidence"]
+    head = f"{f['state']} {f['session_id'] or ''}: rank {ev['rank']} "
+    if ev.get("kind") == "straggler" or "late_s" in ev:
+        return head + f"{ev.get('late_s', 0) * 1000:.0f} ms late (step {ev.get('step')})"
+    if ev.get("kind") == "oom":
+        return head + "out of memory"
+    return head + f"{ev['observed_s'] * 1000:.0f} ms vs {ev['baseline_s'] * 1000:.0f} ms"
+
+
 def print_triggers(triggers: list[dict[str, Any]]) -> None:
     table = Table(title="Triggers", title_justify="left")
     for col in ("trigger", "name", "when", "fired", "suppressed", "last firing"):
         table.add_column(col, overflow="fold")
     for t in triggers:
-        w = t["request"]["when"]
-        mark = f"stage {w['stage']}" if w.get("stage") else "step"
-        when = f"{w['role']} {mark} > {w['factor']:g} x median of {w['baseline_steps']}"
+        when = describe(t["request"]["when"])
         quiet = ", ".join(f"{k} {v}" for k, v in sorted(t["suppressed"].items())) or "-"
-        last = "-"
-        if t["firings"]:
-            f = t["firings"][0]
-            ev = f["evidence"]
-            last = (
-                f"{f['state']} {f['session_id'] or ''}: rank {ev['rank']} "
-                f"{ev['observed_s'] * 1000:.0f} ms vs {ev['baseline_s'] * 1000:.0f} ms"
-            )
+        last = _last(t["firings"][0]) if t["firings"] else "-"
         table.add_row(t["trigger_id"], t["name"], when, str(t["fired"]), quiet, last)
     console.print(table)
 
@@ -74,7 +92,13 @@ def watch(
     stage_time: Annotated[
         float | None, typer.Option(help="Fire when a rank's --stage takes this x the median.")
     ] = None,
-    stage: Annotated[str | None, typer.Option(help="The stage of --stage-time.")] = None,
+    stage: Annotated[
+        str | None, typer.Option(help="The stage of --stage-time or --straggler.")
+    ] = None,
+    straggler: Annotated[
+        bool, typer.Option(help="Fire when a rank's --stage ends late against its peers'.")
+    ] = False,
+    oom: Annotated[bool, typer.Option(help="Fire when a rank runs out of CUDA memory.")] = False,
     next_steps: Annotated[int, typer.Option(help="Steps profiled when it fires.")] = 2,
     baseline_steps: Annotated[int, typer.Option(help="Durations per rank in the median.")] = 20,
     min_ms: Annotated[float, typer.Option(help="Never fire below this duration.")] = 0.0,
@@ -93,11 +117,13 @@ def watch(
     as_json: JsonOpt = False,
 ) -> None:
     """Profile a slow rank by itself: when a rank's step (or stage) time exceeds FACTOR x
-    its role's rolling median, profile its next steps and one healthy peer's.
+    its role's rolling median, its stage ends late against its peers', or it runs out of
+    memory, profile its next steps and one healthy peer's.
 
     profd watch --role actor --step-time 2.0;
     profd watch --role actor --stage update_actor --stage-time 1.5 --min-ms 500;
-    profd watch --list; profd watch --delete TRIGGER_ID."""
+    profd watch --role actor --stage update_actor --straggler --min-ms 50;
+    profd watch --role actor --oom; profd watch --list; profd watch --delete TRIGGER_ID."""
     try:
         api = sidecar_client(url)
         if list_:
@@ -130,12 +156,19 @@ def _bodies(
 ) -> list[dict[str, Any]]:
     if from_file is not None:
         return load_trigger_file(from_file)
-    if role is None or (step_time is None) == (stage_time is None):
-        raise typer.BadParameter("give --role and one of --step-time or --stage-time")
-    if stage_time is not None and stage is None:
-        raise typer.BadParameter("--stage-time needs --stage", param_hint="--stage")
+    kinds = [k for k, on in (("step_time", step_time is not None),
+             ("stage_time", stage_time is not None), ("straggler", opts["straggler"]),
+             ("oom", opts["oom"])) if on]  # fmt: skip
+    if role is None or len(kinds) != 1:
+        raise typer.BadParameter(
+            "give --role and one of --step-time, --stage-time, --straggler or --oom"
+        )
+    (kind,) = kinds
+    if kind in ("stage_time", "straggler") and stage is None:
+        raise typer.BadParameter(f"--{kind.replace('_', '-')} needs --stage", param_hint="--stage")
+    if kind in ("straggler", "oom"):
+        return [trigger_body(role, None, stage, next_steps, opts, kind=kind)]
     factor = step_time if step_time is not None else stage_time
-    assert factor is not None
     return [trigger_body(role, factor, stage if stage_time else None, next_steps, opts)]
 
 

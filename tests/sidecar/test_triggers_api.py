@@ -78,10 +78,27 @@ def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> 
         "baseline_steps": 20, "min_ms": 200.0, "for_steps": 1,
     }  # fmt: skip
     assert made["request"]["session"] == {"tool": "torch", "next_steps": 2}
+    late = cli(["watch", "--role", "actor", "--stage", "update", "--straggler", "--min-ms", "50",
+                "--url", sidecar.url, "--json"], env)  # fmt: skip
+    assert late.returncode == 0, late.stderr
+    assert json.loads(late.stdout)["request"]["when"] == {
+        "kind": "straggler", "role": "actor", "stage": "update", "factor": 2.0,
+        "baseline_steps": 20, "min_ms": 50.0, "for_steps": 1,
+    }  # fmt: skip  (the defaults of the fields a straggler does not use)
+    oom = cli(["watch", "--role", "actor", "--oom", "--url", sidecar.url, "--json"], env)
+    assert oom.returncode == 0, oom.stderr
+    assert json.loads(oom.stdout)["request"]["when"]["kind"] == "oom"
     listed = cli(["watch", "--list", "--url", sidecar.url], env)
     assert made["trigger_id"] in listed.stdout and "actor stage update > 1.5 x" in listed.stdout
+    assert "actor stage update ends late vs its peers" in listed.stdout
+    assert "actor: CUDA out of memory" in listed.stdout
     bad = cli(["watch", "--role", "actor", "--url", sidecar.url], env)
     assert bad.returncode == 2 and "--step-time" in bad.stderr
+    two = cli(["watch", "--role", "actor", "--oom", "--straggler", "--url", sidecar.url], env)
+    assert two.returncode == 2 and "one of" in two.stderr
+    for t in (late, oom):
+        tid = json.loads(t.stdout)["trigger_id"]
+        assert cli(["watch", "--delete", tid, "--url", sidecar.url], env).returncode == 0
     gone = cli(["watch", "--delete", made["trigger_id"], "--url", sidecar.url], env)
     assert gone.returncode == 0 and f"deleted {made['trigger_id']}" in gone.stdout
     assert httpx.get(f"{sidecar.url}/api/v1/triggers").json()["count"] == 0
