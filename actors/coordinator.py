@@ -44,7 +44,7 @@ from profd.actors.trace_index import TraceIndex
 from profd.actors.triggers import TriggerDesk
 from profd.core.constants import __version__
 from profd.core.paging import Page
-from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, PollReply
+from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, MarkDurations, PollReply
 from profd.core.request import SessionRequest
 from profd.core.settings import CoordinatorSettings
 from profd.core.stacks import StackQuery
@@ -143,13 +143,20 @@ class ProfileCoordinator:
             on_register=self._adopt,
             on_fresh_step=self._alignment.note_fresh_step,
             on_events=self._drivers.progressed,
-            on_times=self._triggers.on_times,
+            on_times=self._on_times,
             on_stack=self._stacks.on_sample,
             on_oom=self._triggers.on_oom,
         )
         self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
         self._ticker: asyncio.Task | None = None
         self._restore()
+
+    def _on_times(self, agent_id: str, times: MarkDurations, step: int | None) -> None:
+        """New live times for the triggers, with the job's step: a worker that follows its
+        driver marks no step of its own, and then its driver's step is the evidence's."""
+        if step is None and (rec := self._registry.get(agent_id)) is not None:
+            step = rec.step(self._drivers.driver_step(rec.info.job_id))
+        self._triggers.on_times(agent_id, times, step)
 
     def _adopt(self, info: AgentInfo) -> None:
         """A new agent: launch-time sessions take it, a straggler trigger's role times its

@@ -237,6 +237,7 @@ def check_demo_firing(result: Any, text: str) -> Any:
     assert ev["baseline_samples"] >= TRIGGER["when"]["baseline_steps"], ev
     # fired within 5 steps of the slowdown (2 slow steps in a row are needed)
     assert fired.step is not None and fired.slow_from < fired.step <= fired.slow_from + 5
+    assert ev["step"] == fired.step  # the driver's step, for workers that mark none
     s = fired.session
     assert s["trigger_id"] == trigger["trigger_id"] and s["evidence"] == ev
     assert s["state"] == "done" and s["steps"][0] > fired.step, s
