@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from profd.core.peer_rule import against_peers, late_cause_name, late_floor
 from profd.core.protocol import MarkDurations, OutOfMemory
 from profd.core.trigger_request import TriggerKind, TriggerRequest
 
@@ -64,7 +65,6 @@ KEPT_FIRINGS = 50
 
 #: Steps judged per straggler trigger (the newest; ``for_steps`` is at most 16).
 KEPT_VERDICTS = 64
-MAD_SCALE = 1.4826
 
 #: (role, mark, n) -> the newest n durations of each rank of the role that reports it, per rank.
 History = Callable[[str, str | None, int], dict[int, list[float]]]
@@ -107,20 +107,9 @@ class Lateness:
     @property
     def cause(self) -> str:
         """As ``profd.analysis.models.LateCause``: late start, long duration, or both."""
-        late_start = self.start_late > self.start_threshold
-        long = self.extra_wall > self.wall_threshold
-        if late_start and long:
-            return "late start and long duration"
-        if late_start or long:
-            return "late start" if late_start else "long duration"
-        return "late start" if self.start_late > self.extra_wall else "long duration"
-
-
-def _against(values: list[float], i: int, floor: float, k: float) -> tuple[float, float, float]:
-    peers = values[:i] + values[i + 1 :]
-    ref = statistics.median(peers)
-    spread = statistics.median(abs(p - ref) for p in peers) * MAD_SCALE
-    return values[i] - ref, ref, max(k * spread, floor)
+        return late_cause_name(
+            self.start_late, self.start_threshold, self.extra_wall, self.wall_threshold
+        )
 
 
 def late_against_peers(
@@ -130,12 +119,12 @@ def late_against_peers(
     the summary's rule (``profd.analysis.stragglers.late_outliers`` / ``late_cause``)."""
     if len(ends) < 2:
         return []
-    floor = max(rule.abs_floor_s, rule.rel_floor * statistics.median(walls))
+    floor = late_floor(walls, rule.abs_floor_s, rule.rel_floor)
     out = []
     for i in range(len(ends)):
-        late, ref, thr = _against(ends, i, floor, rule.k)
-        start_late, _, start_thr = _against(starts, i, floor, rule.k)
-        extra, _, wall_thr = _against(walls, i, floor, rule.k)
+        late, ref, thr = against_peers(ends, i, floor, rule.k)
+        start_late, _, start_thr = against_peers(starts, i, floor, rule.k)
+        extra, _, wall_thr = against_peers(walls, i, floor, rule.k)
         out.append(Lateness(late, ref, thr, ends[i], start_late, extra, start_thr, wall_thr))
     return out
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from profd.analysis.diff_gpu import GpuChange, gpu_changes
 from profd.analysis.models import SessionSummary
+from profd.core.peer_rule import MAD_SCALE
 
 __all__ = [
     "DIFF_TOP_OPS",
@@ -40,7 +41,6 @@ __all__ = [
     "diff_summaries",
 ]
 
-MAD_SCALE = 1.4826
 #: Operators kept per stage when summarising for a diff: an operator just outside one
 #: session's top list would otherwise look new in the other.
 DIFF_TOP_OPS = 50

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from statistics import median
 from typing import NamedTuple
 
 from profd.analysis.models import LateCause, StageTime, Straggler, StragglerRule
+from profd.core.peer_rule import against_peers, late_cause_name, late_floor
 
 __all__ = ["Lateness", "detect_stragglers", "late_cause", "late_outliers"]
-
-MAD_SCALE = 1.4826
-
 
 class Lateness(NamedTuple):
     index: int
@@ -39,14 +36,11 @@ class Lateness(NamedTuple):
 
 def _against_peers(values: Sequence[float], i: int, floor: float, k: float) -> Lateness:
     """How far ``values[i]`` is above the median of the others, and the bar it must pass."""
-    peers = [v for j, v in enumerate(values) if j != i]
-    ref = median(peers)
-    spread = median(abs(p - ref) for p in peers) * MAD_SCALE
-    return Lateness(i, values[i] - ref, ref, max(k * spread, floor))
+    return Lateness(i, *against_peers(values, i, floor, k))
 
 
 def _floor(walls: Sequence[float], rule: StragglerRule) -> float:
-    return max(rule.abs_floor_ms, rule.rel_floor * median(walls))
+    return late_floor(walls, rule.abs_floor_ms, rule.rel_floor)
 
 
 def late_outliers(
@@ -69,13 +63,7 @@ def late_cause(
     floor = _floor(walls, rule)
     start = _against_peers(starts, i, floor, rule.k)
     wall = _against_peers(walls, i, floor, rule.k)
-    late_start, long = start.late > start.threshold, wall.late > wall.threshold
-    if late_start and long:
-        cause = LateCause.BOTH
-    elif late_start or long:
-        cause = LateCause.LATE_START if late_start else LateCause.LONG_DURATION
-    else:
-        cause = LateCause.LATE_START if start.late > wall.late else LateCause.LONG_DURATION
+    cause = LateCause(late_cause_name(start.late, start.threshold, wall.late, wall.threshold))
     return start, wall, cause
 
 
