@@ -26,6 +26,13 @@ from helpers import wait_until
 pytestmark = pytest.mark.slow
 
 HANG = ROOT / "examples" / "spmd_hang.py"
+#: Posted by `profd up --trigger`: the job's role watched for stragglers and memory errors
+#: (its marks keep their ends while the straggler trigger watches; a hung job fires neither).
+TRIGGERS = [
+    {"name": "late-update",
+     "when": {"kind": "straggler", "role": "trainer", "stage": "update", "min_ms": 1000}},
+    {"name": "trainer-oom", "when": {"kind": "oom", "role": "trainer"}},
+]
 
 
 class HungJob:
@@ -61,8 +68,10 @@ class HungJob:
 def hung(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
     home = Home(tmp_path_factory.mktemp("stacks"))
     job = None
+    triggers = home.root / "triggers.json"
+    triggers.write_text(json.dumps(TRIGGERS))
     try:
-        home.up()
+        home.up("--trigger", str(triggers))  # the launch-time form of `profd watch`
         job = HungJob(home)
         wait_until(job.hung, 180, 0.2, what="the job to hang")
         yield home
@@ -137,3 +146,12 @@ def test_native_frames_filters_and_bad_queries(hung: Home) -> None:
     assert r.status_code == 422 and r.json()["fields"][0]["field"] == "ranks"
     r = hung.http("GET", "/api/v1/stacks", params={"native": "true", "method": "agent"})
     assert r.status_code == 422 and r.json()["fields"][0]["field"] == "native"
+
+
+def test_profd_up_posted_the_launch_time_triggers(hung: Home) -> None:
+    r = hung.http("GET", "/api/v1/triggers")
+    assert r.status_code == 200, r.text
+    got = {t["name"]: t for t in r.json()["data"]}
+    assert set(got) == {"late-update", "trainer-oom"}
+    assert got["late-update"]["request"]["when"]["kind"] == "straggler"
+    assert all(t["fired"] == 0 for t in got.values())  # nothing was slow or out of memory
