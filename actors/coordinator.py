@@ -130,6 +130,7 @@ class ProfileCoordinator:
             clock,
             self._book.live,
             self._plans,
+            self._store,
         )
         self._stacks = StackDesk(self._registry, self._plans, self._runner, settings, clock)
         self._agents = AgentDesk(
@@ -169,6 +170,9 @@ class ProfileCoordinator:
         saved = self._store.load()
         n_traces = self._traces.restore(saved["traces"])
         n_live = self._book.restore(saved["sessions"])
+        n_triggers = self._triggers.restore(saved.get("triggers", ()))
+        if n_triggers:
+            log.info("coordinator restored %d trigger(s)", n_triggers)
         if saved["sessions"]:
             log.info(
                 "coordinator restored %d session(s), %d trace(s); %d live",

@@ -60,10 +60,12 @@ CREATE TABLE IF NOT EXISTS parts (
     session_id TEXT NOT NULL, agent_id TEXT NOT NULL, data BLOB NOT NULL,
     PRIMARY KEY (session_id, agent_id)
 );
+CREATE TABLE IF NOT EXISTS triggers (id TEXT PRIMARY KEY, data BLOB NOT NULL);
 """
 _SESSION_SQL = "INSERT OR REPLACE INTO sessions VALUES (?, ?)"
 _PART_SQL = "INSERT OR REPLACE INTO parts VALUES (?, ?, ?)"
 _TRACE_SQL = "INSERT OR REPLACE INTO traces VALUES (?, ?, ?)"
+_TRIGGER_SQL = "INSERT OR REPLACE INTO triggers VALUES (?, ?)"
 
 #: How long closing a store waits for its queued rows to reach the disk.
 CLOSE_TIMEOUT_S = 10.0
@@ -90,6 +92,8 @@ class Store(Protocol):
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None: ...
 
+    def save_trigger(self, trigger_id: str, data: dict[str, Any] | None) -> None: ...
+
     def flush(self, timeout_s: float) -> bool: ...
 
     def close(self) -> None: ...
@@ -102,7 +106,7 @@ class MemoryStore:
     last_error: str | None = None
 
     def load(self) -> dict[str, list[dict[str, Any]]]:
-        return {"sessions": [], "traces": []}
+        return {"sessions": [], "traces": [], "triggers": []}
 
     def save_session(
         self, session_id: str, data: dict[str, Any], parts: dict[str, dict[str, Any]]
@@ -110,6 +114,9 @@ class MemoryStore:
         return True
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
+        pass
+
+    def save_trigger(self, trigger_id: str, data: dict[str, Any] | None) -> None:
         pass
 
     def flush(self, timeout_s: float) -> bool:
@@ -232,10 +239,11 @@ class SqliteStore:
         self.flush(CLOSE_TIMEOUT_S)
         with self._lock:
             out = {}
-            for table in ("sessions", "traces"):
+            for table in ("sessions", "traces", "triggers"):
                 rows = self._db.execute(f"SELECT data FROM {table}").fetchall()  # fixed table names
                 out[table] = [orjson.loads(r[0]) for r in rows]
             parts = self._db.execute("SELECT session_id, agent_id, data FROM parts").fetchall()
+        out["triggers"] = [t for t in out["triggers"] if not t.get("deleted")]
         by_session: dict[str, dict[str, Any]] = {}
         for session_id, agent_id, data in parts:
             by_session.setdefault(session_id, {})[agent_id] = orjson.loads(data)
@@ -260,6 +268,11 @@ class SqliteStore:
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
         self._enqueue(trace_id, (("traces", trace_id), _TRACE_SQL, (trace_id, session_id), data))
+
+    def save_trigger(self, trigger_id: str, data: dict[str, Any] | None) -> None:
+        """Queue a trigger's request (``None``: it was deleted, kept as a tombstone row)."""
+        row = data if data is not None else {"trigger_id": trigger_id, "deleted": True}
+        self._enqueue(trigger_id, (("triggers", trigger_id), _TRIGGER_SQL, (trigger_id,), row))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued row is committed; ``False`` if some are not after

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from profd.actors.planbook import PlanBook
     from profd.actors.registry import AgentRegistry
     from profd.actors.sessions import Session
+    from profd.actors.store import Store
     from profd.actors.trace_index import TraceIndex
 
 __all__ = ["TriggerDesk"]
@@ -56,9 +57,11 @@ class TriggerDesk:
         clock: Callable[[], float],
         live: Callable[[], Iterable[Session]] = tuple,
         plans: PlanBook | None = None,
+        store: Store | None = None,
     ) -> None:
         self._registry = registry
         self._plans = plans
+        self._store = store
         self._times = times
         self._traces = traces
         self._admission = admission
@@ -78,8 +81,28 @@ class TriggerDesk:
         t = self.book.add(request)
         self._sessions[t.trigger_id] = []
         log.info("trigger %s (%s) added: %s", t.trigger_id, request.name, request.when)
+        if self._store is not None:  # a restarted coordinator watches it again
+            self._store.save_trigger(t.trigger_id, _saved(t))
         self._sync_spans()
         return self.view(t)
+
+    def restore(self, saved: Iterable[dict[str, Any]]) -> int:
+        """The triggers a previous incarnation persisted (their firings and counts start
+        again from zero); the number restored. A row this version cannot read is skipped."""
+        n = 0
+        for row in saved:
+            try:
+                t = self.book.add(
+                    TriggerRequest.model_validate(row["request"]), trigger_id=row["trigger_id"]
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("a saved trigger could not be restored (%s): %r", exc, row)
+                continue
+            t.created_at = float(row.get("created_at", t.created_at))
+            self._sessions[t.trigger_id] = []
+            n += 1
+        self._sync_spans()
+        return n
 
     def remove(self, trigger_id: str) -> TriggerView:
         try:
@@ -87,6 +110,8 @@ class TriggerDesk:
         except KeyError:
             raise NotFoundError(f"no trigger {trigger_id!r}", trigger_id=trigger_id) from None
         self._sessions.pop(trigger_id, None)
+        if self._store is not None:
+            self._store.save_trigger(trigger_id, None)
         self._sync_spans()
         return self.view(t)
 
@@ -274,3 +299,12 @@ def _firing_view(f: Firing) -> FiringView:
         firing_id=f.firing_id, at=f.at, state=f.state.value, session_id=f.session_id,
         error=f.error, evidence=f.evidence.as_dict(),
     )  # fmt: skip
+
+
+def _saved(t: Trigger) -> dict[str, Any]:
+    """What the store keeps of a trigger: its id, request and creation time."""
+    return {
+        "trigger_id": t.trigger_id,
+        "request": t.request.model_dump(mode="json"),
+        "created_at": t.created_at,
+    }
