@@ -56,6 +56,17 @@ class Registration:
         return (Registration, (self.plan, self.poll_timeout_s))
 
 
+def _fresher(current: Any, reported: Any) -> Any:
+    """The step a times event carried, when it is ahead of the one a long-poll carried last
+    (steps that are not numbers compare as unknown: the poll's is kept)."""
+    if reported is None or current is None:
+        return current if reported is None else reported
+    try:
+        return reported if reported > current else current
+    except TypeError:
+        return current
+
+
 class AgentDesk:
     """Registers agents, answers their long-polls and applies their events; counts reports
     (for /metrics) and keeps one shared copy of agents' repeated capabilities and topology."""
@@ -178,8 +189,7 @@ class AgentDesk:
         touched: dict[str, Session] = {}
         for ev in events:
             if isinstance(ev.payload, MarkDurations):  # live step and stage times
-                if ev.step is not None and (rec.current_step or -1) < ev.step:
-                    rec.current_step = ev.step  # fresher than the step its long-poll carried
+                rec.current_step = _fresher(rec.current_step, ev.step)
                 self._times.add(agent_id, ev.payload)
                 if self._on_times is not None:
                     self._on_times(agent_id, ev.payload, ev.step)

@@ -218,6 +218,9 @@ class Trigger:
     due: Firing | None = None
     #: straggler: step -> rank -> its lateness there (the newest KEPT_VERDICTS steps judged)
     verdicts: dict[int, dict[int, Lateness]] = field(default_factory=dict)
+    #: straggler: the agents those verdicts were judged on (another job's, or a restarted
+    #: rank's, start afresh: their step numbers are another run's)
+    verdict_agents: frozenset[str] = frozenset()
 
     @property
     def fired(self) -> int:
@@ -320,8 +323,14 @@ class TriggerBook:
         per_rank = spans(cond.role, stage)
         if len(per_rank) < 2:
             return None
+        agents = frozenset(aid for aid, _ in per_rank.values())
+        if agents != t.verdict_agents:
+            t.verdicts.clear()
+            t.verdict_agents = agents
         judged = False
         for s in new:
+            if t.verdicts and s < max(t.verdicts):  # the job went back (a resume): a new run
+                t.verdicts.clear()
             if s in t.verdicts or any(s not in steps for _, steps in per_rank.values()):
                 continue
             ranks = sorted(per_rank)
@@ -332,7 +341,7 @@ class TriggerBook:
             t.verdicts[s] = dict(zip(ranks, lateness, strict=True))
             judged = True
         while len(t.verdicts) > KEPT_VERDICTS:
-            del t.verdicts[min(t.verdicts)]
+            del t.verdicts[next(iter(t.verdicts))]  # the oldest judged
         if not judged:
             return None
         newest = sorted(t.verdicts)[-cond.for_steps :]

@@ -9,9 +9,8 @@ memory within the hour (the lowest rank on a tie, or when no rank has times). A 
 session holding those ranks makes the firing wait (retried by each tick and each new times
 event) rather than fail. An agent's durations while it is profiled, and for a few seconds
 after, are not held against its role, nor is it called a straggler then: they carry the
-profiler's own cost. Triggers live in the coordinator's memory: a restarted coordinator has
-none until they are posted again (``profd up --trigger FILE`` posts its file at every
-start).
+profiler's own cost. Triggers are kept in the coordinator's store: a restarted coordinator
+watches the same ones (their firings and counts start again).
 """
 
 from __future__ import annotations
@@ -92,13 +91,13 @@ class TriggerDesk:
         n = 0
         for row in saved:
             try:
-                t = self.book.add(
-                    TriggerRequest.model_validate(row["request"]), trigger_id=row["trigger_id"]
-                )
+                request = TriggerRequest.model_validate(row["request"])
+                created_at = float(row.get("created_at") or self._clock())
+                t = self.book.add(request, trigger_id=str(row["trigger_id"]))
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("a saved trigger could not be restored (%s): %r", exc, row)
                 continue
-            t.created_at = float(row.get("created_at", t.created_at))
+            t.created_at = created_at
             self._sessions[t.trigger_id] = []
             n += 1
         self._sync_spans()

@@ -31,10 +31,10 @@ def _ranks(raw: list[str] | None) -> tuple[int, ...] | None:
         part = part.strip()
         if not part:
             continue
-        if not part.isdigit():
+        if not (part.isascii() and part.isdigit() and len(part) <= 9):
             raise RequestInvalid(
-                f"ranks: {part!r} is not a rank (an int >= 0)",
-                [FieldError(field="ranks", message=f"{part!r} is not a rank (an int >= 0)")],
+                f"ranks: {part[:20]!r} is not a rank (an int >= 0)",
+                [FieldError(field="ranks", message=f"{part[:20]!r} is not a rank (an int >= 0)")],
             )
         out.append(int(part))
     return tuple(out) or None

@@ -57,6 +57,8 @@ _MAX_QUEUED_EVENTS = 100_000
 #: How often the reporter takes the marks' durations (while connected): how live the
 #: coordinator's step times are, and the most ``times`` events an agent sends per second.
 TIMES_EVERY_S = 1.0
+#: Failed takes of the step and stage times in a row after which the reporter stops taking.
+MAX_TIMES_FAILURES = 5
 
 
 class LinkDown(Exception):
@@ -154,6 +156,7 @@ class Channel:
         self._take_times = take_times
         self._times_every_s = times_every_s
         self._times_due = 0.0
+        self._times_failures = 0
         self._stacks_answered = 0
         self._threads = [
             threading.Thread(target=self._poll_loop, name="profd-poller", daemon=True),
@@ -323,11 +326,16 @@ class Channel:
         try:
             times = self._take_times()
         except Exception:
+            self._times_failures += 1
             if "times" not in self._warned:
                 self._warned.add("times")
-                log.exception("profd: taking step and stage times failed; they stop here")
-            self._take_times = None
+                log.exception("profd: taking step and stage times failed; trying again")
+            if self._times_failures >= MAX_TIMES_FAILURES:  # broken for good: stop trying
+                log.warning("profd: step and stage times failed %d times in a row; they stop "
+                            "here", self._times_failures)  # fmt: skip
+                self._take_times = None
             return
+        self._times_failures = 0
         if times is not None:  # with the step marked last (a trigger's evidence says it)
             self.send(AgentEvent(EventKind.TIMES, step=self._current_step(), payload=times))
 

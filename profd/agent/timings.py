@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
@@ -247,6 +248,16 @@ def _span(timer: Any, on: bool) -> None:
     timer.span_from = timer.head if on else NO_SPANS
 
 
+def _step_number(step: Any) -> int | None:
+    """A step as an int (numpy's ints too), or None for one that is not a number."""
+    if isinstance(step, bool):
+        return None
+    try:
+        return operator.index(step)
+    except TypeError:
+        return None
+
+
 def _spanned(timer: Any, first: int, samples: Iterable[Any]) -> Iterator[Any]:
     """The samples (from index ``first``; each with its end second) whose end was written:
     from ``span_from`` on, ends set."""
@@ -279,6 +290,7 @@ class Timings:
         self._warned = False
         #: Whether the marks keep their ends (:meth:`set_spans`).
         self.spans = False
+        self._spans_changed = False
         # reporter thread only: what places stage samples in steps
         self._intervals: list[tuple[float, float, int]] = []  # (end, start, step), by end
         self._starts: list[tuple[float, int]] = []  # followed steps: (start, step)
@@ -301,9 +313,10 @@ class Timings:
                 timer = UNTIMED
             else:
                 timer = StageTimer(label, self.on_error)
+                # listed before the mode is read: a set_spans meanwhile swaps it, or this does
+                self._timers.append(timer)  # one append per label, ever (bounded)
                 if self.spans:
                     _span(timer, True)
-                self._timers.append(timer)  # one append per label, ever (bounded)
             if self._lookups < MAX_LOOKUPS:
                 self._by_label[label] = timer
         if self._lookups < MAX_LOOKUPS:
@@ -323,9 +336,7 @@ class Timings:
         self.spans = on
         for timer in [*self._timers, step_mark]:
             _span(timer, on)
-        if not on:
-            self._pending.clear()
-            self._intervals.clear()
+        self._spans_changed = True  # the reporter drops what it holds to place (its lists)
 
     def relabel(self) -> None:
         """The agent's roles changed (labels get role prefixes): look labels up again."""
@@ -338,15 +349,23 @@ class Timings:
         """Reporter thread: everything measured since the last call, or ``None``.
         ``wall_base``: add it to a :data:`mark_clock` reading to get the coordinator's wall
         clock (None while the offset is unknown: stage samples wait to be placed)."""
-        # stages first: every step boundary they need is written by then
-        raw = [(t, got) for t in list(self._timers) if (got := _take(t, "ring", "ends"))]
+        if self._spans_changed:  # span mode turned on or off since the last take
+            self._spans_changed = False
+            if not self.spans:
+                self._pending.clear()
+                self._intervals.clear()
+        # the step mark first: a stage sample read after it either ended in a step it shows
+        # over, or waits for its step (never a step judged without its last calls); the
+        # driver's step starts after the stages, so every start their samples need is there
         step = None
-        if self.enabled and (got := _take(step_mark, "ring", "ends", "steps")) is not None:
+        got_step = _take(step_mark, "ring", "ends", "steps") if self.enabled else None
+        raw = [(t, got) for t in list(self._timers) if (got := _take(t, "ring", "ends"))]
+        if (got := got_step) is not None:
             lost, first, (seconds, ends, numbers) = got
             step = LabelDurations(step_mark.label, tuple(seconds), lost=lost)
             for d, end, n in _spanned(step_mark, first, zip(seconds, ends, numbers, strict=True)):
-                if isinstance(n, int) and not isinstance(n, bool):
-                    self._intervals.append((end, end - d, n))
+                if (number := _step_number(n)) is not None:
+                    self._intervals.append((end, end - d, number))
             del self._intervals[:-KEPT_STEPS]
         if (got := _take(self.bounds, "ring", "steps")) is not None:
             self._starts.extend(zip(*got[2], strict=True))

@@ -276,7 +276,7 @@ def stop_services() -> list[str]:
     from profd.actors import kill_named, kill_relays
     from profd.core.ray_env import find_actor
 
-    stopped = []
+    stopped = [SIDECAR_NAME] if kill_named(SIDECAR_NAME) else []  # no change comes in now
     coordinator = find_actor(COORDINATOR_NAME)
     if coordinator is not None:  # its last queued rows reach the disk before it is killed
         try:
@@ -284,9 +284,8 @@ def stop_services() -> list[str]:
                 log.warning("profd down: the coordinator's last state rows were not written")
         except Exception as exc:  # a coordinator that does not answer is stopped all the same
             log.warning("profd down: could not flush the coordinator's state (%s)", exc)
-    for name in (SIDECAR_NAME, COORDINATOR_NAME):
-        if kill_named(name):
-            stopped.append(name)
+    if kill_named(COORDINATOR_NAME):
+        stopped.append(COORDINATOR_NAME)
     return stopped + kill_relays()
 
 

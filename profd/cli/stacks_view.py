@@ -82,7 +82,8 @@ def stacks(
     if native:
         params["native"] = "true"
     try:
-        api = sidecar_client(url, timeout=timeout + 30)
+        # py-spy's node tasks, then the agents, each up to --timeout (and py-spy's own 10 s)
+        api = sidecar_client(url, timeout=2 * timeout + 40)
         view = api.get("/api/v1/stacks", **params)
     except CliError as exc:
         fail(exc)

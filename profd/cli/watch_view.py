@@ -185,17 +185,34 @@ def load_trigger_file(path: Path) -> list[dict[str, Any]]:
 
 
 def post_trigger_files(api: Any, files: list[Path]) -> list[str]:
-    """``profd up --trigger FILE``: post each file's triggers, but not one whose name the
-    coordinator already has (a coordinator kept across `profd up` keeps its triggers; one
-    restored from its state has none). Returns a line per trigger."""
-    have = {t["name"] for t in api.get("/api/v1/triggers")["data"]}
+    """``profd up --trigger FILE``: post each file's triggers. One whose name the
+    coordinator already watches (it kept its triggers, or restored them from its state) is
+    left as it is when the file says the same, and replaced when the file changed it.
+    Returns a line per trigger."""
+    from pydantic import ValidationError
+
+    from profd.core.trigger_request import TriggerRequest
+
+    have = {t["name"]: t for t in api.get("/api/v1/triggers")["data"]}
     lines = []
     for path in files:
         for body in load_trigger_file(path):
-            if body.get("name") in have:
-                lines.append(f"trigger {body['name']}: already watching")
-                continue
+            old = have.get(body.get("name"))
+            verb = "watching"
+            if old is not None:
+                try:
+                    same = (
+                        TriggerRequest.model_validate(body).model_dump(mode="json")
+                        == old["request"]
+                    )
+                except ValidationError:
+                    same = False  # the POST below says what is wrong with it
+                if same:
+                    lines.append(f"trigger {body['name']}: already watching")
+                    continue
+                api.request("DELETE", f"/api/v1/triggers/{quote(old['trigger_id'], safe='')}")
+                verb = f"replaced {old['trigger_id']} (the file changed it), watching"
             view = api.post("/api/v1/triggers", body)
-            have.add(view["name"])
-            lines.append(f"trigger {view['name']}: watching ({view['trigger_id']})")
+            have[view["name"]] = view
+            lines.append(f"trigger {view['name']}: {verb} ({view['trigger_id']})")
     return lines

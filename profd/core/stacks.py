@@ -124,7 +124,11 @@ def _runs_the_job(t: ThreadStack) -> bool:
         return False
     py = _python_frames(t)
     # a Ray worker's main thread between tasks (tasks of threaded actors run on other threads)
-    return bool(py) and py[0].function != "Worker.main_loop"
+    # (py-spy before 0.4 names functions without their class: both namings match)
+    top = py[0] if py else None
+    return top is not None and not (
+        top.function.rsplit(".", 1)[-1] == "main_loop" and top.file.endswith("worker.py")
+    )
 
 
 def pick_thread(threads: Sequence[ThreadStack], attached: int | None) -> ThreadStack | None:

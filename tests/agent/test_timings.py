@@ -182,26 +182,36 @@ class _Link:
 
 
 def test_the_reporter_ships_times_and_a_failing_take_only_stops_them(caplog) -> None:
+    """A take that fails is tried again (a race or a passing fault must not end live times
+    for the process); only MAX_TIMES_FAILURES in a row stop them, and nothing else."""
+    from profd.agent.channel import MAX_TIMES_FAILURES
+
     info = AgentInfo("a-0", "actor", 0, 1, {}, "host", 1)
     link, calls = _Link(), []
+    fail_from = [2, 3]  # call 2 fails once; from call 4 on every call fails
 
     def take() -> MarkDurations | None:
         calls.append(1)
-        if len(calls) == 2:
+        n = len(calls)
+        if n == fail_from[0] or n >= fail_from[1] + 1:
             raise RuntimeError("boom")
         return MarkDurations(step=None)
 
     ch = Channel(info, lambda: link, lambda: None, lambda p: None, take_times=take,
                  times_every_s=0.0)  # fmt: skip
-    with caplog.at_level(logging.ERROR, logger="profd.agent.channel"):
+    with caplog.at_level(logging.WARNING, logger="profd.agent.channel"):
         ch.start()
-        wait_until(lambda: len(calls) >= 2, 10, what="two takes")
+        wait_until(lambda: ch._take_times is None, 10, what="times stopped")
         ch.send(AgentEvent(EventKind.ARMED, "s"))
         assert ch.flush(10)
         ch.stop()
     kinds = [e.kind for e in link.events]
-    assert kinds == [EventKind.TIMES, EventKind.ARMED] and len(calls) == 2
-    assert sum("step and stage times failed" in r.getMessage() for r in caplog.records) == 1
+    # calls 1 and 3 shipped (3 after 2 failed), then MAX_TIMES_FAILURES failures in a row
+    assert kinds == [EventKind.TIMES, EventKind.TIMES, EventKind.ARMED], kinds
+    assert len(calls) == 3 + MAX_TIMES_FAILURES
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("step and stage times failed; trying again" in m for m in messages) == 1
+    assert sum("they stop here" in m for m in messages) == 1
 
 
 def test_a_plan_installed_while_the_recorder_runs_is_adopted_at_the_next_step(tmp_path) -> None:

@@ -10,7 +10,13 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from profd.actors.trigger_book import FiringState, Suppressed, TriggerBook, late_against_peers
+from profd.actors.trigger_book import (
+    KEPT_VERDICTS,
+    FiringState,
+    Suppressed,
+    TriggerBook,
+    late_against_peers,
+)
 from profd.analysis.models import StragglerRule
 from profd.analysis.stragglers import late_cause, late_outliers
 from profd.core.protocol import LabelDurations, MarkDurations, OutOfMemory
@@ -188,8 +194,9 @@ def straggler(**when) -> TriggerRequest:
 class Ends:
     """The role's stage spans per rank, as the coordinator's MarkStats keeps them."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, job: str = "a") -> None:
         self.steps: dict[int, dict[int, SimpleNamespace]] = {r: {} for r in range(ranks)}
+        self.job = job  # the agents' id prefix: another job's agents have other ids
 
     def add(self, rank: int, step: int, start: float, end: float) -> MarkDurations:
         self.steps[rank][step] = SimpleNamespace(start=start, end=end, wall=end - start)
@@ -198,7 +205,7 @@ class Ends:
 
     def __call__(self, role: str, stage: str) -> dict:
         assert (role, stage) == ("actor", "update")
-        return {r: (f"a{r}", s) for r, s in self.steps.items() if s}
+        return {r: (f"{self.job}{r}", s) for r, s in self.steps.items() if s}
 
 
 def run_step(book, ends, step, late, profiled=None, order=(0, 1, 2, 3)) -> list:
@@ -248,6 +255,27 @@ def test_a_profiled_rank_is_not_called_a_straggler_and_stages_elsewhere_are_igno
     lone.add(straggler())
     one = Ends(1)
     assert run_step(lone, one, 1, {0: 5.0}, order=(0,)) == []
+
+
+def test_another_job_or_a_resume_starts_the_straggler_verdicts_afresh() -> None:
+    """Triggers outlive jobs: a new job's steps (from 1 again, other agents) and a job that
+    resumed from an earlier step are judged on their own steps, not the old run's."""
+    book = TriggerBook(Clock())
+    t = book.add(straggler(for_steps=2, min_ms=100))
+    first = Ends(3)
+    for step in range(1, 70):  # more steps than are kept
+        run_step(book, first, step, {}, order=(0, 1, 2))
+    assert sorted(t.verdicts)[0] == 70 - KEPT_VERDICTS  # the oldest judged went first
+    assert [f.evidence.step for f in run_step(book, first, 70, {2: 0.5}, order=(0, 1, 2))] == []
+    second = Ends(3, job="b")  # the next job on the same role: healthy, from step 1
+    for step in (1, 2, 3):
+        assert run_step(book, second, step, {}, order=(0, 1, 2)) == []
+    assert sorted(t.verdicts) == [1, 2, 3] and t.verdict_agents == {"b0", "b1", "b2"}
+    for step in (4, 5):  # rank 1 late twice: fires on this job's own steps
+        fired = run_step(book, second, step, {1: 0.5}, order=(0, 1, 2))
+    assert [(f.evidence.rank, f.evidence.step) for f in fired] == [(1, 5)]
+    run_step(book, second, 2, {}, order=(0, 1, 2))  # resumed from step 2: a new run
+    assert sorted(t.verdicts) == [2]
 
 
 # -- oom ------------------------------------------------------------------------------------

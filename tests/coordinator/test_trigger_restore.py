@@ -54,3 +54,24 @@ def test_a_restarted_coordinator_watches_the_same_triggers(tmp_path: Path) -> No
         assert third.call("list_triggers") == []
     finally:
         third.close()
+
+
+def test_saved_rows_this_version_cannot_read_are_skipped(tmp_path: Path) -> None:
+    owner = _owner(tmp_path)
+    try:
+        desk = owner.coordinator._triggers
+        good = {"trigger_id": "trg-1", "request": STRAGGLER, "created_at": 5.0}
+        rows = [{"trigger_id": "trg-0", "request": {"name": "x"}}, {"request": OOM},
+                {**good, "trigger_id": "trg-2", "created_at": "soon"}, good]  # fmt: skip
+        assert owner.run(desk.restore, rows) == 1
+        (t,) = owner.call("list_triggers")
+        assert (t.trigger_id, t.created_at) == ("trg-1", 5.0)
+    finally:
+        owner.close()
+
+
+def test_a_times_event_moves_the_step_on_only_forward_and_only_for_numbers() -> None:
+    from profd.actors.agent_desk import _fresher
+
+    assert _fresher(None, 4) == 4 and _fresher(3, 4) == 4 and _fresher(5, 4) == 5
+    assert _fresher(3, None) == 3 and _fresher(3, "warmup") == 3 and _fresher("a", 2) == "a"

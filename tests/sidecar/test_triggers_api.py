@@ -102,3 +102,36 @@ def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> 
     gone = cli(["watch", "--delete", made["trigger_id"], "--url", sidecar.url], env)
     assert gone.returncode == 0 and f"deleted {made['trigger_id']}" in gone.stdout
     assert httpx.get(f"{sidecar.url}/api/v1/triggers").json()["count"] == 0
+
+
+def test_profd_up_trigger_files_keep_what_is_watched_and_replace_what_changed(
+    sidecar: Any, tmp_path: Path
+) -> None:
+    """`profd up --trigger FILE` at every start: the coordinator keeps its triggers (and
+    restores them from its state), so the same definition is left alone and an edited one
+    replaces the one watched."""
+    from profd.cli.client import ApiClient
+    from profd.cli.watch_view import post_trigger_files
+
+    api = ApiClient(sidecar.url, TOKEN)
+    path = tmp_path / "triggers.json"
+    path.write_text(json.dumps(GOOD))
+    (first,) = post_trigger_files(api, [path])
+    assert first.startswith("trigger slow-actor: watching (trg-")
+    assert post_trigger_files(api, [path]) == ["trigger slow-actor: already watching"]
+    old_id = httpx.get(f"{sidecar.url}/api/v1/triggers").json()["data"][0]["trigger_id"]
+    path.write_text(json.dumps({**GOOD, "when": {**GOOD["when"], "factor": 3.0}}))
+    (changed,) = post_trigger_files(api, [path])
+    assert f"replaced {old_id} (the file changed it)" in changed
+    (now,) = httpx.get(f"{sidecar.url}/api/v1/triggers").json()["data"]
+    assert now["trigger_id"] != old_id and now["request"]["when"]["factor"] == 3.0
+
+
+def test_stacks_route_bad_input_and_no_agents(sidecar: Any) -> None:
+    for ranks in ("²", "1," + "9" * 5000, "-1"):
+        r = httpx.get(f"{sidecar.url}/api/v1/stacks", params={"ranks": ranks})
+        assert r.status_code == 422 and r.json()["fields"][0]["field"] == "ranks", r.text
+    r = httpx.get(f"{sidecar.url}/api/v1/stacks", params={"role": "actor"})
+    assert r.status_code == 404 and "role: no live agent has role 'actor'" in r.text
+    view = httpx.get(f"{sidecar.url}/api/v1/stacks").json()
+    assert view["groups"] == [] and view["notes"] == ["no agent is attached"]
