@@ -221,6 +221,12 @@ class MarkStats:
         values = w.values
         return list(values)[-n:] if n < len(values) else list(values)
 
+    def times_stage(self, agent_id: str, stage: str) -> bool:
+        """Whether the agent has timed ``stage`` at all (its spans may not have come yet)."""
+        a = self._agents.get(agent_id)
+        w = None if a is None else a.stages.get(stage)
+        return w is not None and w.count > 0
+
     def spans(self, agent_id: str, stage: str) -> dict[int, StepSpan]:
         """One agent's stage ``stage`` per step (newest :data:`WINDOW` steps); read only."""
         a = self._agents.get(agent_id)

@@ -220,12 +220,16 @@ class TriggerDesk:
         return at is not None and now - at < OOM_UNHEALTHY_S
 
     def _spans(self, role: str, stage: str) -> dict[int, tuple[str, dict[int, Any]]]:
+        """The role's ranks that mark ``stage``, with its span per step: a rank whose spans
+        have not come yet (span mode just began there) is listed with none, so no step is
+        judged without it."""
         out = {}
         for rec in self._registry.alive():
             if rec.info.role == role:
-                steps = self._times.spans(rec.info.agent_id, stage)
-                if steps:
-                    out[rec.info.rank] = (rec.info.agent_id, steps)
+                aid = rec.info.agent_id
+                steps = self._times.spans(aid, stage)
+                if steps or self._times.times_stage(aid, stage):
+                    out[rec.info.rank] = (aid, steps)
         return out
 
     def _history(self, role: str, mark: str | None, n: int) -> dict[int, list[float]]:
