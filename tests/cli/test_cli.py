@@ -90,15 +90,18 @@ def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_p
     budget = ray.remote(StepBudget).options(num_cpus=0).remote()
     try:
         ray.get([w.ready.remote() for w in workers], timeout=120)
+        # the window is chosen by the coordinator: the workers run on until step 30 (on a
+        # loaded machine their own 8 steps could end, and their agents close, before it)
+        ray.get(budget.extend_to.remote(30))
         runs = [w.run.remote(8, 0.4, 1, budget) for w in workers]
 
         def stepping() -> bool:
             st = cli(["status", "--json"], cli_env, timeout=60)
             agents = json.loads(st.stdout)["agents"]
-            return len([a for a in agents if a["current_step"] is not None]) == 2
+            alive = [a for a in agents if a["state"] == "alive"]
+            return len([a for a in alive if a["current_step"] is not None]) == 2
 
         wait_until(stepping, 60, 0.2, what="agents stepping")
-        ray.get(budget.extend_to.remote(30))  # the window is chosen by the coordinator
         r = cli(["profile", "--next-steps", "1", "--all-ranks", "--wait", "--json"], cli_env)
         assert r.returncode == 0, r.stderr + r.stdout
         view = json.loads(r.stdout)
