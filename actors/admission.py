@@ -174,10 +174,13 @@ class Admission:
             check_reachable(req.steps, self._registry, targeting.targets, self._drivers.job_step)
         session = self._book.new(req, targeting, origin)
         await self._alignment.place(session, req, targeting.targets)
-        self._book.advance(session)
+        self._book.advance(session, persist=False)
         self._alignment.say_what_is_past(session)
         self._book.publish([*session.targets])
-        await asyncio.sleep(0)  # let parked long-polls answer before the (large) reply is built
+        # Parked long-polls answer first; encoding 10,000 parts for the store and building
+        # the reply come after (the writer thread commits the rows in the background).
+        await asyncio.sleep(0)
+        self._book.persist(session)
         log.info(
             "session %s created: tool %s steps %s, %d target(s), %d ignored",
             session.session_id,

@@ -43,6 +43,8 @@ from profd.actors.store import Store, open_store
 from profd.actors.trace_index import TraceIndex
 from profd.actors.triggers import TriggerDesk
 from profd.core.constants import __version__
+from profd.core.errors import RequestInvalid
+from profd.core.json_body import JSON_READS, JsonItems, encode_read
 from profd.core.paging import Page
 from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, MarkDurations, PollReply
 from profd.core.request import SessionRequest
@@ -386,6 +388,13 @@ class ProfileCoordinator:
             mark_times=self._times.metric_rows(self._role_rank),
             triggers=self._triggers.counts(),
         )
+
+    async def read_json(self, method: str, *args: Any) -> bytes | JsonItems:
+        """A read of :data:`~profd.core.json_body.JSON_READS`, encoded to JSON here (the
+        sidecar's read routes pass it through; see :mod:`profd.core.json_body`)."""
+        if method not in JSON_READS:
+            raise RequestInvalid.at("method", f"not a JSON read: {method!r}")
+        return encode_read(await getattr(self, method)(*args))
 
     async def ping(self) -> str:
         return __version__

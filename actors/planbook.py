@@ -27,17 +27,25 @@ class _Entry:
         self.plan = _EMPTY
         #: The plan version the agent last said it holds (from its polls).
         self.delivered = 0
-        #: Events of long-polls parked on this agent (its own, or its process's).
-        self.waiters: list[asyncio.Event] | None = None
+        #: Futures of long-polls parked on this agent (its own, or its process's).
+        self.waiters: list[asyncio.Future[None]] | None = None
         #: Events of ``wait_delivered`` calls.
         self.acked: list[asyncio.Event] | None = None
         #: Woken while no poll was parked: the next poll returns at once.
         self.woken = False
 
 
-def _signal(events: list[asyncio.Event] | None) -> None:
+def _signal(events: list[asyncio.Event] | list[asyncio.Future[None]] | None) -> None:
     for ev in events or ():
-        ev.set()
+        if isinstance(ev, asyncio.Event):
+            ev.set()
+        elif not ev.done():
+            ev.set_result(None)
+
+
+def _release(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class PlanBook:
@@ -152,20 +160,24 @@ class PlanBook:
         changed = self._changed(known)
         if changed or timeout <= 0:
             return changed
-        event = asyncio.Event()
+        # A bare future (not Event + wait_for, which wraps a task): a plan set on the loop
+        # answers the poll in the next turn, so a session's fan-out goes out before the
+        # coordinator builds its (large) reply.
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(timeout, _release, fut)
         parked = [e for _, e in entries if e is not None]
         for e in parked:
             if e.waiters is None:
                 e.waiters = []
-            e.waiters.append(event)
+            e.waiters.append(fut)
         try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
+            await fut
         finally:
+            timer.cancel()
             for e in parked:
                 if e.waiters is not None:
-                    e.waiters.remove(event)
+                    e.waiters.remove(fut)
                     if not e.waiters:
                         e.waiters = None
         return self._changed(known)

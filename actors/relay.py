@@ -16,7 +16,6 @@ directly with any :class:`CoordinatorCaller`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -82,7 +81,11 @@ class RayCoordinatorCaller:
         try:
             ref = getattr(self._handle, method).remote(*args, **kw)
             return await asyncio.wait_for(ref, timeout)
-        except Exception as exc:  # Ray errors, timeouts: the coordinator is not there now
+        except TimeoutError as exc:
+            # Slow, not gone: keep the handle. Finding it again is a blocking GCS lookup on
+            # this event loop, and a busy coordinator would make every relay do one.
+            raise ConnectionError(f"{method}: no answer within {timeout:.0f} s") from exc
+        except Exception as exc:  # Ray errors: the coordinator is not there now
             self._handle = None
             raise ConnectionError(f"{method}: {type(exc).__name__}: {exc}") from exc
 
@@ -98,12 +101,18 @@ class _Slot:
     #: Its poll is to return empty (so the agent polls again with its current step).
     release: bool = False
     parked: bool = False
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The parked polls' futures (bare futures: a wake-up answers in the loop's next turn).
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     def wake(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
+        for fut in self.waiters:
+            _release(fut)
+
+
+def _release(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +181,15 @@ class NodeRelay:
                 if left <= 0 or slot.release:
                     slot.release = False
                     return PollReply(plan=None)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(slot.changed.wait(), left)
+                loop = asyncio.get_running_loop()
+                fut: asyncio.Future[None] = loop.create_future()
+                slot.waiters.append(fut)
+                timer = loop.call_later(left, _release, fut)
+                try:
+                    await fut
+                finally:
+                    timer.cancel()
+                    slot.waiters.remove(fut)
         finally:
             self._parked -= 1
             slot.parked = False

@@ -212,8 +212,9 @@ class SessionBook:
             except Exception:  # one broken session must not stall the others
                 log.exception("advancing session %s failed", s.session_id)
 
-    def advance(self, s: Session) -> None:
-        """Take every transition ``s`` can take now and persist what changed."""
+    def advance(self, s: Session, persist: bool = True) -> None:
+        """Take every transition ``s`` can take now and persist what changed (unless
+        ``persist`` is false: the caller persists it later)."""
         was_live, was_open = s.is_live, s.open_targeting
         while s.advance(self._clock()) is not None:
             pass
@@ -228,8 +229,14 @@ class SessionBook:
             s.ignored = list(found.ignored)
         if was_live and not s.is_live:
             log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
-        self.publish([aid for aid, p in s.targets.items() if p.state.is_terminal or not s.is_live])
-        self.persist(s)
+        if s.is_live:  # a finished part's window leaves its agent's plan
+            self.publish(s.take_closed_parts())
+        else:
+            s.closed_parts.clear()
+            if was_live:  # the session ended: its window leaves every target's plan
+                self.publish(list(s.targets))
+        if persist:
+            self.persist(s)
 
     def persist(self, s: Session) -> None:
         """Write the session's header and its changed parts, if anything changed since the

@@ -185,6 +185,9 @@ class Session:
     history: list[tuple[float, SessionState, str]] = field(default_factory=list)
     #: Parts changed since the coordinator last persisted them (not itself persisted).
     dirty_parts: set[str] = field(default_factory=set, repr=False, compare=False)
+    #: Parts finished since the coordinator last took them to update their agents' plans
+    #: (a fleet's parts end one report at a time: each pass looks at those, not all 10,000).
+    closed_parts: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.dirty_parts.update(self.targets)
@@ -198,6 +201,12 @@ class Session:
     def add_part(self, part: Part) -> None:
         self.targets[part.agent_id] = part
         self.dirty_parts.add(part.agent_id)
+
+    def take_closed_parts(self) -> list[str]:
+        """The parts finished since the last call (the flags are cleared)."""
+        out = [aid for aid in self.closed_parts if aid in self.targets]
+        self.closed_parts.clear()
+        return out
 
     def take_dirty_parts(self) -> dict[str, dict[str, Any]]:
         """The parts changed since the last call, as dicts; persisting one event costs one
@@ -334,6 +343,7 @@ class Session:
         if unresolved:
             reasons.append(f"{unresolved_reason} (steps {sorted(unresolved)})")
         reason = "; ".join(reasons)
+        self.closed_parts.add(part.agent_id)
         if part.traces and not part.missed and not part.errors:
             part.finish(PartState.DONE)
         elif part.traces:
@@ -348,6 +358,7 @@ class Session:
         if part is not None:
             part.finish(PartState.LOST, reason)
             self.dirty_parts.add(agent_id)
+            self.closed_parts.add(agent_id)
 
     def cancel(self, reason: str) -> None:
         if self.is_live:

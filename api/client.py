@@ -63,7 +63,15 @@ class SharedReads:
     a change reads it back at once. Failed reads are never kept."""
 
     READS = frozenset(
-        {"status", "list_agents", "list_sessions", "list_traces", "get_session", "metrics"}
+        {
+            "status",
+            "list_agents",
+            "list_sessions",
+            "list_traces",
+            "get_session",
+            "metrics",
+            "read_json",
+        }
     )
     #: Calls that change what the reads return (others, like ping or get_trace, do not).
     CHANGES = frozenset({"create_session", "cancel_session"})

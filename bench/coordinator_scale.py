@@ -71,6 +71,9 @@ Measured:
 CPU seconds each kind of process spent during fan-out and events, and its share of a core
 while every agent polls, are printed (the machine is shared: the load average is in RESULT).
 
+``--py-spy DIR`` records the coordinator and one relay host with py-spy during fan-out and
+events (collapsed stacks in ``DIR``): where each phase's CPU went.
+
     python bench/coordinator_scale.py [--agents 10000] [--nodes 1250] [--mode relay|direct]
 
 Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=rpc fanout_ms=...
@@ -86,6 +89,8 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -123,6 +128,32 @@ def cpu_s(pids: list[int]) -> float:
             continue
         total += int(fields[11]) + int(fields[12])
     return total / tick
+
+
+class PySpy:
+    """``--py-spy DIR``: py-spy records the named processes during one phase, as collapsed
+    stacks (``DIR/<phase>-<name>.txt``; where the CPU of a phase went). Off without DIR."""
+
+    def __init__(self, out_dir: str | None, phase: str, pids: dict[str, Any]) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        if not out_dir:
+            return
+        from profd.core.stacks import find_py_spy
+
+        os.makedirs(out_dir, exist_ok=True)
+        for name, pid in pids.items():
+            for i, p in enumerate(pid if isinstance(pid, list) else [pid]):
+                out = os.path.join(out_dir, f"{phase}-{name}{i or ''}.txt")
+                cmd = [find_py_spy() or "py-spy", "record", "--pid", str(p), "--format", "raw",
+                       "--rate", "200", "--nonblocking", "--output", out]  # fmt: skip
+                self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+        time.sleep(1.0)  # attached before the phase starts
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for proc in self.procs:
+            proc.wait(timeout=30)
 
 
 def node_id_of(n: int) -> str:
@@ -588,6 +619,7 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
     # Fan-out: every agent targeted.
     steps = [FIRST_STEP + i for i in range(WINDOW_STEPS)]
     request = {"steps": steps, "roles": {ROLE: {"all_ranks": True}}}
+    spy = PySpy(args.py_spy, "fanout", {"coordinator": f.cpid, "relay_host": f.rh_pids[:1]})
     cpu0 = f.cpu(relay_pids)
     t_create = time.time()
     view = ray.get(coord.create_session.remote(request))
@@ -601,6 +633,7 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
             break
         time.sleep(0.02)
     cpu1 = f.cpu(relay_pids)
+    spy.stop()
     sid = view.session_id
     real_ids = {a for r in f.real for a in ray.get(r.ids.remote())}
 
@@ -662,10 +695,12 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
             "parked at their relay as memory was read"
         )
     # Events: every simulated agent's window, 10 events in one report, all at once.
+    spy = PySpy(args.py_spy, "events", {"coordinator": f.cpid, "relay_host": f.rh_pids[:1]})
     cpu2 = f.cpu(relay_pids)
     t_ev = time.perf_counter()
     sent = ray.get([h.send_window.remote(sid, view.save_dir) for h in f.agent_hosts])
     ev_s = time.perf_counter() - t_ev
+    spy.stop()
     cpu3 = f.cpu(relay_pids)
     total = sum(n for n, _, _ in sent)
     not_known = sum(u for _, u, _ in sent)
@@ -748,6 +783,10 @@ def main() -> int:
     parser.add_argument(
         "--heartbeat-timeout-s", type=float, default=120.0,
         help="the coordinator's heartbeat_timeout_s (profd's default: 30)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--py-spy", metavar="DIR",
+        help="record the coordinator and a relay host with py-spy during fan-out and events",
     )  # fmt: skip
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from profd.api.deps import ClientDep
 from profd.api.errors import error_responses
-from profd.api.responses import model_response
+from profd.api.responses import json_listing
 from profd.core.views import AgentView
 
 __all__ = ["AgentList", "router"]
@@ -27,5 +27,4 @@ class AgentList(BaseModel):
 async def list_agents(client: ClientDep) -> Response:
     """Every agent the coordinator knows, alive, lost or closed, with its live step and
     stage times (last, rolling median, newest durations)."""
-    agents = await client.call("list_agents")
-    return model_response(AgentList(data=agents, count=len(agents)))
+    return json_listing(await client.call("read_json", "list_agents"))

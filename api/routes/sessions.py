@@ -23,7 +23,7 @@ from profd.api.deps import (
     TokenDep,
 )
 from profd.api.errors import error_responses
-from profd.api.responses import model_response
+from profd.api.responses import json_listing, json_response
 from profd.api.security import confine_save_path, confine_upload_uri
 from profd.core.errors import ConflictError, NotFoundError, RequestInvalid
 from profd.core.paging import DEFAULT_LIMIT
@@ -153,17 +153,14 @@ async def list_sessions(
     client: ClientDep, limit: LimitQuery = DEFAULT_LIMIT, cursor: CursorQuery = None
 ) -> Response:
     """Sessions, a page at a time: the newest first; follow `next_cursor` for older ones."""
-    page = await client.call("list_sessions", limit, cursor)
-    listing = SessionList(
-        data=page.items, count=len(page.items), total=page.total, next_cursor=page.next_cursor
-    )
-    return model_response(listing)
+    page = await client.call("read_json", "list_sessions", limit, cursor)
+    return json_listing(page, total=page.total, next_cursor=page.next_cursor)
 
 
 @router.get("/{session_id}", response_model=SessionView, responses=error_responses(404, 422))
 async def get_session(client: ClientDep, session_id: str = SessionId) -> Response:
     """One session with per-target progress and its traces."""
-    return model_response(await client.call("get_session", session_id))
+    return json_response(await client.call("read_json", "get_session", session_id))
 
 
 @router.get(

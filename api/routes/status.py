@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from profd.api.deps import ClientDep, ReadTokenDep
 from profd.api.errors import error_responses
-from profd.api.responses import model_response
+from profd.api.responses import json_response
 from profd.core.constants import __version__
 from profd.core.errors import CoordinatorUnavailable
 from profd.core.views import StatusView
@@ -42,4 +42,4 @@ async def healthz(client: ClientDep) -> Health:
 )
 async def get_status(client: ClientDep) -> Response:
     """Agents, sessions and traces at a glance."""
-    return model_response(await client.call("status"))
+    return json_response(await client.call("read_json", "status"))

@@ -21,7 +21,7 @@ from profd.api.deps import (
     RunnerDep,
 )
 from profd.api.errors import error_responses
-from profd.api.responses import model_response
+from profd.api.responses import json_listing
 from profd.core.errors import NotFoundError
 from profd.core.files import file_size, read_chunk
 from profd.core.paging import DEFAULT_LIMIT
@@ -58,15 +58,8 @@ async def list_traces(
     cursor: CursorQuery = None,
 ) -> Response:
     """Traces, optionally filtered, a page at a time (newest first; follow `next_cursor`)."""
-    page = await client.call("list_traces", session_id, role, rank, limit, cursor)
-    listing = TraceList(
-        data=page.items,
-        count=len(page.items),
-        total=page.total,
-        next_cursor=page.next_cursor,
-        bytes=page.bytes,
-    )
-    return model_response(listing)
+    page = await client.call("read_json", "list_traces", session_id, role, rank, limit, cursor)
+    return json_listing(page, total=page.total, next_cursor=page.next_cursor, bytes=page.bytes)
 
 
 #: Bytes per Ray task when a file is streamed from another node.

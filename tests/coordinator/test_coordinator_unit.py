@@ -176,6 +176,40 @@ def test_a_session_walks_every_state_on_events(tmp_path: Path) -> None:
     run(go)
 
 
+def test_a_finished_part_leaves_its_agents_plan_while_the_session_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Each pass publishes the parts finished since the last one (not all 10,000): a part done
+    or lost while its peers record leaves its agent's plan at once, and only that one."""
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        for aid, rank in (("a", 0), ("b", 1), ("c", 2)):
+            await coord.register(info(aid, rank=rank), 1)
+        view = await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+        sid = view.session_id
+        held = {aid: (await coord.poll(aid, 0, 2, 0)).plan for aid in "abc"}
+        assert all(p is not None and len(p.windows) == 1 for p in held.values())
+        done = [trace(sid, view.save_dir, "t-a", (3,))]
+        done.append(ev(EventKind.PART_DONE, sid, payload=PartDone(recorded=(3,))))
+        await coord.report("a", done)
+        coord.tick()
+        assert (await coord.get_session(sid)).state is SessionState.RECORDING
+        plan_a = (await coord.poll("a", held["a"].version, 3, 0)).plan
+        assert plan_a is not None and plan_a.windows == ()
+        for aid in "bc":  # their plans did not change
+            assert (await coord.poll(aid, held[aid].version, 3, 0)).plan is None
+        coord._book.lose("b", "its node went away")  # the liveness check's path
+        coord.tick()
+        plan_b = (await coord.poll("b", held["b"].version, 3, 0)).plan
+        assert plan_b is not None and plan_b.windows == ()
+        assert (await coord.poll("c", held["c"].version, 3, 0)).plan is None
+        assert (await coord.get_session(sid)).state is SessionState.RECORDING
+
+    run(go)
+
+
 def test_a_session_expires_at_its_deadline(tmp_path: Path) -> None:
     async def go() -> None:
         coord, clock = make(tmp_path, session_timeout_s=50.0, heartbeat_timeout_s=1000.0)

@@ -136,3 +136,39 @@ def test_a_stack_request_reaches_the_agents_behind_the_relay(relayed) -> None:
     assert sorted(r.rank for g in view.groups for r in g.ranks) == [0, 1, 2]
     assert {r.method for g in view.groups for r in g.ranks} == {"agent"}
     assert caller.calls.get("report", 0) == 0 and caller.calls.get("report_many", 0) >= 1
+
+
+def test_a_slow_coordinator_keeps_its_handle_and_a_failed_call_drops_it() -> None:
+    """A call that times out keeps the relay's handle (finding the coordinator again is a
+    blocking GCS lookup on the relay's loop, which a busy coordinator would make every relay
+    do); a call that fails drops it, so the next finds the coordinator again by name."""
+    from profd.actors.relay import RayCoordinatorCaller
+
+    class Method:
+        def __init__(self, answer: Any) -> None:
+            self.answer = answer
+
+        def remote(self, *args: Any, **kw: Any) -> Any:
+            return self.answer()
+
+    class Handle:
+        def __init__(self) -> None:
+            never = asyncio.Event()
+            self.slow = Method(never.wait)
+            self.gone = Method(self._fail)
+
+        async def _fail(self) -> None:
+            raise RuntimeError("ActorDiedError: the actor died")
+
+    async def go() -> None:
+        caller = RayCoordinatorCaller()
+        handle = Handle()
+        caller._handle = handle
+        with pytest.raises(ConnectionError, match="no answer within"):
+            await caller.call("slow", timeout=0.05)
+        assert caller._handle is handle
+        with pytest.raises(ConnectionError, match="ActorDiedError"):
+            await caller.call("gone", timeout=5.0)
+        assert caller._handle is None
+
+    asyncio.run(go())

@@ -1,0 +1,69 @@
+"""The sidecar's read routes pass through JSON the coordinator encoded (``read_json``): each
+body equals what dumping the views in the route's listing model gives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from profd.api.responses import json_listing, json_response
+from profd.api.routes.agents import AgentList
+from profd.api.routes.sessions import SessionList
+from profd.api.routes.traces import TraceList
+from profd.core.errors import RequestInvalid
+from profd.core.json_body import JsonItems
+from tests.coordinator.test_coordinator_unit import EVERY_ACTOR, make, trace, two_agents
+
+
+def _body(response) -> object:  # type: ignore[no-untyped-def]
+    assert response.media_type == "application/json"
+    return json.loads(response.body)
+
+
+def test_json_reads_equal_the_views_dumped_by_their_listing_models(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        views = []
+        for steps in ([3], [8]):
+            views.append(await coord.create_session({"steps": steps, "roles": EVERY_ACTOR}))
+            await coord.cancel_session(views[-1].session_id)
+        await coord.report("a", [trace(views[0].session_id, views[0].save_dir, "t-a", (3,))])
+
+        one = await coord.read_json("get_session", views[0].session_id)
+        assert isinstance(one, bytes)
+        want = (await coord.get_session(views[0].session_id)).model_dump(mode="json")
+        assert _body(json_response(one)) == want
+
+        page = await coord.list_sessions(1, None)
+        got = await coord.read_json("list_sessions", 1, None)
+        assert isinstance(got, JsonItems) and got.count == 1 and got.total == 2
+        old = SessionList(
+            data=page.items, count=1, total=page.total, next_cursor=page.next_cursor
+        )
+        body = json_listing(got, total=got.total, next_cursor=got.next_cursor)
+        assert _body(body) == old.model_dump(mode="json") and got.next_cursor
+
+        tpage = await coord.list_traces(None, None, None, 50, None)
+        tgot = await coord.read_json("list_traces", None, None, None, 50, None)
+        old_t = TraceList(
+            data=tpage.items, count=1, total=1, next_cursor=None, bytes=tpage.bytes
+        )
+        tbody = json_listing(tgot, total=tgot.total, next_cursor=tgot.next_cursor, bytes=tgot.bytes)
+        assert _body(tbody) == old_t.model_dump(mode="json")
+
+        agents = await coord.list_agents()
+        old_a = AgentList(data=agents, count=2).model_dump(mode="json")
+        assert _body(json_listing(await coord.read_json("list_agents"))) == old_a
+
+        status = (await coord.status()).model_dump(mode="json")
+        assert _body(json_response(await coord.read_json("status"))) == status
+
+        with pytest.raises(RequestInvalid, match="not a JSON read"):
+            await coord.read_json("cancel_session", views[1].session_id)
+
+    asyncio.run(go())
