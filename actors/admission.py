@@ -178,8 +178,11 @@ class Admission:
         self._alignment.say_what_is_past(session)
         self._book.publish([*session.targets])
         # Parked long-polls answer first; encoding 10,000 parts for the store and building
-        # the reply come after (the writer thread commits the rows in the background).
-        await asyncio.sleep(0)
+        # the reply come after (the writer thread commits the rows in the background). Two
+        # turns: in the first the woken polls return; under Ray their results are handed
+        # over by their tasks' done-callbacks, which run in the second.
+        for _ in range(2):
+            await asyncio.sleep(0)
         self._book.persist(session)
         log.info(
             "session %s created: tool %s steps %s, %d target(s), %d ignored",

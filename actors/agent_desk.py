@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from profd.actors.mark_stats import MarkStats
     from profd.actors.planbook import PlanBook
     from profd.actors.registry import AgentRecord, AgentRegistry
+    from profd.actors.relay_desk import RelayDesk
     from profd.actors.session_book import SessionBook
     from profd.actors.sessions import Session
     from profd.actors.trace_index import TraceIndex
@@ -87,6 +88,7 @@ class AgentDesk:
         on_times: Callable[[str, MarkDurations, int | None], None] | None = None,
         on_stack: Callable[[str, StackSample], None] | None = None,
         on_oom: Callable[[str, AgentEvent], None] | None = None,
+        relays: RelayDesk | None = None,
     ) -> None:
         self._poll_timeout_s = poll_timeout_s
         self._clock = clock
@@ -101,6 +103,7 @@ class AgentDesk:
         self._on_times = on_times  # triggers look at the new durations
         self._on_stack = on_stack  # a stack request gathers its answers
         self._on_oom = on_oom  # out-of-memory triggers
+        self._relays = relays  # relays the coordinator pushes plans to
         self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         #: Since this incarnation started.
         self.reports = 0
@@ -137,6 +140,8 @@ class AgentDesk:
             return PollReply(plan=None, known=False)
         rec.touch(self._clock(), step)
         rec.link = AgentLink.DIRECT
+        if self._relays is not None:
+            self._relays.forget_agent(agent_id)  # it polls here now
         self._plans.take_woken((agent_id,))  # its own poll: the step it carries is fresh
         self._on_fresh_step(agent_id)
         plan = await self._plans.wait(agent_id, known_version, min(timeout, MAX_POLL_S))
@@ -177,6 +182,39 @@ class AgentDesk:
             if rec is not None:
                 rec.touch(now, None, revive=False)
         replies.update({aid: PollReply(plan=plan) for aid, plan in plans.items()})
+        return replies
+
+    async def relay_sync(
+        self,
+        via: str,
+        known: dict[str, int],
+        steps: dict[str, int | None],
+        target: Any,
+        key: str,
+    ) -> dict[str, PollReply]:
+        """See :meth:`ProfileCoordinator.relay_sync`."""
+        now = self._clock()
+        replies: dict[str, PollReply] = {}
+        held: dict[str, int] = {}
+        woken = self._plans.take_woken(known)
+        for aid, version in known.items():
+            rec = self._registry.get(aid)
+            if rec is None:
+                replies[aid] = PollReply(plan=None, known=False)
+                continue
+            rec.touch(now, steps.get(aid))
+            rec.link = AgentLink.RELAY
+            if aid not in woken:
+                self._on_fresh_step(aid)
+            self._plans.ack(aid, version)
+            plan = self._plans.plan(aid)
+            if plan.version != version:
+                replies[aid] = PollReply(plan=plan)
+            held[aid] = plan.version
+        if self._relays is not None and target is not None:
+            self._relays.sync(via, target, key, held)
+            for aid in woken:  # woken before the relay was known here: ask it for steps
+                self._relays.changed(aid, True)
         return replies
 
     async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:

@@ -35,6 +35,7 @@ from profd.actors.liveness import Periodic, find_gone
 from profd.actors.mark_stats import MarkStats
 from profd.actors.planbook import PlanBook
 from profd.actors.registry import AgentRegistry
+from profd.actors.relay_desk import RelayDesk
 from profd.actors.reporting import metrics_snapshot
 from profd.actors.runner import NodeRunner, default_runner
 from profd.actors.session_book import SessionBook
@@ -135,7 +136,9 @@ class ProfileCoordinator:
             self._store,
         )
         self._stacks = StackDesk(self._registry, self._plans, self._runner, settings, clock)
+        self._relays = RelayDesk(self._plans, lambda aid: self._registry.get(aid) is not None)
         self._agents = AgentDesk(
+            relays=self._relays,
             poll_timeout_s=settings.poll_timeout_s,
             clock=clock,
             registry=self._registry,
@@ -283,6 +286,20 @@ class ProfileCoordinator:
         :mod:`profd.actors.relay`) or every agent of a process (:mod:`profd.agent.multiplex`).
         The replies of the agents whose plan changed (or who must register again)."""
         return await self._agents.poll_many(known, steps, timeout, via)
+
+    async def relay_sync(
+        self,
+        via: str,
+        known: dict[str, int],
+        steps: dict[str, int | None],
+        target: Any = None,
+        key: str = "",
+    ) -> dict[str, PollReply]:
+        """A node relay that takes pushed plans (:mod:`profd.actors.relay_desk`): its agents'
+        versions and steps (they are alive), answered at once with the plans that differ.
+        ``target`` (an actor handle with ``push(key, replies, refresh)``) is called from
+        then on whenever their plans change."""
+        return await self._agents.relay_sync(via, known, steps, target, key)
 
     async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         return await self._agents.report(agent_id, events)

@@ -2,8 +2,8 @@
 
 An agent waits either alone (:meth:`PlanBook.wait`, one long-poll per agent) or with the
 other agents of its process (:meth:`PlanBook.wait_any`, one long-poll for all of them, see
-:mod:`profd.agent.multiplex`). Wake-up events exist only while someone waits, so an idle
-agent costs a plan reference and two integers.
+:mod:`profd.agent.multiplex`). A parked poll waits on a bare future (woken in the loop's next
+turn), held only while it waits, so an idle agent costs a plan reference and two integers.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from profd.core.protocol import AgentPlan, WindowPlan
 
-__all__ = ["PlanBook"]
+__all__ = ["PlanBook", "release"]
 
 _EMPTY = AgentPlan(version=0)
 
@@ -35,15 +35,16 @@ class _Entry:
         self.woken = False
 
 
-def _signal(events: list[asyncio.Event] | list[asyncio.Future[None]] | None) -> None:
-    for ev in events or ():
-        if isinstance(ev, asyncio.Event):
-            ev.set()
-        elif not ev.done():
-            ev.set_result(None)
+def _signal(waiters: list[asyncio.Event] | list[asyncio.Future[None]] | None) -> None:
+    for w in waiters or ():
+        if isinstance(w, asyncio.Event):
+            w.set()
+        else:
+            release(w)
 
 
-def _release(fut: asyncio.Future[None]) -> None:
+def release(fut: asyncio.Future[None]) -> None:
+    """Wake a parked poll's future (once; a cancelled one stays so)."""
     if not fut.done():
         fut.set_result(None)
 
@@ -54,6 +55,9 @@ class PlanBook:
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
+        #: Told of every changed plan (``refresh`` False) and wake-up (True); returns whether
+        #: it delivers them (a relay the coordinator pushes to: :mod:`profd.actors.relay_desk`).
+        self.on_change: Callable[[str, bool], bool] | None = None
         # Start from the clock so a restarted coordinator never reuses a version an agent
         # already holds for a different plan.
         self._version = int(time.time() * 1000)
@@ -71,7 +75,8 @@ class PlanBook:
         entry = self._entries.setdefault(agent_id, _Entry())
         if entry.plan.windows == windows:
             return False
-        self._install(entry, windows, entry.plan.controller_step, entry.plan.controller_phase)
+        plan = entry.plan
+        self._install(agent_id, entry, windows, plan.controller_step, plan.controller_phase)
         return True
 
     def set_controller_step(self, agent_id: str, step: int, phase: str | None = None) -> int:
@@ -80,11 +85,17 @@ class PlanBook:
         entry = self._entries.setdefault(agent_id, _Entry())
         plan = entry.plan
         if plan.controller_step != step or plan.controller_phase != phase:
-            self._install(entry, plan.windows, step, phase)
+            self._install(agent_id, entry, plan.windows, step, phase)
         return entry.plan.version
+
+    def _changed_plan(self, agent_id: str, entry: _Entry) -> None:
+        _signal(entry.waiters)
+        if self.on_change is not None:
+            self.on_change(agent_id, False)
 
     def _install(
         self,
+        agent_id: str,
         entry: _Entry,
         windows: tuple[WindowPlan, ...],
         step: int | None,
@@ -99,7 +110,7 @@ class PlanBook:
             stacks=entry.plan.stacks,
             spans=entry.plan.spans,
         )
-        _signal(entry.waiters)
+        self._changed_plan(agent_id, entry)
 
     def set_spans(self, agent_id: str, on: bool) -> None:
         """Tell an agent whether its marks keep their end times (a straggler trigger watches
@@ -108,7 +119,7 @@ class PlanBook:
         if entry is not None and entry.plan.spans != on:
             self._version += 1
             entry.plan = dataclasses.replace(entry.plan, version=self._version, spans=on)
-            _signal(entry.waiters)
+            self._changed_plan(agent_id, entry)
 
     def request_stacks(self, agent_id: str, request: int) -> None:
         """Ask an agent for its stack (``AgentPlan.stacks``): a new plan version with the same
@@ -118,7 +129,7 @@ class PlanBook:
             return
         self._version += 1
         entry.plan = dataclasses.replace(entry.plan, version=self._version, stacks=request)
-        _signal(entry.waiters)
+        self._changed_plan(agent_id, entry)
 
     def wake(self, agent_id: str) -> None:
         """Release the agent's parked long-poll without a new plan (it re-polls at once).
@@ -127,8 +138,8 @@ class PlanBook:
         if entry is not None:
             if entry.waiters:
                 _signal(entry.waiters)
-            else:
-                entry.woken = True
+            elif self.on_change is None or not self.on_change(agent_id, True):
+                entry.woken = True  # (a pushing relay is asked for fresh steps instead)
 
     def take_woken(self, agent_ids: Iterable[str]) -> set[str]:
         """The agents woken while no poll of theirs was parked (the flags are cleared)."""
@@ -139,6 +150,12 @@ class PlanBook:
                 entry.woken = False
                 woken.add(aid)
         return woken
+
+    def ack(self, agent_id: str, known_version: int) -> None:
+        """The agent (or the relay that holds its plan) has ``known_version``."""
+        entry = self._entries.get(agent_id)
+        if entry is not None:
+            self._ack(entry, known_version)
 
     def _ack(self, entry: _Entry, known_version: int) -> None:
         if known_version != entry.delivered:
@@ -165,7 +182,7 @@ class PlanBook:
         # coordinator builds its (large) reply.
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        timer = loop.call_later(timeout, _release, fut)
+        timer = loop.call_later(timeout, release, fut)
         parked = [e for _, e in entries if e is not None]
         for e in parked:
             if e.waiters is None:

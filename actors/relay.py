@@ -1,10 +1,19 @@
 """The per-node relay: one actor per Ray node that hosts agents (``profd_relay_<node id>``).
 
 Agents on the node long-poll the relay instead of the coordinator, and send it their
-events; the relay holds **one** ``poll_many`` at the coordinator for all of them and sends
-the node's events in batches (``report_many``), so the coordinator's load grows with nodes,
-not processes (each call in flight costs it tens of kilobytes). Registration and clock
-readings are forwarded as they are (rare). The relay keeps no state that matters: when it
+events; the relay sends the node's events in batches (``report_many``), and gets its
+agents' plans one of two ways, so the coordinator's load grows with nodes, not processes:
+
+* **pushed** (a relay actor, the default): it syncs with the coordinator (``relay_sync``,
+  answered at once, with its own handle) when an agent joins and every poll period, and the
+  coordinator calls its :meth:`NodeRelay.push` when their plans change
+  (:mod:`profd.actors.relay_desk`): nothing is parked at the coordinator;
+* **polled** (no handle: tests driving the class, ``pushed=False``): it parks **one**
+  ``poll_many`` at the coordinator for all of them (each call in flight costs the
+  coordinator tens of kilobytes).
+
+Registration and clock readings are forwarded as they are (rare). The relay keeps no state
+that matters: when it
 dies its agents fall back to the coordinator (:mod:`profd.agent.relay_link`) and move back
 once it is there again; when the coordinator restarts, the relay's agents are told to
 register again, as a direct poll would tell them.
@@ -17,10 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from profd.actors.planbook import release
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
 
 __all__ = [
@@ -107,12 +119,7 @@ class _Slot:
 
     def wake(self) -> None:
         for fut in self.waiters:
-            _release(fut)
-
-
-def _release(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+            release(fut)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,17 +129,44 @@ class RelayStats:
     node_id: str
     agents: int
     parked_polls: int
-    shared_polls: int
+    shared_polls: int  # (or syncs, when the coordinator pushes plans)
+    pushes: int
     reports_sent: int
     events_sent: int
     coordinator_errors: int
 
 
+def ray_self(node_id: str) -> tuple[Any, str] | None:
+    """This relay's own actor handle, for the coordinator to push plans to (``None`` outside
+    a Ray actor: the relay then parks a ``poll_many`` instead)."""
+    if "ray" not in sys.modules:  # not in a Ray process at all (and not started by this)
+        return None
+    try:
+        import ray
+
+        return ray.get_runtime_context().current_actor, node_id
+    except Exception:  # not an actor (tests drive the class directly)
+        return None
+
+
 class NodeRelay:
-    def __init__(self, node_id: str, caller: CoordinatorCaller | None = None) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        caller: CoordinatorCaller | None = None,
+        push_target: Callable[[], tuple[Any, str] | None] | None = None,
+        pushed: bool = True,
+    ) -> None:
+        """``push_target``: where the coordinator reaches this relay (an actor handle with
+        ``push(key, replies, refresh)`` and the key); by default its own handle when it runs
+        as an actor. Without one, or with ``pushed=False``, the relay parks a ``poll_many``
+        at the coordinator instead."""
         self.node_id = node_id
         self.name = relay_name(node_id)
         self._caller = caller or RayCoordinatorCaller()
+        self._push_target = (push_target or (lambda: ray_self(node_id))) if pushed else None
+        self._refresh = asyncio.Event()
+        self._pushes = 0
         self._slots: dict[str, _Slot] = {}
         self._poll_s = SHARED_POLL_S
         self._loop_task: asyncio.Task[None] | None = None
@@ -184,7 +218,7 @@ class NodeRelay:
                 loop = asyncio.get_running_loop()
                 fut: asyncio.Future[None] = loop.create_future()
                 slot.waiters.append(fut)
-                timer = loop.call_later(left, _release, fut)
+                timer = loop.call_later(left, release, fut)
                 try:
                     await fut
                 finally:
@@ -216,6 +250,7 @@ class NodeRelay:
             agents=len(self._slots),
             parked_polls=self._parked,
             shared_polls=self._shared_polls,
+            pushes=self._pushes,
             reports_sent=self._reports,
             events_sent=self._events,
             coordinator_errors=self._errors,
@@ -224,7 +259,56 @@ class NodeRelay:
     # -- the shared poll --------------------------------------------------------------------
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.create_task(self._poll_loop())
+            target = self._push_target() if self._push_target is not None else None
+            loop = self._poll_loop() if target is None else self._sync_loop(*target)
+            self._loop_task = asyncio.create_task(loop)
+
+    async def push(self, key: str, replies: dict[str, PollReply], refresh: bool) -> bool:
+        """The coordinator's push (:mod:`profd.actors.relay_desk`): its agents' new plans,
+        and whether it wants their current steps (a ``next_steps`` session being placed)."""
+        self._pushes += 1
+        self._apply(self._slots, replies)
+        if refresh:
+            self._refresh.set()
+        return True
+
+    async def _sync_loop(self, target: Any, key: str) -> None:
+        """Pushed plans: sync with the coordinator (answered at once) when an agent joins,
+        when it wants fresh steps, and every poll period (its agents are alive)."""
+        while True:
+            slots = {a: s for a, s in self._slots.items() if not s.unknown}
+            if not slots:
+                self._joined.clear()
+                await self._joined.wait()
+                continue
+            known = {
+                a: (s.plan.version if s.plan is not None else s.version) for a, s in slots.items()
+            }
+            steps = {a: s.step for a, s in slots.items()}
+            self._joined.clear()
+            try:
+                replies = await self._caller.call(
+                    "relay_sync", self.name, known, steps, target, key, timeout=30.0
+                )
+            except ConnectionError as exc:
+                self._coordinator_lost(slots, exc)
+                await asyncio.sleep(1.0)
+                continue
+            self._shared_polls += 1
+            if replies:
+                self._apply(slots, replies)
+            waits = {
+                asyncio.ensure_future(self._joined.wait()),
+                asyncio.ensure_future(self._refresh.wait()),
+            }
+            await asyncio.wait(waits, timeout=self._poll_s, return_when="FIRST_COMPLETED")
+            for t in waits:
+                t.cancel()
+            if self._refresh.is_set():
+                self._refresh.clear()
+                await self._refresh_steps({a: s for a, s in self._slots.items() if not s.unknown})
+            elif self._joined.is_set():
+                await asyncio.sleep(JOIN_DEBOUNCE_S)  # a node's agents joining together
 
     async def _poll_loop(self) -> None:
         while True:
@@ -273,7 +357,9 @@ class NodeRelay:
                 continue
             if not reply.known:
                 slot.unknown = True
-            elif reply.plan is not None:
+            elif reply.plan is not None and (
+                slot.plan is None or slot.plan.version < reply.plan.version
+            ):  # a sync's answer may cross a push: the newer plan stays
                 slot.plan = reply.plan
             slot.wake()
 

@@ -230,11 +230,13 @@ class SessionBook:
         if was_live and not s.is_live:
             log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
         if s.is_live:  # a finished part's window leaves its agent's plan
-            self.publish(s.take_closed_parts())
-        else:
+            closed = list(s.closed_parts)
+            self.publish(closed)
+            s.closed_parts.difference_update(closed)  # after: a failed publish is retried
+        elif not s.end_published:  # the session ended: its window leaves every plan
+            self.publish(list(s.targets))
+            s.end_published = True
             s.closed_parts.clear()
-            if was_live:  # the session ended: its window leaves every target's plan
-                self.publish(list(s.targets))
         if persist:
             self.persist(s)
 

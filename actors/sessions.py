@@ -188,6 +188,9 @@ class Session:
     #: Parts finished since the coordinator last took them to update their agents' plans
     #: (a fleet's parts end one report at a time: each pass looks at those, not all 10,000).
     closed_parts: set[str] = field(default_factory=set, repr=False, compare=False)
+    #: Its end was published (its window left every target's plan); once, even when the
+    #: pass that ended it failed later.
+    end_published: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.dirty_parts.update(self.targets)
@@ -201,12 +204,6 @@ class Session:
     def add_part(self, part: Part) -> None:
         self.targets[part.agent_id] = part
         self.dirty_parts.add(part.agent_id)
-
-    def take_closed_parts(self) -> list[str]:
-        """The parts finished since the last call (the flags are cleared)."""
-        out = [aid for aid in self.closed_parts if aid in self.targets]
-        self.closed_parts.clear()
-        return out
 
     def take_dirty_parts(self) -> dict[str, dict[str, Any]]:
         """The parts changed since the last call, as dicts; persisting one event costs one

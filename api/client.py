@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from profd.core.errors import CoordinatorUnavailable
+from profd.core.json_body import encode_read
 from profd.core.ray_env import acall_coordinator, find_coordinator
 
 __all__ = [
@@ -49,6 +50,9 @@ class RayCoordinatorClient:
                 "the profd coordinator is not running; start it with `profd up`"
             )
         self._handle = handle
+        if method == "read_json" and not hasattr(handle, "read_json"):
+            # a coordinator of an older profd, still running after an upgrade: encode here
+            return encode_read(await self.call(*args))
         try:
             return await acall_coordinator(handle, method, *args)
         except CoordinatorUnavailable:

@@ -16,8 +16,11 @@ real Ray RPCs:
   relay's own code) with its own :class:`~profd.actors.relay.RayCoordinatorCaller`. They are
   hosted ``--relay-hosts`` (4) to a process here: each relay-host actor holds a quarter of the
   nodes' relays and hands each call it gets (``register`` / ``poll`` / ``report``, keyed by
-  node) to that node's relay. relay -> coordinator is a real Ray call: one shared
-  ``poll_many`` parked per node, ``report_many`` batches, ``register``.
+  node) to that node's relay. relay -> coordinator is a real Ray call: ``relay_sync`` (its
+  agents' versions and steps, the host's handle and the node), ``report_many`` batches,
+  ``register``; the coordinator -> relay push is a real Ray call to the relay host, keyed by
+  node (``--delivery push``, the default, as profd's relay actors do; ``--delivery poll``:
+  one ``poll_many`` parked at the coordinator per node instead).
 * **Simulated agents.** Hosted ``--agent-hosts`` (4) to a process: each agent-host actor runs
   one asyncio task per agent, which registers and then long-polls, each poll a **real Ray
   actor call of its own** to its node's relay host (every agent's poll in flight at once); it
@@ -76,7 +79,7 @@ events (collapsed stacks in ``DIR``): where each phase's CPU went.
 
     python bench/coordinator_scale.py [--agents 10000] [--nodes 1250] [--mode relay|direct]
 
-Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=rpc fanout_ms=...
+Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=rpc delivery=push fanout_ms=...
 relay_fanout_ms=... events_per_s=... bytes_per_agent=... marginal_bytes_per_agent=...
 relay_host_bytes_per_agent=... plans_delivered=10000 real_agents=16 register_s=...
 create_ms=... report_retries=... targets=met|missed:<which> load_start=... load=...``
@@ -195,16 +198,28 @@ class RelayHost:
     """The real :class:`NodeRelay` s of many simulated nodes in one process, each with its own
     coordinator caller; an agent's call names its node and goes to that node's relay."""
 
-    def __init__(self, node_ids: list[str]) -> None:
+    def __init__(self, node_ids: list[str], pushed: bool) -> None:
         self.node_ids = node_ids
+        self.pushed = pushed
         self.relays: dict[str, Any] = {}
         self.delivered: dict[str, float] = {}
 
     async def start(self) -> int:
+        import ray
+
         from profd.actors.relay import NodeRelay, RayCoordinatorCaller
 
-        self.relays = {n: NodeRelay(n, RayCoordinatorCaller()) for n in self.node_ids}
+        me = ray.get_runtime_context().current_actor  # the coordinator pushes to us, by node
+        self.relays = {
+            n: NodeRelay(
+                n, RayCoordinatorCaller(), push_target=lambda n=n: (me, n), pushed=self.pushed
+            )
+            for n in self.node_ids
+        }
         return os.getpid()
+
+    async def push(self, node: str, replies: dict[str, Any], refresh: bool) -> bool:
+        return await self.relays[node].push(node, replies, refresh)
 
     async def register(self, node: str, info: Any, step: int | None) -> Any:
         return await self.relays[node].register(info, step)
@@ -222,8 +237,10 @@ class RelayHost:
 
     async def stats(self) -> dict[str, int]:
         out = {"agents": 0, "parked": 0, "shared_polls": 0, "reports": 0, "events": 0, "errors": 0}
+        out["pushes"] = 0
         for relay in self.relays.values():
             s = await relay.stats()
+            out["pushes"] += s.pushes
             out["agents"] += s.agents
             out["parked"] += s.parked_polls
             out["shared_polls"] += s.shared_polls
@@ -462,7 +479,10 @@ class Fleet:
             for h, chunk in enumerate(chunks):
                 relay_of.update({n: h for n in chunk})
             rh_cls = ray.remote(RelayHost).options(num_cpus=0, max_concurrency=100_000)
-            self.relay_hosts = [rh_cls.remote([node_id_of(n) for n in c]) for c in chunks]
+            pushed = args.delivery == "push"
+            self.relay_hosts = [
+                rh_cls.remote([node_id_of(n) for n in c], pushed) for c in chunks
+            ]
             self.rh_pids = ray.get([h.start.remote() for h in self.relay_hosts])
 
         def agents_of(nodes: list[int]) -> list[tuple[str, int, int]]:
@@ -723,7 +743,9 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
     print(f"parts              : {states}; {traces} traces indexed")
     if rh_per_agent is not None:
         print(
-            f"relays             : shared polls {sum(s['shared_polls'] for s in rstats)}, "
+            f"relays             : {args.delivery}: shared polls (or syncs) "
+            f"{sum(s['shared_polls'] for s in rstats)}, pushes "
+            f"{sum(s['pushes'] for s in rstats)}, "
             f"event batches {sum(s['reports'] for s in rstats)}, coordinator errors "
             f"{sum(s['errors'] for s in rstats)}"
         )
@@ -743,7 +765,9 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
         )
         if bad
     ]
-    hop_part = f"agent_hop={args.agent_hop} " if args.mode == "relay" else ""
+    hop_part = (
+        f"agent_hop={args.agent_hop} delivery={args.delivery} " if args.mode == "relay" else ""
+    )
     relay_part = "" if relay_fanout_ms is None else f"relay_fanout_ms={relay_fanout_ms:.0f} "
     rh_part = "" if rh_per_agent is None else f"relay_host_bytes_per_agent={rh_per_agent:.0f} "
     print(
@@ -769,6 +793,11 @@ def main() -> int:
         "--agent-hop", choices=("rpc", "local"), default="rpc",
         help="simulated agents' calls to their relay: Ray calls from agent hosts, or awaits "
         "in the relay's own process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--delivery", choices=("push", "poll"), default="push",
+        help="how relays get plans: pushed by the coordinator (profd's relays) or a "
+        "poll_many parked at the coordinator per relay",
     )  # fmt: skip
     parser.add_argument("--real-agents", type=int, default=16, help="whole nodes of them")
     parser.add_argument(

@@ -247,4 +247,5 @@ async def acall_coordinator(handle: Any, method: str, *args: Any) -> Any:
     try:
         return await getattr(handle, method).remote(*args)
     except Exception as exc:
-        _reraise(method, exc)
+        # a JSON read is named by the read it makes
+        _reraise(f"{args[0]} (read_json)" if method == "read_json" and args else method, exc)

@@ -382,8 +382,13 @@ def test_html_report_renders_plots_and_names_the_straggler(summary, tmp_path) ->
     timeline = ET.fromstring(svgs[0])
     rects = [r for r in timeline.iter("{http://www.w3.org/2000/svg}rect")]
     late = [r for r in rects if r.get("stroke") == "#d62728"]
-    assert len(rects) >= len(summary.stage_times) and len(late) == 1
-    assert "LATE" in "".join(late[0].itertext()) and "update_actor" in "".join(late[0].itertext())
+    # one red outline per straggler that ran long: the planted one, and on a loaded machine
+    # perhaps a stage that ran long by chance (test_planted_slow_rank_is_the_straggler
+    # tells them apart by size)
+    ran_long = [x for x in summary.stragglers if x.cause is None or x.cause.long]
+    assert len(rects) >= len(summary.stage_times) and len(late) == len(ran_long) >= 1
+    texts = ["".join(r.itertext()) for r in late]
+    assert any("LATE" in t and "update_actor" in t for t in texts), texts
     for svg in svgs[1:]:
         ET.fromstring(svg)  # well-formed
     hit = summary.stragglers[0]

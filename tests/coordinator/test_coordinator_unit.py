@@ -20,6 +20,8 @@ from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, EventKind, Par
 from profd.core.settings import CoordinatorSettings
 from profd.core.states import AgentState, ControllerPhase, PartState, SessionState
 
+from helpers import wait_until
+
 T0 = 1_700_000_000.0
 #: Both agents of :func:`two_agents` (without ``roles`` a request takes rank 0 of each role).
 EVERY_ACTOR = {"actor": {"all_ranks": True}}
@@ -208,6 +210,55 @@ def test_a_finished_part_leaves_its_agents_plan_while_the_session_goes_on(
         assert (await coord.get_session(sid)).state is SessionState.RECORDING
 
     run(go)
+
+
+def test_woken_polls_are_handed_over_before_the_new_session_is_persisted(
+    tmp_path: Path,
+) -> None:
+    """As Ray runs an async actor's calls (``run_coroutine_threadsafe`` from its own thread):
+    the polls a new session wakes have their answers handed over before the coordinator
+    encodes the session's parts for the store (10,000 of them on a fleet)."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+    try:
+        coord, _ = make(tmp_path)
+        call(coord.start())
+        versions = {}
+        for aid, rank in (("a", 0), ("b", 1)):
+            versions[aid] = call(coord.register(info(aid, rank=rank), 1)).plan.version
+        polls = [
+            asyncio.run_coroutine_threadsafe(coord.poll(aid, v, 1, 30), loop)
+            for aid, v in versions.items()
+        ]
+        entries = coord._plans._entries
+        wait_until(lambda: all(entries[a].waiters for a in versions), 10, what="polls parked")
+        handed_over: list[list[bool]] = []
+        persist = coord._book.persist
+
+        def persisting(s: Any) -> None:
+            handed_over.append([p.done() for p in polls])
+            persist(s)
+
+        coord._book.persist = persisting  # type: ignore[method-assign]
+        call(coord.create_session({"steps": [3], "roles": EVERY_ACTOR}))
+        assert handed_over and handed_over[0] == [True, True]
+        assert all(len(p.result(1).plan.windows) == 1 for p in polls)
+    finally:
+
+        async def stop() -> None:  # the coordinator's housekeeping loop with it
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                task.cancel()
+
+        call(stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
 
 
 def test_a_session_expires_at_its_deadline(tmp_path: Path) -> None:

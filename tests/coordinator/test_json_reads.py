@@ -67,3 +67,35 @@ def test_json_reads_equal_the_views_dumped_by_their_listing_models(tmp_path: Pat
             await coord.read_json("cancel_session", views[1].session_id)
 
     asyncio.run(go())
+
+
+def test_a_coordinator_without_json_reads_is_read_and_encoded_by_the_sidecar() -> None:
+    """A new sidecar beside an older coordinator (still running after an upgrade): its read
+    routes encode the plain reads themselves."""
+    from profd.api.client import RayCoordinatorClient
+
+    class Remote:
+        def __init__(self, answer: object) -> None:
+            self.answer = answer
+
+        def remote(self, *args: object) -> object:
+            async def done() -> object:
+                return self.answer
+
+            return done()
+
+    from profd.core.views import TraceView
+
+    t = TraceView(
+        trace_id="t1", session_id="s1", agent_id="a", role="actor", rank=0, tool="torch",
+        scope="train", steps=[3], path="/p/t1.json", file_name="t1.json", bytes=5,
+        node_id=None, node_ip=None, hostname="h", created_at=1.0,
+    )  # fmt: skip
+
+    class OldHandle:  # an actor handle has attributes for its methods only: no read_json
+        list_agents = Remote([t])
+
+    client = RayCoordinatorClient(lookup=lambda: OldHandle())
+    got = asyncio.run(client.call("read_json", "list_agents"))
+    assert isinstance(got, JsonItems) and got.count == 1
+    assert json.loads(json_listing(got).body) == {"data": [t.model_dump(mode="json")], "count": 1}

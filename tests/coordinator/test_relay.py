@@ -59,14 +59,36 @@ class RelayLink:
         return self._call("clock_ns")
 
 
-@pytest.fixture
-def relayed(local_coordinator: Any) -> Any:
-    """Three agents of one node behind one relay; yields (owner, relay, caller, agents)."""
+class PushHandle:
+    """What the coordinator holds of a relay it pushes plans to (an actor handle's
+    ``push.remote``), here the relay itself on the same loop."""
+
+    def __init__(self) -> None:
+        self.relay: NodeRelay | None = None
+        self.push = self
+
+    def remote(self, key: str, replies: Any, refresh: bool) -> Any:
+        assert self.relay is not None and key == "node-a"
+        return self.relay.push(key, replies, refresh)
+
+
+@pytest.fixture(params=["poll", "push"])
+def relayed(local_coordinator: Any, request: pytest.FixtureRequest) -> Any:
+    """Three agents of one node behind one relay, which parks a ``poll_many`` at the
+    coordinator (``poll``) or has its plans pushed (``push``, as a relay actor does); yields
+    (owner, relay, caller, agents)."""
     owner = local_coordinator
     caller = DirectCaller(owner.coordinator)
-    relay = owner.run(lambda: NodeRelay("node-a", caller))
+    handle = PushHandle()
+    target = (lambda: (handle, "node-a")) if request.param == "push" else (lambda: None)
+    relay = owner.run(lambda: NodeRelay("node-a", caller, push_target=target))
+    handle.relay = relay
+    # untimed marks: the coordinator learns the agents' steps only from their polls (times
+    # events carry steps too), so placing a next_steps window needs the relay's refresh
     agents = [
-        ProfilerAgent("actor", r, 3, find_link=lambda: RelayLink(relay, owner.loop)).start()
+        ProfilerAgent(
+            "actor", r, 3, find_link=lambda: RelayLink(relay, owner.loop), mark_times=False
+        ).start()
         for r in range(3)
     ]
     wait_until(lambda: all(a.connected for a in agents), 10, what="agents registered")
@@ -84,7 +106,8 @@ def test_one_shared_poll_carries_the_nodes_agents_and_their_events(relayed) -> N
     wait_until(lambda: stats(owner, relay).parked_polls == 3, 10, 0.02, what="polls parked")
     links = lambda: {v.link for v in owner.call("list_agents")}  # noqa: E731
     wait_until(lambda: links() == {AgentLink.RELAY}, 10, 0.02, what="every poll via the relay")
-    polls_before = caller.calls.get("poll_many", 0)
+    shared = "poll_many" if caller.calls.get("poll_many") else "relay_sync"
+    polls_before = caller.calls.get(shared, 0)
     view = owner.call("create_session", {"steps": [3], "roles": {"actor": {"all_ranks": True}}})
     wait_until(
         lambda: all(any(w.session_id == view.session_id for w in a.plan.windows) for a in agents),
@@ -103,7 +126,9 @@ def test_one_shared_poll_carries_the_nodes_agents_and_their_events(relayed) -> N
     # every agent's events went up in batches, and the coordinator never saw an agent's poll
     assert s.events_sent >= 6 and s.reports_sent < s.events_sent
     assert caller.calls.get("report", 0) == 0 and caller.calls.get("poll", 0) == 0
-    assert caller.calls["poll_many"] - polls_before < 20  # one shared poll at a time
+    assert caller.calls[shared] - polls_before < 20  # one shared poll (or sync) at a time
+    if shared == "relay_sync":  # plans pushed: nothing parked at the coordinator
+        assert s.pushes >= 2 and caller.calls.get("poll_many", 0) == 0
 
 
 def test_next_steps_are_placed_from_fresh_steps_through_the_relay(relayed) -> None:
@@ -114,6 +139,43 @@ def test_next_steps_are_placed_from_fresh_steps_through_the_relay(relayed) -> No
                 pass
     view = owner.call("create_session", {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}})
     assert view.steps[0] > 40, view.steps  # placed after the steps the agents are at now
+
+
+@pytest.mark.parametrize("mode", ["poll", "push"])
+def test_with_long_polls_a_next_steps_session_asks_the_relay_for_fresh_steps(
+    tmp_path: Any, mode: str
+) -> None:
+    """Polls of 30 s (the agents' steps at the relay are old): the coordinator's wake-up
+    reaches the relay (its shared poll returns, or a push asks it), the relay has its agents
+    poll again and passes their current steps on before the window is placed."""
+    from profd.actors.coordinator import ProfileCoordinator
+    from profd.testing.coordinator import InProcessCoordinator
+
+    from helpers import coordinator_settings
+
+    settings = coordinator_settings(tmp_path, poll_timeout_s=30.0, align_timeout_s=5.0)
+    owner = InProcessCoordinator(ProfileCoordinator(settings))
+    handle = PushHandle()
+    target = (lambda: (handle, "node-a")) if mode == "push" else (lambda: None)
+    relay = owner.run(lambda: NodeRelay("node-a", DirectCaller(owner.coordinator), target))
+    handle.relay = relay
+    link = lambda: RelayLink(relay, owner.loop)  # noqa: E731
+    agents = [
+        ProfilerAgent("actor", r, 2, find_link=link, mark_times=False).start() for r in range(2)
+    ]
+    try:
+        wait_until(lambda: stats(owner, relay).parked_polls == 2, 10, 0.02, what="parked")
+        for step in range(1, 41):  # steps the coordinator has not been told of
+            for a in agents:
+                with a.step(step):
+                    pass
+        request = {"next_steps": 1, "roles": {"actor": {"all_ranks": True}}}
+        view = owner.call("create_session", request)
+        assert view.steps[0] > 40, view.steps
+    finally:
+        for a in agents:
+            a.close(timeout=10)
+        owner.close()
 
 
 def test_a_lost_coordinator_makes_the_relays_agents_register_again(relayed) -> None:

@@ -117,6 +117,7 @@ def _check(coord: Any, nodes: Counter[str]) -> None:
     assert final.state == "done", final.reason
     after = {n: ray.get(r.stats.remote()) for n, r in relays.items()}
     assert after[head].events_sent > 0 and after[head].reports_sent < after[head].events_sent
+    assert all(s.pushes > 0 for s in after.values())  # plans pushed to each relay actor
 
     # killed for good: its agents go to the coordinator directly, then start it again
     ray.kill(relays[head], no_restart=True)

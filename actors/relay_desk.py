@@ -1,0 +1,162 @@
+"""Plans pushed to node relays: the coordinator calls each relay when its agents' plans change.
+
+A relay that parks a ``poll_many`` at the coordinator holds a Ray call open there, and each
+costs the coordinator about 80 KB (1,250 nodes: 100 MB) and its reply's work when it wakes.
+A relay that gives the coordinator its handle instead (:meth:`RelayDesk.sync`, the
+``relay_sync`` RPC, which answers at once) gets its agents' changed plans pushed to it: a
+plan change marks the relay, and one pass per event-loop turn sends each marked relay one
+``push`` of its agents' new plans (:meth:`RelayDesk.flush`). A wake-up (a ``next_steps``
+session wants fresh steps) asks the relay to have its agents poll again and to sync with
+their steps. The relay syncs every poll period too: that keeps its agents alive here and
+their steps fresh.
+
+A push that fails (the relay died) forgets the relay; its agents are then served by its
+next incarnation's sync, or go to the coordinator directly (:mod:`profd.agent.relay_link`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from profd.core.protocol import PollReply
+
+if TYPE_CHECKING:
+    from profd.actors.planbook import PlanBook
+
+__all__ = ["PUSH_TIMEOUT_S", "RelayDesk"]
+
+log = logging.getLogger(__name__)
+
+#: A push not answered within this long counts as failed (the relay is forgotten).
+PUSH_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Relay:
+    """A relay the coordinator pushes to: how to call it and what its agents hold."""
+
+    name: str
+    target: Any  # an actor handle with ``push(key, replies, refresh)``
+    key: str  # which relay of the actor (a bench hosts many in one)
+    #: agent id -> the plan version the relay holds for it (or was last sent)
+    held: dict[str, int] = field(default_factory=dict)
+    dirty: bool = False
+    refresh: bool = False
+    in_flight: int = 0
+
+
+class RelayDesk:
+    def __init__(
+        self, plans: PlanBook, known: Callable[[str], bool], timeout_s: float = PUSH_TIMEOUT_S
+    ) -> None:
+        self._plans = plans
+        self._known = known  # whether the coordinator knows the agent (else: register again)
+        self._timeout_s = timeout_s
+        self._relays: dict[str, _Relay] = {}
+        self._by_agent: dict[str, _Relay] = {}
+        self._pending: set[str] = set()
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.pushes = 0
+        self.push_failures = 0
+        plans.on_change = self.changed
+
+    def sync(self, name: str, target: Any, key: str, known: dict[str, int]) -> None:
+        """A relay's sync: remember how to reach it and which versions its agents hold."""
+        relay = self._relays.get(name)
+        if relay is None:
+            relay = self._relays[name] = _Relay(name, target, key)
+        else:  # a relay Ray restarted syncs under its name with its new handle
+            relay.target, relay.key = target, key
+        for aid in list(relay.held):
+            if aid not in known:
+                del relay.held[aid]
+                if self._by_agent.get(aid) is relay:
+                    del self._by_agent[aid]
+        for aid, version in known.items():
+            relay.held[aid] = version
+            self._by_agent[aid] = relay
+
+    def serves(self, agent_id: str) -> bool:
+        return agent_id in self._by_agent
+
+    def forget_agent(self, agent_id: str) -> None:
+        """The agent polls elsewhere now (directly, or through another relay)."""
+        relay = self._by_agent.pop(agent_id, None)
+        if relay is not None:
+            relay.held.pop(agent_id, None)
+
+    def changed(self, agent_id: str, refresh: bool) -> bool:
+        """:attr:`PlanBook.on_change`: mark the agent's relay; whether one serves it."""
+        relay = self._by_agent.get(agent_id)
+        if relay is None:
+            return False
+        relay.dirty = True
+        relay.refresh = relay.refresh or refresh
+        self._pending.add(relay.name)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+        return True
+
+    def flush(self) -> None:
+        """One push to each marked relay: its agents' plans that differ from what it holds."""
+        self._scheduled = False
+        pending, self._pending = self._pending, set()
+        for name in pending:
+            relay = self._relays.get(name)
+            if relay is None or not relay.dirty:
+                continue
+            relay.dirty = False
+            replies = {}
+            for aid, held in relay.held.items():
+                if not self._known(aid):
+                    replies[aid] = PollReply(plan=None, known=False)
+                    continue
+                plan = self._plans.plan(aid)
+                if plan.version != held:
+                    replies[aid] = PollReply(plan=plan)
+                    relay.held[aid] = plan.version  # sent (a failed push forgets the relay)
+            refresh, relay.refresh = relay.refresh, False
+            if replies or refresh:
+                try:  # submitted here, in this turn: every relay's push leaves at once
+                    call = relay.target.push.remote(relay.key, replies, refresh)
+                except Exception as exc:
+                    self._failed(relay, exc)
+                    continue
+                task = asyncio.ensure_future(self._push(relay, call, replies))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def _failed(self, relay: _Relay, exc: Exception) -> None:
+        self.push_failures += 1
+        if self._relays.get(relay.name) is relay:
+            log.warning("relay %s: push failed (%s); forgotten", relay.name, exc)
+            self._drop(relay)
+
+    async def _push(self, relay: _Relay, call: Any, replies: dict[str, PollReply]) -> None:
+        relay.in_flight += 1
+        try:
+            await asyncio.wait_for(call, self._timeout_s)
+        except Exception as exc:  # the relay died or does not answer: forget it
+            self._failed(relay, exc)
+            return
+        finally:
+            relay.in_flight -= 1
+        self.pushes += 1
+        for aid, reply in replies.items():
+            if reply.plan is not None:
+                self._plans.ack(aid, reply.plan.version)
+
+    def _drop(self, relay: _Relay) -> None:
+        del self._relays[relay.name]
+        for aid in relay.held:
+            if self._by_agent.get(aid) is relay:
+                del self._by_agent[aid]
+
+    def __len__(self) -> int:
+        return len(self._relays)

@@ -1,0 +1,105 @@
+"""Plans pushed to node relays (profd.actors.relay_desk.RelayDesk), driven on one event loop
+with a relay handle that records what it is sent."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from profd.actors.planbook import PlanBook
+from profd.actors.relay_desk import RelayDesk
+from profd.core.protocol import PollReply, WindowPlan
+
+
+def window(sid: str) -> WindowPlan:
+    return WindowPlan(sid, "torch", (1,), ((1,),), False, {}, f"/tmp/{sid}", "*")
+
+
+class Handle:
+    """An actor handle's ``push.remote``: records each push; fails when told to."""
+
+    def __init__(self) -> None:
+        self.pushes: list[tuple[str, dict[str, PollReply], bool]] = []
+        self.fail = False
+        self.push = self
+
+    def remote(self, key: str, replies: dict[str, PollReply], refresh: bool) -> Any:
+        self.pushes.append((key, replies, refresh))
+
+        async def answer() -> bool:
+            if self.fail:
+                raise RuntimeError("ActorDiedError")
+            return True
+
+        return answer()
+
+
+async def turns(until: Any = None, n: int = 50) -> None:
+    """Let the loop run: ``n`` turns, or until ``until()`` holds (at most ``n``)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+        if until is not None and until():
+            return
+
+
+def test_changes_of_one_turn_are_one_push_per_relay_of_what_its_agents_lack() -> None:
+    async def go() -> None:
+        plans = PlanBook()
+        known = {"a", "b", "c"}
+        desk = RelayDesk(plans, lambda aid: aid in known)
+        h1, h2 = Handle(), Handle()
+        for aid in ("a", "b", "c"):
+            plans.ensure(aid)
+        desk.sync("relay-1", h1, "n1", {"a": 0, "b": 0})
+        desk.sync("relay-2", h2, "n2", {"c": 0})
+        plans.set("a", (window("s1"),))
+        plans.set("b", (window("s1"),))
+        await turns()
+        assert [(k, sorted(r), f) for k, r, f in h1.pushes] == [("n1", ["a", "b"], False)]
+        assert h2.pushes == []  # its agent's plan did not change
+        v = plans.plan("a").version
+        assert h1.pushes[0][1]["a"].plan.version == v
+        await turns(lambda: desk.pushes)  # answered: the relay holds it (what acks mean)
+        assert await plans.wait_delivered({"a": v, "b": plans.plan("b").version}, 0) == []
+        # acknowledged: a second change pushes only what the relay does not hold yet
+        plans.set("b", (window("s1"), window("s2")))
+        await turns()
+        assert sorted(h1.pushes[1][1]) == ["b"]
+        # a wake-up asks the relay for fresh steps instead of leaving a flag for a poll
+        plans.wake("c")
+        await turns()
+        assert h2.pushes == [("n2", {}, True)]
+        assert plans.take_woken(["c"]) == set()
+        # an agent the coordinator forgot: the relay is told it must register again
+        known.discard("c")
+        plans.set("c", (window("s1"),))
+        await turns()
+        assert h2.pushes[-1][1]["c"].known is False
+
+    asyncio.run(go())
+
+
+def test_a_failed_push_forgets_the_relay_and_its_agents_are_served_by_polls() -> None:
+    async def go() -> None:
+        plans = PlanBook()
+        desk = RelayDesk(plans, lambda aid: True)
+        h = Handle()
+        plans.ensure("a")
+        desk.sync("relay-1", h, "n1", {"a": 0})
+        h.fail = True
+        plans.set("a", (window("s1"),))
+        await turns(lambda: desk.push_failures)
+        assert len(h.pushes) == 1 and desk.push_failures == 1
+        assert not desk.serves("a") and len(desk) == 0
+        plans.set("a", ())
+        plans.wake("a")  # nobody pushes: the next poll returns at once
+        await turns()
+        assert len(h.pushes) == 1 and plans.take_woken(["a"]) == {"a"}
+        # the relay's next incarnation syncs under the same name: pushed to again
+        h2 = Handle()
+        desk.sync("relay-1", h2, "n1", {"a": plans.plan("a").version})
+        plans.set("a", (window("s2"),))
+        await turns(lambda: desk.pushes)
+        assert len(h2.pushes) == 1 and desk.pushes == 1
+
+    asyncio.run(go())
