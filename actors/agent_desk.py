@@ -158,22 +158,7 @@ class AgentDesk:
     ) -> dict[str, PollReply]:
         """See :meth:`ProfileCoordinator.poll_many`."""
         link = AgentLink.RELAY if via else AgentLink.SHARED
-        now = self._clock()
-        replies: dict[str, PollReply] = {}
-        waiting: dict[str, int] = {}
-        # woken since the last shared poll: the steps this one carries may be older than
-        # the wake-up, so they are not fresh; it returns at once and the next one has them
-        woken = self._plans.take_woken(known)
-        for aid, version in known.items():
-            rec = self._registry.get(aid)
-            if rec is None:
-                replies[aid] = PollReply(plan=None, known=False)
-                continue
-            rec.touch(now, steps.get(aid))
-            rec.link = link
-            if aid not in woken:
-                self._on_fresh_step(aid)
-            waiting[aid] = version
+        replies, waiting, woken = self._heard_from(known, steps, link)
         wait_s = 0 if (replies or woken) else min(timeout, MAX_POLL_S)
         plans = await self._plans.wait_any(waiting, wait_s)
         now = self._clock()
@@ -184,6 +169,29 @@ class AgentDesk:
         replies.update({aid: PollReply(plan=plan) for aid, plan in plans.items()})
         return replies
 
+    def _heard_from(
+        self, known: dict[str, int], steps: dict[str, int | None], link: AgentLink
+    ) -> tuple[dict[str, PollReply], dict[str, int], set[str]]:
+        """Many agents heard from at once (a shared poll, a relay's sync): the replies for
+        those this coordinator does not know, the versions of those it does, and the ones
+        woken while no poll of theirs was here (the steps carried may be older than the
+        wake-up, so they are not fresh: the next poll or sync has them)."""
+        now = self._clock()
+        unknown: dict[str, PollReply] = {}
+        alive: dict[str, int] = {}
+        woken = self._plans.take_woken(known)
+        for aid, version in known.items():
+            rec = self._registry.get(aid)
+            if rec is None:
+                unknown[aid] = PollReply(plan=None, known=False)
+                continue
+            rec.touch(now, steps.get(aid))
+            rec.link = link
+            if aid not in woken:
+                self._on_fresh_step(aid)
+            alive[aid] = version
+        return unknown, alive, woken
+
     async def relay_sync(
         self,
         via: str,
@@ -193,19 +201,9 @@ class AgentDesk:
         key: str,
     ) -> dict[str, PollReply]:
         """See :meth:`ProfileCoordinator.relay_sync`."""
-        now = self._clock()
-        replies: dict[str, PollReply] = {}
+        replies, alive, woken = self._heard_from(known, steps, AgentLink.RELAY)
         held: dict[str, int] = {}
-        woken = self._plans.take_woken(known)
-        for aid, version in known.items():
-            rec = self._registry.get(aid)
-            if rec is None:
-                replies[aid] = PollReply(plan=None, known=False)
-                continue
-            rec.touch(now, steps.get(aid))
-            rec.link = AgentLink.RELAY
-            if aid not in woken:
-                self._on_fresh_step(aid)
+        for aid, version in alive.items():
             self._plans.ack(aid, version)
             plan = self._plans.plan(aid)
             if plan.version != version:

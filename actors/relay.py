@@ -28,7 +28,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -272,31 +272,27 @@ class NodeRelay:
             self._refresh.set()
         return True
 
+    def _snapshot(self) -> tuple[dict[str, _Slot], dict[str, int], dict[str, int | None]]:
+        """The agents a shared poll or sync speaks for, the versions they hold and their
+        steps; agents joining from now on are news (``_joined`` cleared)."""
+        self._joined.clear()
+        slots = {a: s for a, s in self._slots.items() if not s.unknown}
+        known = {a: (s.plan.version if s.plan is not None else s.version) for a, s in slots.items()}
+        return slots, known, {a: s.step for a, s in slots.items()}
+
     async def _sync_loop(self, target: Any, key: str) -> None:
         """Pushed plans: sync with the coordinator (answered at once) when an agent joins,
         when it wants fresh steps, and every poll period (its agents are alive)."""
         while True:
-            slots = {a: s for a, s in self._slots.items() if not s.unknown}
+            slots, known, steps = self._snapshot()
             if not slots:
-                self._joined.clear()
                 await self._joined.wait()
                 continue
-            known = {
-                a: (s.plan.version if s.plan is not None else s.version) for a, s in slots.items()
-            }
-            steps = {a: s.step for a, s in slots.items()}
-            self._joined.clear()
-            try:
-                replies = await self._caller.call(
-                    "relay_sync", self.name, known, steps, target, key, timeout=30.0
-                )
-            except ConnectionError as exc:
-                self._coordinator_lost(slots, exc)
-                await asyncio.sleep(1.0)
+            sync = self._caller.call(
+                "relay_sync", self.name, known, steps, target, key, timeout=30.0
+            )
+            if await self._answered(slots, sync) is None:
                 continue
-            self._shared_polls += 1
-            if replies:
-                self._apply(slots, replies)
             waits = {
                 asyncio.ensure_future(self._joined.wait()),
                 asyncio.ensure_future(self._refresh.wait()),
@@ -312,16 +308,10 @@ class NodeRelay:
 
     async def _poll_loop(self) -> None:
         while True:
-            slots = {a: s for a, s in self._slots.items() if not s.unknown}
+            slots, known, steps = self._snapshot()
             if not slots:
-                self._joined.clear()
                 await self._joined.wait()
                 continue
-            known = {
-                a: (s.plan.version if s.plan is not None else s.version) for a, s in slots.items()
-            }
-            steps = {a: s.step for a, s in slots.items()}
-            self._joined.clear()
             poll = asyncio.create_task(
                 self._caller.call(
                     "poll_many", known, steps, self._poll_s, timeout=self._poll_s + 30,
@@ -338,17 +328,25 @@ class NodeRelay:
                     # worth its edge cases); the new poll asks for everything it would answer
                     poll.add_done_callback(_discard)
                     continue
-            try:
-                replies = poll.result()
-            except ConnectionError as exc:
-                self._coordinator_lost(slots, exc)
-                await asyncio.sleep(1.0)
-                continue
-            self._shared_polls += 1
-            if replies:
-                self._apply(slots, replies)
-            else:
+            replies = await self._answered(slots, poll)
+            if replies is not None and not replies:
                 await self._refresh_steps(slots)
+
+    async def _answered(
+        self, slots: dict[str, _Slot], answer: Awaitable[dict[str, PollReply]]
+    ) -> dict[str, PollReply] | None:
+        """A shared poll's or sync's answer, applied; ``None`` when the coordinator did not
+        answer (its agents are told to register again, after a pause)."""
+        try:
+            replies = await answer
+        except ConnectionError as exc:
+            self._coordinator_lost(slots, exc)
+            await asyncio.sleep(1.0)
+            return None
+        self._shared_polls += 1
+        if replies:
+            self._apply(slots, replies)
+        return replies
 
     def _apply(self, slots: dict[str, _Slot], replies: dict[str, PollReply]) -> None:
         for aid, reply in replies.items():
