@@ -108,6 +108,7 @@ class AgentDesk:
         #: Since this incarnation started.
         self.reports = 0
         self.events = 0
+        self.duplicate_events = 0  # numbered events received again and dropped
 
     async def register(self, info: AgentInfo, step: int | None) -> Registration:
         info = self._interned(info)
@@ -221,6 +222,7 @@ class AgentDesk:
             return False
         rec.touch(self._clock(), None)
         self.reports += 1
+        events = self._unseen(rec, events)
         self.events += len(events)
         touched: dict[str, Session] = {}
         for ev in events:
@@ -258,6 +260,24 @@ class AgentDesk:
         if touched:
             await self._on_events()
         return True
+
+    def _unseen(self, rec: AgentRecord, events: list[AgentEvent]) -> list[AgentEvent]:
+        """``events`` less those applied already. An agent sends a batch again when its
+        report timed out, though the first copy may still arrive (a slow coordinator or
+        relay; a relay may even carry both copies in one batch). An agent numbers its events
+        in the order it sends them, one batch after another, so a numbered event at or below
+        the newest one applied is a copy. Unnumbered events (an older agent) all apply."""
+        last = rec.last_seq
+        fresh: list[AgentEvent] = []
+        for ev in events:
+            if ev.seq > last:
+                last = ev.seq
+            elif ev.seq:
+                continue
+            fresh.append(ev)
+        rec.last_seq = last
+        self.duplicate_events += len(events) - len(fresh)
+        return fresh
 
     def _indexed(self, rec: AgentRecord, ev: AgentEvent) -> AgentEvent:
         """Index the trace of ``ev``; an error event instead when the index refuses it (not a

@@ -21,6 +21,7 @@ class AgentRecord:
     current_step: int | None = None
     state: AgentState = AgentState.ALIVE
     link: AgentLink | None = None  # how its last poll came (None before the first)
+    last_seq: int = 0  # the newest numbered event applied (AgentEvent.seq)
 
     def touch(self, now: float, step: int | None, revive: bool = True) -> None:
         """Heard from now. ``revive=False`` for the end of a long-poll parked before the

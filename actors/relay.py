@@ -55,6 +55,11 @@ SHARED_POLL_S = 30.0
 #: After a shared poll came back empty (a wake-up, or its time was up), how long the relay
 #: waits for its released agents to poll again with their current steps.
 REPOLL_WAIT_S = 0.5
+#: A ``report_many`` carries about this many events at most (whole agents' lists, so at
+#: least one agent's): a node's burst is sent in calls the coordinator answers in time.
+MAX_BATCH_EVENTS = 2000
+#: How long the relay waits for the coordinator to take a batch.
+REPORT_TIMEOUT_S = 30.0
 
 
 #: Relay actor names: this, then the Ray node id.
@@ -385,12 +390,27 @@ class NodeRelay:
             slot.wake()
 
     # -- batched events ---------------------------------------------------------------------
+    def _take_batch(
+        self,
+    ) -> tuple[dict[str, list[AgentEvent]], dict[str, list[asyncio.Future[bool]]]]:
+        """The next batch: whole agents' events, oldest first, up to :data:`MAX_BATCH_EVENTS`
+        (an agent's events stay in order: its later ones go in a later batch)."""
+        batch: dict[str, list[AgentEvent]] = {}
+        waiters: dict[str, list[asyncio.Future[bool]]] = {}
+        n = 0
+        for aid in list(self._pending):
+            if n and n + len(self._pending[aid]) > MAX_BATCH_EVENTS:
+                break
+            batch[aid] = self._pending.pop(aid)
+            waiters[aid] = self._waiters.pop(aid, [])
+            n += len(batch[aid])
+        return batch, waiters
+
     async def _flush(self) -> None:
         while self._pending:
-            batch, waiters = self._pending, self._waiters
-            self._pending, self._waiters = {}, {}
+            batch, waiters = self._take_batch()
             try:
-                known = await self._caller.call("report_many", batch, timeout=30.0)
+                known = await self._caller.call("report_many", batch, timeout=REPORT_TIMEOUT_S)
             except ConnectionError as exc:
                 self._errors += 1
                 for futs in waiters.values():

@@ -110,14 +110,15 @@ def metrics_snapshot(
     events: int,
     reports: int,
     uptime_s: float,
+    duplicate_events: int = 0,
     mark_times: dict[str, list[list[Any]]] | None = None,
     triggers: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     """A snapshot for the sidecar's Prometheus endpoint (``stalls``: tool -> ``[count, sum,
     max]``; ``events`` and ``reports``: agent events and reports since the coordinator
-    started; ``mark_times``: live step and stage times,
-    :meth:`~profd.actors.mark_stats.MarkStats.metric_rows`; ``triggers``: per trigger name,
-    sessions started and conditions suppressed by reason)."""
+    started; ``duplicate_events``: events received again and dropped; ``mark_times``: live
+    step and stage times, :meth:`~profd.actors.mark_stats.MarkStats.metric_rows`;
+    ``triggers``: per trigger name, sessions started and conditions suppressed by reason)."""
     agents = Counter(f"{r.info.role}|{r.state.value}" for r in registry.all())
     by_state: Counter[str] = Counter()
     hooks: Counter[str] = Counter()
@@ -140,6 +141,7 @@ def metrics_snapshot(
         "uploads": dict(uploads),
         "events_total": events,
         "reports_total": reports,
+        "duplicate_events_total": duplicate_events,
         "uptime_s": uptime_s,
         "mark_times": mark_times or {"step": [], "stage": []},
         "triggers": triggers or {},

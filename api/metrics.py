@@ -140,6 +140,12 @@ def _activity_families(snap: dict[str, Any]) -> Iterator[Metric]:
     )
     fam.add_metric([], float(snap.get("reports_total", 0)))
     yield fam
+    fam = CounterMetricFamily(
+        "profd_coordinator_duplicate_events",
+        "Agent events received again (a report sent again after a timeout) and dropped.",
+    )
+    fam.add_metric([], float(snap.get("duplicate_events_total", 0)))
+    yield fam
     fam = GaugeMetricFamily(
         "profd_coordinator_event_rate",
         "Events per second averaged since the coordinator started (prefer rate() on "

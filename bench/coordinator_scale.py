@@ -68,8 +68,9 @@ Measured:
   ``events_per_s``: those events over the time until every report was acknowledged (a relay
   answers once the coordinator took its batch; target >= 20,000/s). A report that fails (a
   relay's ``report_many`` timing out) is sent again after the channel's back-off, and counted
-  (``report_retries``). Every part must have ended (``partial``: 5 steps recorded, one
-  missed) and every trace be indexed, else the run fails.
+  (``report_retries``); its events are numbered as a channel numbers them, so the coordinator
+  drops a copy whose first arrived late (``duplicates_dropped``). Every part must have ended
+  (``partial``: 5 steps recorded, one missed) and every trace be indexed, else the run fails.
 
 CPU seconds each kind of process spent during fan-out and events, and its share of a core
 while every agent polls, are printed (the machine is shared: the load average is in RESULT).
@@ -82,7 +83,8 @@ events (collapsed stacks in ``DIR``): where each phase's CPU went.
 Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=rpc delivery=push fanout_ms=...
 relay_fanout_ms=... events_per_s=... bytes_per_agent=... marginal_bytes_per_agent=...
 relay_host_bytes_per_agent=... plans_delivered=10000 real_agents=16 register_s=...
-create_ms=... report_retries=... targets=met|missed:<which> load_start=... load=...``
+create_ms=... report_retries=... duplicates_dropped=... targets=met|missed:<which>
+load_start=... load=...``
 (1-minute load averages).
 """
 
@@ -90,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
@@ -191,7 +194,8 @@ def window_events(session_id: str, save_dir: str, node_id: str, rank: int) -> li
     evs.append(AgentEvent(EventKind.COLLECTING, session_id))
     evs.append(AgentEvent(EventKind.PART_DONE, session_id, payload=PartDone(recorded, missed)))
     assert len(evs) == EVENTS_PER_REPORT
-    return evs
+    # numbered as an agent's channel numbers them (a copy sent again is dropped)
+    return [dataclasses.replace(ev, seq=i) for i, ev in enumerate(evs, 1)]
 
 
 class RelayHost:
@@ -732,12 +736,14 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
         states[p.state.value] = states.get(p.state.value, 0) + 1
     traces = len(final.traces)
     status = ray.get(coord.status.remote())
+    copies = int(ray.get(coord.metrics.remote()).get("duplicate_events_total", 0))
     rstats = ray.get([h.stats.remote() for h in f.relay_hosts])
 
     print(
         f"events             : {events_per_s:9.0f} /s  ({total} in {ev_s:.2f} s, "
         f"{EVENTS_PER_REPORT} per report; target >= 20000); {not_known} reports not known, "
-        f"{retries} sent again after a failure (the relay's report_many timing out)"
+        f"{retries} sent again after a failure (the relay's report_many timing out), "
+        f"{copies} events dropped by the coordinator as copies"
     )
     print(f"  CPU s            : {_cpu_line(cpu2, cpu3)}")
     print(f"parts              : {states}; {traces} traces indexed")
@@ -776,6 +782,7 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
         f"bytes_per_agent={bytes_per_agent:.0f} marginal_bytes_per_agent={marginal:.0f} "
         f"{rh_part}plans_delivered={got} real_agents={args.real_agents} "
         f"register_s={register_s:.1f} create_ms={create_ms:.0f} report_retries={retries} "
+        f"duplicates_dropped={copies} "
         f"targets={'met' if not missed else 'missed:' + ','.join(missed)} "
         f"load_start={load_start:.2f} load={os.getloadavg()[0]:.2f}"
     )

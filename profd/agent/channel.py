@@ -16,6 +16,7 @@ queue. Nothing here ever raises into the training thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -151,6 +152,7 @@ class Channel:
         self._registered = threading.Event()
         self._stop = threading.Event()
         self._dropped = 0
+        self._seq = 0  # the last event number given (reporter thread)
         self._reregister = False
         self._warned: set[str] = set()
         self._take_times = take_times
@@ -305,12 +307,18 @@ class Channel:
                 self._backoff(attempt)
 
     def _drain(self, first: AgentEvent) -> list[AgentEvent]:
+        """The next batch, each event numbered (sent again as is until it is taken)."""
         batch = [first]
         while len(batch) < 1000:
             try:
                 batch.append(self._events.get_nowait())
             except queue.Empty:
                 break
+        seq = self._seq
+        for i, ev in enumerate(batch):
+            seq += 1
+            batch[i] = dataclasses.replace(ev, seq=seq)
+        self._seq = seq
         return batch
 
     def _queue_times(self) -> None:

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 RELAY_RETRY_S = 10.0
 #: How long a new (or restarted) relay may take to answer its first ping.
 RELAY_READY_S = 10.0
+#: How long an agent waits for the relay to answer a report: two of the relay's own
+#: ``report_many`` waits (``profd.actors.relay.REPORT_TIMEOUT_S``), and a little more.
+RELAY_REPORT_WAIT_S = 65.0
 
 
 def relays_enabled() -> bool:
@@ -52,6 +55,12 @@ class RelayLink(RayLink):
     :class:`LinkDown`."""
 
     kind = "relay"
+
+    def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
+        # The relay answers once the coordinator took the node's batch, or with its own
+        # failure after RELAY_REPORT_WAIT_S; a batch may wait behind another, so the agent
+        # waits for two before sending again (a copy would only be dropped, after a trip).
+        return self._call("report", agent_id, events, timeout=RELAY_REPORT_WAIT_S)
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         import ray

@@ -282,6 +282,10 @@ class AgentEvent:
     message: str = ""
     payload: EventPayload | None = None
     time: float = field(default_factory=time.time)
+    #: The agent's number for the event (1, 2, ... in the order sent; 0: unnumbered). The
+    #: coordinator applies a numbered event once, so events sent again after a report timed
+    #: out (their first copy only late, not lost) are not counted twice.
+    seq: int = 0
 
     def __post_init__(self) -> None:
         want = _PAYLOAD_OF.get(self.kind)

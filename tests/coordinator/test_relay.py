@@ -234,3 +234,62 @@ def test_a_slow_coordinator_keeps_its_handle_and_a_failed_call_drops_it() -> Non
         assert caller._handle is None
 
     asyncio.run(go())
+
+
+def test_a_nodes_burst_of_events_goes_up_in_bounded_batches_each_agents_in_order(
+    local_coordinator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events queued while a batch is on its way leave in batches of at most
+    MAX_BATCH_EVENTS (whole agents' lists), so a node's burst never becomes one call the
+    coordinator cannot answer in time; every event arrives once, each agent's in order."""
+    import dataclasses
+
+    from profd.actors import relay as relay_mod
+    from profd.core.protocol import AgentEvent, EventKind, StepsMissed
+
+    monkeypatch.setattr(relay_mod, "MAX_BATCH_EVENTS", 10)
+    owner = local_coordinator
+
+    class HeldCaller(DirectCaller):
+        """The first report_many waits until released; records every batch's size."""
+
+        def __init__(self, coordinator: Any) -> None:
+            super().__init__(coordinator)
+            self.sizes: list[int] = []
+            self.release = asyncio.Event()
+
+        async def call(self, method: str, *args: Any, timeout: float, **kw: Any) -> Any:
+            if method == "report_many":
+                self.sizes.append(sum(len(v) for v in args[0].values()))
+                await self.release.wait()
+            return await super().call(method, *args, timeout=timeout, **kw)
+
+    caller = owner.run(lambda: HeldCaller(owner.coordinator))
+    relay = owner.run(lambda: NodeRelay("node-a", caller, pushed=False))
+    agent = ProfilerAgent("actor", 0, 4, find_link=lambda: None)
+    infos = [dataclasses.replace(agent.info, agent_id=f"a{r}", rank=r) for r in range(4)]
+    on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, owner.loop).result(30)  # noqa: E731
+    for info in infos:
+        on_loop(relay.register(info, 0))
+    missed = StepsMissed(steps=(1,))
+
+    def events(aid: str, first: int, n: int) -> list[AgentEvent]:
+        return [AgentEvent(EventKind.MISSED, "none", 1, "", missed, seq=s)
+                for s in range(first, first + n)]  # fmt: skip
+
+    async def burst() -> list[bool]:
+        first = asyncio.ensure_future(relay.report("a0", events("a0", 1, 3)))
+        await asyncio.sleep(0)  # the flush takes a0's events: that call is held
+        rest = [relay.report(f"a{r}", events(f"a{r}", 1, 6)) for r in range(1, 4)]
+        rest.append(relay.report("a0", events("a0", 4, 4)))  # a0's later ones
+        waiting = [asyncio.ensure_future(c) for c in rest]
+        await asyncio.sleep(0)
+        caller.release.set()
+        return [await first] + [await w for w in waiting]
+
+    before = owner.call("metrics")["events_total"]
+    assert on_loop(burst()) == [True] * 5
+    assert caller.sizes[0] == 3 and all(n <= 10 for n in caller.sizes), caller.sizes
+    assert sum(caller.sizes) == 3 + 18 + 4 and len(caller.sizes) >= 4, caller.sizes
+    assert owner.call("metrics")["events_total"] - before == 25
+    assert owner.call("metrics")["duplicate_events_total"] == 0  # a0's later ones not reordered
