@@ -397,7 +397,7 @@ class ProfileCoordinator:
         return metrics_snapshot(
             self._registry,
             self._book.all(),
-            self._traces.all(),
+            self._traces.written(),
             self._traces.stalls(),
             events=self._agents.events,
             reports=self._agents.reports,

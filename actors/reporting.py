@@ -24,8 +24,12 @@ __all__ = ["metrics_snapshot", "progress_of", "session_view"]
 
 
 def session_view(
-    s: Session, blocks: dict[str, RoleProfilerConfig], traces: Iterable[TraceView]
+    s: Session,
+    blocks: dict[str, RoleProfilerConfig],
+    traces: Iterable[TraceView],
+    request: dict[str, Any] | None = None,
 ) -> SessionView:
+    """``request``: ``s.request`` dumped to JSON, when the caller keeps it."""
     return SessionView(
         session_id=s.session_id,
         state=s.state,
@@ -39,7 +43,7 @@ def session_view(
         finished_at=s.finished_at,
         deadline=s.deadline,
         targets=[
-            PartView(
+            PartView.model_construct(  # from the coordinator's own typed parts: valid
                 agent_id=p.agent_id,
                 role=p.role,
                 rank=p.rank,
@@ -69,7 +73,7 @@ def session_view(
             )
             for tid, u in s.uploads.items()
         ],
-        request=s.request.model_dump(mode="json"),
+        request=request if request is not None else s.request.model_dump(mode="json"),
         trigger_id=(s.origin or {}).get("trigger_id"),
         evidence=(s.origin or {}).get("evidence"),
     )
@@ -104,7 +108,7 @@ def progress_of(s: Session) -> ProgressView:
 def metrics_snapshot(
     registry: AgentRegistry,
     sessions: Iterable[Session],
-    traces: Iterable[TraceView],
+    written: dict[str, list[int]],
     stalls: dict[str, list[float]],
     *,
     events: int,
@@ -114,11 +118,12 @@ def metrics_snapshot(
     mark_times: dict[str, list[list[Any]]] | None = None,
     triggers: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """A snapshot for the sidecar's Prometheus endpoint (``stalls``: tool -> ``[count, sum,
-    max]``; ``events`` and ``reports``: agent events and reports since the coordinator
-    started; ``duplicate_events``: events received again and dropped; ``mark_times``: live
-    step and stage times, :meth:`~profd.actors.mark_stats.MarkStats.metric_rows`;
-    ``triggers``: per trigger name, sessions started and conditions suppressed by reason)."""
+    """A snapshot for the sidecar's Prometheus endpoint (``written``: tool -> ``[files,
+    bytes]`` of the traces indexed; ``stalls``: tool -> ``[count, sum, max]``; ``events``
+    and ``reports``: agent events and reports since the coordinator started;
+    ``duplicate_events``: events received again and dropped; ``mark_times``: live step and
+    stage times, :meth:`~profd.actors.mark_stats.MarkStats.metric_rows`; ``triggers``: per
+    trigger name, sessions started and conditions suppressed by reason)."""
     agents = Counter(f"{r.info.role}|{r.state.value}" for r in registry.all())
     by_state: Counter[str] = Counter()
     hooks: Counter[str] = Counter()
@@ -127,11 +132,6 @@ def metrics_snapshot(
         by_state[s.state.value] += 1
         hooks.update(h.state.value for h in s.hooks.values())
         uploads.update(u.state.value for u in s.uploads.values())
-    written: dict[str, list[float]] = {}
-    for t in traces:
-        acc = written.setdefault(t.tool, [0, 0])
-        acc[0] += 1
-        acc[1] += t.bytes
     return {
         "agents": dict(agents),
         "sessions": dict(by_state),

@@ -19,7 +19,7 @@ from profd.actors.selection import WILDCARD
 from profd.actors.sessions import Part, Session, new_session_id, session_dir
 from profd.actors.targeting import Target, Targeting, resolve_targets
 from profd.core.errors import ConflictError, NotFoundError
-from profd.core.paging import Page, page_of
+from profd.core.paging import Listing, Page
 from profd.core.protocol import WindowPlan
 from profd.core.request import RoleProfilerConfig, SessionRequest, ToolKind
 
@@ -70,7 +70,11 @@ class SessionBook:
         self._store = store
         self._traces = traces
         self._sessions: dict[str, Session] = {}
+        #: The same sessions newest first by (created_at, session id), for pages.
+        self._listing: Listing[Session] = Listing(lambda s: (s.created_at, s.session_id))
         self._blocks: dict[str, dict[str, RoleProfilerConfig]] = {}
+        #: Each session's request and its JSON form, for its views.
+        self._requests: dict[str, tuple[SessionRequest, dict[str, Any]]] = {}
         #: Live sessions a previous incarnation left: their agents get a while to come back.
         self._restored: list[Session] = []
         #: The header each live session was last saved with (idle ticks write nothing).
@@ -84,7 +88,10 @@ class SessionBook:
         """Take the sessions a previous incarnation persisted; return how many are live."""
         for d in rows:
             s = Session.from_dict(d)
+            if s.session_id in self._sessions:
+                continue  # one row per session id: the first one read
             self._sessions[s.session_id] = s
+            self._listing.add(s)
             self._blocks[s.session_id] = _blocks_of(s.request)
             if s.is_live:
                 self._restored.append(s)
@@ -120,6 +127,7 @@ class SessionBook:
             origin=origin,
         )
         self._sessions[session_id] = session
+        self._listing.add(session)
         self._blocks[session_id] = _blocks_of(req)
         return session
 
@@ -146,8 +154,14 @@ class SessionBook:
 
     # -- views -----------------------------------------------------------------------------
     def view(self, s: Session) -> SessionView:
+        request = self._requests.get(s.session_id)
+        if request is None or request[0] is not s.request:  # dumped once: it never changes
+            request = self._requests[s.session_id] = (s.request, s.request.model_dump(mode="json"))
         return session_view(
-            s, self._blocks.get(s.session_id, {}), self._traces.of_session(s.session_id)
+            s,
+            self._blocks.get(s.session_id, {}),
+            self._traces.of_session(s.session_id),
+            request[1],
         )
 
     def views(self, limit: int | None, cursor: str | None) -> list[SessionView] | Page:
@@ -155,13 +169,7 @@ class SessionBook:
         if limit is None and cursor is None:
             ordered = sorted(self._sessions.values(), key=lambda s: s.created_at)
             return [self.view(s) for s in ordered]
-        chosen, next_cursor, total = page_of(
-            self._sessions.values(),
-            lambda s: (s.created_at, s.session_id),
-            "sessions",
-            limit,
-            cursor,
-        )
+        chosen, next_cursor, total = self._listing.page("sessions", limit, cursor)
         return Page([self.view(s) for s in chosen], next_cursor, total)
 
     # -- changes ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from profd.core.errors import NotFoundError
-from profd.core.paging import Page, page_of
+from profd.core.paging import Listing, Page, page_of
 from profd.core.protocol import AgentEvent, AgentInfo, TraceWritten
 from profd.core.views import TraceView
 
@@ -56,6 +56,10 @@ class TraceIndex:
         #: The same views by session (a session's view and its trace pages read only its
         #: own: with thousands of past sessions, scanning every trace per view dominated)
         self._by_session: dict[str, dict[str, TraceView]] = {}
+        #: Newest-first listings by (role, rank), either or both None for any: a page of
+        #: every trace of a rank is two bisections, its totals kept as traces arrive.
+        self._listings: dict[tuple[str | None, int | None], Listing[TraceView]] = {}
+        self._by_tool: dict[str, list[int]] = {}  # tool -> [files, bytes]
         self._stalls: dict[str, StallStats] = {}  # tool -> its export stalls
 
     def restore(self, rows: Iterable[dict[str, Any]]) -> int:
@@ -107,8 +111,18 @@ class TraceIndex:
         return view
 
     def _put(self, view: TraceView) -> None:
+        if view.trace_id in self._traces:
+            return  # indexed once
         self._traces[view.trace_id] = view
         self._by_session.setdefault(view.session_id, {})[view.trace_id] = view
+        for k in ((None, None), (view.role, None), (None, view.rank), (view.role, view.rank)):
+            listing = self._listings.get(k)
+            if listing is None:
+                listing = self._listings[k] = Listing(_newest_key, _size)
+            listing.add(view)
+        written = self._by_tool.setdefault(view.tool, [0, 0])
+        written[0] += 1
+        written[1] += view.bytes
 
     def get(self, trace_id: str) -> TraceView:
         trace = self._traces.get(trace_id)
@@ -131,6 +145,11 @@ class TraceIndex:
         cursor: str | None = None,
     ) -> list[TraceView] | Page:
         """See :meth:`ProfileCoordinator.list_traces`."""
+        if session_id is None and (limit is not None or cursor is not None):
+            listing = self._listings.get((role, rank)) or Listing(_newest_key, _size)
+            chosen, next_cursor, total = listing.page("traces", limit, cursor)
+            return Page(chosen, next_cursor, total, listing.bytes)
+        # a session's traces are few: filtered and paged as they come
         pool = self._traces if session_id is None else self._by_session.get(session_id, {})
         out = [
             t
@@ -140,9 +159,7 @@ class TraceIndex:
         ]
         if limit is None and cursor is None:
             return sorted(out, key=lambda t: (t.session_id, t.role, t.rank, t.steps, t.file_name))
-        chosen, next_cursor, total = page_of(
-            out, lambda t: (t.created_at, t.trace_id), "traces", limit, cursor
-        )
+        chosen, next_cursor, total = page_of(out, _newest_key, "traces", limit, cursor)
         return Page(chosen, next_cursor, total, sum(t.bytes for t in out))
 
     def __len__(self) -> int:
@@ -150,11 +167,25 @@ class TraceIndex:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.bytes for t in self._traces.values())
+        every = self._listings.get((None, None))
+        return every.bytes if every is not None else 0
+
+    def written(self) -> dict[str, list[int]]:
+        """Files and bytes by tool: ``{tool: [files, bytes]}``."""
+        return {tool: list(v) for tool, v in self._by_tool.items()}
 
     def stalls(self) -> dict[str, list[float]]:
         """Export stalls by tool, as ``[count, sum, max]``."""
         return {tool: s.as_list() for tool, s in self._stalls.items()}
+
+
+def _newest_key(t: TraceView) -> tuple[float, str]:
+    """Trace listings' order (newest first): created_at, then trace id."""
+    return (t.created_at, t.trace_id)
+
+
+def _size(t: TraceView) -> int:
+    return t.bytes
 
 
 def _inside_session_dir(path: str, session: Session | None, session_id: str) -> bool:

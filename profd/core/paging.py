@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import heapq
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -22,6 +23,7 @@ from profd.core.errors import RequestInvalid
 __all__ = [
     "DEFAULT_LIMIT",
     "MAX_LIMIT",
+    "Listing",
     "Page",
     "SortKey",
     "decode_cursor",
@@ -109,3 +111,49 @@ def page_of(
     chosen = chosen[:size]
     next_cursor = encode_cursor(kind, key(chosen[-1])) if more else None
     return chosen, next_cursor, total
+
+
+class Listing(Generic[T]):
+    """Items kept in key order as they are added, with their count and summed ``size``: the
+    pages :func:`page_of` gives, found by bisection instead of a pass over every item (a
+    store of thousands of past sessions and their traces is paged by every dashboard).
+    Keys must be unique; items are added, never changed or removed."""
+
+    def __init__(self, key: Callable[[T], SortKey], size: Callable[[T], int] | None = None):
+        self._key = key
+        self._size = size
+        self._keys: list[SortKey] = []
+        self._items: list[T] = []
+        self.bytes = 0  # the sum of every item's ``size``
+
+    def add(self, item: T) -> None:
+        k = self._key(item)
+        if not self._keys or k > self._keys[-1]:  # the usual case: the newest
+            self._keys.append(k)
+            self._items.append(item)
+        else:
+            i = bisect.bisect_left(self._keys, k)
+            self._keys.insert(i, k)
+            self._items.insert(i, item)
+        if self._size is not None:
+            self.bytes += self._size(item)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[T]:
+        """Oldest first."""
+        return iter(self._items)
+
+    def page(
+        self, kind: str, limit: int | None = None, cursor: str | None = None
+    ) -> tuple[list[T], str | None, int]:
+        """What :func:`page_of` returns for these items."""
+        size = DEFAULT_LIMIT if limit is None else check_limit(limit)
+        end = len(self._keys)
+        if cursor is not None:
+            end = bisect.bisect_left(self._keys, decode_cursor(kind, cursor))
+        start = max(0, end - size)
+        chosen = self._items[start:end][::-1]
+        next_cursor = encode_cursor(kind, self._keys[start]) if start > 0 else None
+        return chosen, next_cursor, len(self._keys)

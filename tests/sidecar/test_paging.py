@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from profd.core.errors import RequestInvalid
-from profd.core.paging import decode_cursor, encode_cursor, page_of
+from profd.core.paging import Listing, decode_cursor, encode_cursor, page_of
 
 from helpers import start_agents, wait_terminal, wait_until
 
@@ -68,6 +68,41 @@ def test_pages_are_newest_first_and_stable_under_inserts() -> None:
     assert third == expected[20:] and cursor is None  # last page
     newest, _, _ = page_of(items, key, "x", 3)
     assert [x.ident for x in newest] == ["new4", "new3", "new2"]
+
+
+def test_a_listing_gives_page_ofs_pages_as_items_arrive_in_any_order() -> None:
+    """The coordinator's kept listings (sessions, traces by rank) page as page_of pages the
+    same items, whatever order they came in (restored ones out of order), with every
+    match's count and size; bad limits and cursors are refused the same way."""
+    import random
+
+    rng = random.Random(7)
+    items = [Item(float(rng.randrange(40)), f"id{i:03d}") for i in range(120)]  # ties
+    rng.shuffle(items)
+    listing: Listing[Item] = Listing(key, size=lambda x: int(x.created_at))
+    seen: list[Item] = []
+    for n, item in enumerate(items):
+        listing.add(item)
+        seen.append(item)
+        if n % 17:
+            continue
+        for limit in (1, 7, 50, None):  # walk every page of what is there now
+            cursor = None
+            while True:
+                got = listing.page("x", limit, cursor)
+                assert got == page_of(seen, key, "x", limit, cursor)
+                cursor = got[1]
+                if cursor is None:
+                    break
+    assert len(listing) == 120 and listing.bytes == sum(int(x.created_at) for x in items)
+    assert list(listing) == sorted(items, key=key)  # oldest first
+    for limit in (0, -1, True, 1.5):
+        with pytest.raises(RequestInvalid) as err:
+            listing.page("x", limit)  # type: ignore[arg-type]
+        assert err.value.fields[0].field == "limit"
+    with pytest.raises(RequestInvalid) as err:
+        listing.page("x", 5, encode_cursor("y", (1.0, "id001")))
+    assert err.value.fields[0].field == "cursor"
 
 
 @pytest.fixture
@@ -175,6 +210,15 @@ def test_traces_paged_after_filters_with_bytes_of_every_match(url: str, local_co
     assert {t["rank"] for t in shown} == {1}
     assert [t["trace_id"] for t in shown] == [t.trace_id for t in newest if t.rank == 1]
     assert {b["bytes"] for b in ranked} == {sum(t.bytes for t in every if t.rank == 1)}
+    role = every[0].role  # across sessions: the coordinator's kept listings by role, rank
+    for params in ({}, {"rank": 1}, {"role": role}, {"role": role, "rank": 0}):
+        want = [
+            t for t in newest
+            if t.rank == params.get("rank", t.rank) and t.role == params.get("role", t.role)
+        ]  # fmt: skip
+        got = pages(url, "/api/v1/traces", limit=3, **params)
+        assert [t["trace_id"] for b in got for t in b["data"]] == [t.trace_id for t in want]
+        assert {(b["total"], b["bytes"]) for b in got} == {(len(want), sum(t.bytes for t in want))}
     none = httpx.get(f"{url}/api/v1/traces", params={"role": "critic"}).json()
     assert none == {"data": [], "count": 0, "total": 0, "next_cursor": None, "bytes": 0}
 
