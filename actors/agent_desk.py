@@ -228,7 +228,7 @@ class AgentDesk:
         for ev in events:
             if isinstance(ev.payload, MarkDurations):  # live step and stage times
                 rec.current_step = _fresher(rec.current_step, ev.step)
-                self._times.add(agent_id, ev.payload)
+                self._times.add(agent_id, ev.payload, ev.step, self._clock())
                 if self._on_times is not None:
                     self._on_times(agent_id, ev.payload, ev.step)
                 continue

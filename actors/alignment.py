@@ -47,7 +47,7 @@ class Alignment:
         step_seconds: Callable[[str], float | None] = lambda agent_id: None,
     ) -> None:
         self._settings = settings
-        self._step_seconds = step_seconds  # an agent's rolling median step time
+        self._step_seconds = step_seconds  # an agent's step period (MarkStats.step_period)
         self._registry = registry
         self._plans = plans
         self._drivers = drivers
@@ -99,7 +99,9 @@ class Alignment:
 
     def _lead_steps(self, recs: list[Any]) -> int:
         """``align_lead_steps``, or more when the targets' steps are fast: the window starts
-        at least ``align_lead_s`` ahead by the quickest target's rolling median step."""
+        at least ``align_lead_s`` ahead by the quickest target's step period (the pace of its
+        loop, not only the time inside its step mark: a 10 ms step every 0.5 s is 0.5 s a
+        step, else a next step was 50 steps, 25 s, away)."""
         lead = self._settings.align_lead_steps
         times = [t for r in recs if (t := self._step_seconds(r.info.agent_id))]
         if times and self._settings.align_lead_s > 0:

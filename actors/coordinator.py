@@ -44,8 +44,8 @@ from profd.actors.store import Store, open_store
 from profd.actors.trace_index import TraceIndex
 from profd.actors.triggers import TriggerDesk
 from profd.core.constants import __version__
-from profd.core.errors import RequestInvalid
-from profd.core.json_body import JSON_READS, JsonItems, encode_read
+from profd.core.errors import ProfdError, RequestInvalid
+from profd.core.json_body import BATCHED_READS, JSON_READS, JsonItems, encode_read
 from profd.core.paging import Page
 from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, MarkDurations, PollReply
 from profd.core.request import SessionRequest
@@ -122,7 +122,7 @@ class ProfileCoordinator:
             clock, settings.heartbeat_timeout_s, self._registry, self._plans, self._book.live
         )
         self._alignment = Alignment(
-            settings, self._registry, self._plans, self._drivers, self._times.step_median
+            settings, self._registry, self._plans, self._drivers, self._times.step_period
         )
         self._admission = Admission(self._registry, self._book, self._alignment, self._drivers)
         self._triggers = TriggerDesk(
@@ -412,7 +412,28 @@ class ProfileCoordinator:
         sidecar's read routes pass it through; see :mod:`profd.core.json_body`)."""
         if method not in JSON_READS:
             raise RequestInvalid.at("method", f"not a JSON read: {method!r}")
+        # Views that do not change are encoded once (finished sessions, traces).
+        if method == "get_session":
+            return self._book.view_json(self._book.get(*args))
+        if method == "list_sessions":
+            return self._book.views_json(*args)
+        if method == "list_traces":
+            return self._traces.find_json(*args)
         return encode_read(await getattr(self, method)(*args))
+
+    async def read_many(self, reads: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        """Several of the sidecar's reads in one call (:data:`BATCHED_READS`; see
+        :class:`profd.api.client.BatchedReads`): each answer in order, or the error it raised
+        (the coordinator's own, as :meth:`read_json` raises them)."""
+        out: list[Any] = []
+        for method, args in reads:
+            try:
+                if method not in BATCHED_READS:
+                    raise RequestInvalid.at("method", f"not a batched read: {method!r}")
+                out.append(await getattr(self, method)(*args))
+            except ProfdError as exc:
+                out.append(exc)
+        return out
 
     async def ping(self) -> str:
         return __version__

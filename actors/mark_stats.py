@@ -47,6 +47,9 @@ WINDOW = 256
 RECENT = 16
 #: Stage labels kept per agent (agents time at most 32; a label beyond is dropped here).
 MAX_LABELS = 64
+#: An agent's newest steps as the coordinator saw them begin (one a report at most, about a
+#: second apart), for the pace of its loop (:meth:`MarkStats.step_period`).
+PACE_SAMPLES = 16
 #: Rank series per (role, stage) in ``/metrics``: the slowest by rolling median.
 METRICS_MAX_RANKS = 64
 #: Stage labels per role in ``/metrics`` (agents time 32 each; ranks that all name theirs
@@ -168,6 +171,23 @@ class _AgentTimes:
     step: RollingWindow | None = None
     stages: dict[str, RollingWindow] = field(default_factory=dict)
     dropped_labels: int = 0
+    #: (coordinator time, step) when a report first showed each of its newest steps
+    pace: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PACE_SAMPLES))
+
+    def note_step(self, step: int, at: float) -> None:
+        if self.pace and step < self.pace[-1][1]:
+            self.pace.clear()  # the job started over (a restart): a new pace
+        if not self.pace or step > self.pace[-1][1]:
+            self.pace.append((at, step))
+
+    def period(self) -> float | None:
+        """Median seconds per step between the reports that showed new steps."""
+        rates = [
+            (t1 - t0) / (s1 - s0)
+            for (t0, s0), (t1, s1) in zip(self.pace, list(self.pace)[1:], strict=False)
+            if t1 > t0
+        ]
+        return statistics.median(rates) if rates else None
 
 
 class MarkStats:
@@ -180,11 +200,16 @@ class MarkStats:
     def __len__(self) -> int:
         return len(self._agents)
 
-    def add(self, agent_id: str, times: MarkDurations) -> None:
-        """One ``times`` event of ``agent_id``."""
+    def add(
+        self, agent_id: str, times: MarkDurations, step: int | None = None, at: float | None = None
+    ) -> None:
+        """One ``times`` event of ``agent_id``; ``step``: its current step then, seen at
+        ``at`` (the coordinator's clock)."""
         a = self._agents.get(agent_id)
         if a is None:
             a = self._agents[agent_id] = _AgentTimes()
+        if step is not None and at is not None:
+            a.note_step(step, at)
         if times.step is not None:
             if a.step is None:
                 a.step = RollingWindow(self._window)
@@ -211,6 +236,19 @@ class MarkStats:
         """The agent's rolling median step time, when it marks steps."""
         a = self._agents.get(agent_id)
         return None if a is None or a.step is None else a.step.median
+
+    def step_period(self, agent_id: str) -> float | None:
+        """Seconds from one of the agent's steps to the next: the pace its reports show,
+        when it is slower than the step mark's own median (a loop that does more between
+        its steps than inside them, or sleeps), else that median; None before either."""
+        a = self._agents.get(agent_id)
+        if a is None:
+            return None
+        median = a.step.median if a.step is not None else None
+        pace = a.period()
+        if pace is None:
+            return median
+        return max(pace, median or 0.0)
 
     def recent(self, agent_id: str, mark: str | None, n: int) -> list[float]:
         """The newest ``n`` durations of one agent's step (``mark`` None) or stage."""

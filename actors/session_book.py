@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from profd.actors.selection import WILDCARD
 from profd.actors.sessions import Part, Session, new_session_id, session_dir
 from profd.actors.targeting import Target, Targeting, resolve_targets
 from profd.core.errors import ConflictError, NotFoundError
+from profd.core.json_body import JsonItems
 from profd.core.paging import Listing, Page
 from profd.core.protocol import WindowPlan
 from profd.core.request import RoleProfilerConfig, SessionRequest, ToolKind
@@ -32,12 +34,17 @@ if TYPE_CHECKING:
     from profd.core.settings import CoordinatorSettings
     from profd.core.views import SessionView, TraceView
 
-__all__ = ["ADVANCE_COALESCE_S", "SessionBook"]
+__all__ = ["ADVANCE_COALESCE_S", "VIEW_CACHE_BYTES", "SessionBook"]
 
 log = logging.getLogger(__name__)
 
 #: Reports arriving within this long of each other share one pass over their sessions.
 ADVANCE_COALESCE_S = 0.01
+#: The JSON of finished sessions' views kept, at most (least recently read dropped first):
+#: a dashboard's page of 50 past sessions is 50 lookups, not 50 views built and encoded.
+VIEW_CACHE_BYTES = 32 * 1024 * 1024
+#: A view larger than this (a fleet's session) is built each time it is read, not kept.
+VIEW_KEPT_MAX_BYTES = 4 * 1024 * 1024
 
 
 def part_of(t: Target) -> Part:
@@ -75,6 +82,9 @@ class SessionBook:
         self._blocks: dict[str, dict[str, RoleProfilerConfig]] = {}
         #: Each session's request and its JSON form, for its views.
         self._requests: dict[str, tuple[SessionRequest, dict[str, Any]]] = {}
+        #: Finished sessions' views as JSON, each with what it was built from (_view_key).
+        self._encoded: OrderedDict[str, tuple[tuple[Any, ...], bytes]] = OrderedDict()
+        self._encoded_bytes = 0
         #: Live sessions a previous incarnation left: their agents get a while to come back.
         self._restored: list[Session] = []
         #: The header each live session was last saved with (idle ticks write nothing).
@@ -163,6 +173,57 @@ class SessionBook:
             self._traces.of_session(s.session_id),
             request[1],
         )
+
+    def view_json(self, s: Session) -> bytes:
+        """:meth:`view` as JSON (as ``model_dump_json``). A finished session's is kept while
+        nothing it shows changes (:meth:`_view_key`), up to :data:`VIEW_CACHE_BYTES` in all."""
+        key = self._view_key(s)
+        kept = self._encoded.get(s.session_id)
+        if kept is not None:
+            if key is not None and kept[0] == key:
+                self._encoded.move_to_end(s.session_id)
+                return kept[1]
+            self._drop_encoded(s.session_id)
+        view = self.view(s)
+        data = view.__pydantic_serializer__.to_json(view)
+        if key is not None and len(data) <= VIEW_KEPT_MAX_BYTES:
+            self._encoded[s.session_id] = (key, data)
+            self._encoded_bytes += len(data)
+            while self._encoded_bytes > VIEW_CACHE_BYTES:
+                self._drop_encoded(next(iter(self._encoded)))
+        return data
+
+    def views_json(self, limit: int | None = None, cursor: str | None = None) -> JsonItems:
+        """:meth:`views` as :class:`~profd.core.json_body.JsonItems`."""
+        if limit is None and cursor is None:
+            chosen = sorted(self._sessions.values(), key=lambda s: s.created_at)
+            next_cursor, total = None, len(chosen)
+        else:
+            chosen, next_cursor, total = self._listing.page("sessions", limit, cursor)
+        items = b"[" + b",".join(self.view_json(s) for s in chosen) + b"]"
+        return JsonItems(items, len(chosen), total, next_cursor)
+
+    def _view_key(self, s: Session) -> tuple[Any, ...] | None:
+        """What a finished session's view is built from and may still change (None while it
+        is live: then everything may). Its parts take no more events; its traces only grow
+        (the index adds, never replaces); upload and hook records are replaced on a change."""
+        if s.is_live:
+            return None
+        return (
+            s.state,
+            s.finished_at,
+            s.reason,
+            len(s.targets),
+            len(s.warnings),
+            self._traces.count_of(s.session_id),
+            tuple(s.uploads.items()),
+            tuple(s.hooks.values()),
+        )
+
+    def _drop_encoded(self, session_id: str) -> None:
+        kept = self._encoded.pop(session_id, None)
+        if kept is not None:
+            self._encoded_bytes -= len(kept[1])
 
     def views(self, limit: int | None, cursor: str | None) -> list[SessionView] | Page:
         """See :meth:`ProfileCoordinator.list_sessions`."""

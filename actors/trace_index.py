@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from profd.core.errors import NotFoundError
+from profd.core.json_body import JsonItems
 from profd.core.paging import Listing, Page, page_of
 from profd.core.protocol import AgentEvent, AgentInfo, TraceWritten
 from profd.core.views import TraceView
@@ -61,6 +62,7 @@ class TraceIndex:
         self._listings: dict[tuple[str | None, int | None], Listing[TraceView]] = {}
         self._by_tool: dict[str, list[int]] = {}  # tool -> [files, bytes]
         self._stalls: dict[str, StallStats] = {}  # tool -> its export stalls
+        self._encoded: dict[str, bytes] = {}  # trace id -> its view's JSON, once read
 
     def restore(self, rows: Iterable[dict[str, Any]]) -> int:
         """Take the traces a previous incarnation persisted; return how many."""
@@ -136,6 +138,9 @@ class TraceIndex:
     def of_session(self, session_id: str) -> list[TraceView]:
         return list(self._by_session.get(session_id, {}).values())
 
+    def count_of(self, session_id: str) -> int:
+        return len(self._by_session.get(session_id, ()))
+
     def find(
         self,
         session_id: str | None = None,
@@ -161,6 +166,31 @@ class TraceIndex:
             return sorted(out, key=lambda t: (t.session_id, t.role, t.rank, t.steps, t.file_name))
         chosen, next_cursor, total = page_of(out, _newest_key, "traces", limit, cursor)
         return Page(chosen, next_cursor, total, sum(t.bytes for t in out))
+
+    def find_json(
+        self,
+        session_id: str | None = None,
+        role: str | None = None,
+        rank: int | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> JsonItems:
+        """:meth:`find` as :class:`~profd.core.json_body.JsonItems`; each trace's JSON is
+        encoded once (a view never changes), when first read."""
+        found = self.find(session_id, role, rank, limit, cursor)
+        if not isinstance(found, Page):
+            return JsonItems(self._encode(found), len(found), len(found))
+        encoded = self._encode(found.items)
+        return JsonItems(encoded, len(found.items), found.total, found.next_cursor, found.bytes)
+
+    def _encode(self, views: list[TraceView]) -> bytes:
+        return b"[" + b",".join(self._json_of(t) for t in views) + b"]"
+
+    def _json_of(self, view: TraceView) -> bytes:
+        data = self._encoded.get(view.trace_id)
+        if data is None:
+            data = self._encoded[view.trace_id] = view.__pydantic_serializer__.to_json(view)
+        return data
 
     def __len__(self) -> int:
         return len(self._traces)

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from profd.actors.runner import default_runner
 from profd.api import metrics
-from profd.api.client import CoordinatorClient, RayCoordinatorClient, SharedReads
+from profd.api.client import BatchedReads, CoordinatorClient, RayCoordinatorClient, SharedReads
 from profd.api.deps import ReadTokenDep
 from profd.api.routes import agents, dashboard, sessions, stacks, status, traces, triggers
 from profd.api.security import BodyLimit, HostCheck, allowed_host_names
@@ -42,7 +42,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if client is None:
             connect_ray(config.ray_address)  # a no-op in the sidecar actor: Ray is up
-            app.state.client = SharedReads(RayCoordinatorClient(), config.read_cache_s)
+            inner = BatchedReads(RayCoordinatorClient())
+            app.state.client = SharedReads(inner, config.read_cache_s)
         else:
             app.state.client = client
         app.state.runner = default_runner()
@@ -51,7 +52,10 @@ def create_app(
         if config.freeze_gc:
             gc.collect()
             gc.freeze()
-        yield
+        try:
+            yield
+        finally:
+            app.state.summaries.close()
 
     app = FastAPI(
         title="profd",

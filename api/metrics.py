@@ -50,6 +50,9 @@ class CoordinatorCollector(Collector):
 
     def __init__(self) -> None:
         self.snapshot: dict[str, Any] | None = None
+        #: The last snapshot rendered and its text: a snapshot shared by many requests
+        #: (``SharedReads``) is rendered once.
+        self.rendered: tuple[dict[str, Any], bytes] | None = None
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot
@@ -232,6 +235,10 @@ async def metrics(request: Request, client: ClientDep) -> Response:
         log.warning("metrics: %s", exc.message)
         snapshot = None
     registry, collector = request.app.state.metrics
+    kept = collector.rendered
+    if snapshot is not None and kept is not None and kept[0] is snapshot:
+        return Response(kept[1], media_type=CONTENT_TYPE_LATEST)
     collector.snapshot = snapshot  # no await between here and the render: no interleaving
     body = generate_latest(registry)
+    collector.rendered = (snapshot, body) if snapshot is not None else None
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,14 +1,40 @@
-"""The sidecar's cache of session summaries (one per app, on ``app.state``)."""
+"""The sidecar's session summaries (one :class:`SummaryCache` per app, on ``app.state``): the
+newest few kept, and where they are computed.
+
+A summary of files on this node is computed in one worker process at a lower CPU priority
+(:data:`WORKER_NICE`), not on a thread of the sidecar: parsing traces holds the GIL for tens
+of milliseconds, and the event loop that answers every other route waited for it. Summaries
+that read files on other nodes (Ray tasks) are only waited for here, on a thread.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import multiprocessing
+import os
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from profd.analysis.models import SessionSummary
 
-__all__ = ["SummaryCache"]
+__all__ = ["WORKER_NICE", "SummaryCache"]
+
+log = logging.getLogger(__name__)
+
+#: How much lower the summary worker's CPU priority is than the sidecar's (``nice``).
+WORKER_NICE = 10
+
+
+def _lower_priority() -> None:
+    try:
+        os.nice(WORKER_NICE)
+    except OSError:  # not allowed here: the same priority, still off the sidecar's GIL
+        pass
 
 
 class SummaryCache:
@@ -19,6 +45,27 @@ class SummaryCache:
         self._size = size
         self._items: OrderedDict[tuple[Any, ...], SessionSummary] = OrderedDict()
         self.lock = asyncio.Lock()  # bound to the app's loop on first use
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def compute(self, fn: Callable[..., SessionSummary], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)`` in the worker process (started on first use; started again
+        when it died, and this one summary then computed on a thread)."""
+        if self._pool is None:
+            # spawn: a fork of the sidecar would copy Ray's threads and sockets
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(1, mp_context=ctx, initializer=_lower_priority)
+        call = functools.partial(fn, *args, **kw)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        except BrokenProcessPool:
+            log.warning("profd: the summary worker died; starting another")
+            self.close()
+            return await asyncio.to_thread(call)
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def get(self, key: tuple[Any, ...]) -> SessionSummary | None:
         if key in self._items:

@@ -237,7 +237,9 @@ async def _summary_of(
         async with summaries.lock:
             cached = summaries.get(key)
             if cached is None:
-                cached = await asyncio.to_thread(
+                # local files: in the low-priority worker; others: Ray tasks, waited for here
+                run = asyncio.to_thread if nodes is not None else summaries.compute
+                cached = await run(
                     summarize_files, paths, source=view.save_dir, nodes=nodes, workers=1, top=top
                 )
                 if lost:

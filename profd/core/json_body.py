@@ -16,10 +16,12 @@ from pydantic import BaseModel
 
 from profd.core.paging import Page
 
-__all__ = ["JSON_READS", "JsonItems", "encode_items", "encode_read"]
+__all__ = ["BATCHED_READS", "JSON_READS", "JsonItems", "encode_items", "encode_read"]
 
 #: The coordinator reads :func:`encode_read` answers (each a view, a list or a page of them).
 JSON_READS = frozenset({"get_session", "list_sessions", "list_traces", "list_agents", "status"})
+#: The coordinator's calls the sidecar may send several of at once (``read_many``): reads.
+BATCHED_READS = frozenset({"read_json", "ping", "metrics"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,3 +99,89 @@ def test_a_coordinator_without_json_reads_is_read_and_encoded_by_the_sidecar() -
     got = asyncio.run(client.call("read_json", "list_agents"))
     assert isinstance(got, JsonItems) and got.count == 1
     assert json.loads(json_listing(got).body) == {"data": [t.model_dump(mode="json")], "count": 1}
+
+
+def test_a_finished_sessions_json_is_kept_until_what_it_shows_changes(tmp_path: Path) -> None:
+    """Read again unchanged, a finished session's view is the kept JSON; a trace indexed late,
+    an upload or a finish hook that moves on, each shows in the next read (as a view built
+    afresh has it), and a live session is built on every read."""
+    from profd.actors.sessions import HookRecord, UploadRecord
+    from profd.core.states import HookState, UploadState
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        live = await coord.create_session({"steps": [30], "roles": EVERY_ACTOR})
+        assert live.state.is_terminal is False
+        first = await coord.read_json("get_session", live.session_id)
+        assert await coord.read_json("get_session", live.session_id) is not first
+
+        await coord.cancel_session(live.session_id)
+        sid = live.session_id
+        s = coord._book.get(sid)
+
+        async def fresh() -> object:
+            return (await coord.get_session(sid)).model_dump(mode="json")
+
+        kept = await coord.read_json("get_session", sid)
+        assert await coord.read_json("get_session", sid) is kept  # not built again
+        assert json.loads(kept) == await fresh()
+
+        await coord.report("a", [trace(sid, live.save_dir, "t-late", (30,))])
+        late = await coord.read_json("get_session", sid)
+        assert [t["trace_id"] for t in json.loads(late)["traces"]] == ["t-late"]
+        assert json.loads(late) == await fresh()
+
+        s.uploads["t-late"] = UploadRecord(path="/p", bytes=1, node_id=None)
+        pending = await coord.read_json("get_session", sid)
+        assert json.loads(pending)["uploads"][0]["state"] == "pending"
+        s.uploads["t-late"] = UploadRecord(
+            path="/p", bytes=1, node_id=None, state=UploadState.DONE, dest="file:///d"
+        )
+        done = json.loads(await coord.read_json("get_session", sid))
+        assert done["uploads"][0]["state"] == "done" and done == await fresh()
+
+        s.hooks["h"] = HookRecord(agent_id="h", role="actor", rank=0, node="n")
+        assert json.loads(await coord.read_json("get_session", sid))["hooks"][0]["state"] == (
+            "pending"
+        )
+        s.hooks["h"] = HookRecord(
+            agent_id="h", role="actor", rank=0, node="n", state=HookState.DONE, exit_code=0
+        )
+        hooked = json.loads(await coord.read_json("get_session", sid))
+        assert hooked["hooks"][0]["exit_code"] == 0 and hooked == await fresh()
+
+        # a page is made of the same kept JSON
+        page = await coord.read_json("list_sessions", 10, None)
+        assert json.loads(page.items) == [hooked]
+
+    asyncio.run(go())
+
+
+def test_the_kept_json_of_finished_sessions_stays_within_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from profd.actors import session_book
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        ids = []
+        for step in range(20, 26):
+            v = await coord.create_session({"steps": [step], "roles": EVERY_ACTOR})
+            await coord.cancel_session(v.session_id)
+            ids.append(v.session_id)
+        size = len(await coord.read_json("get_session", ids[0]))
+        monkeypatch.setattr(session_book, "VIEW_CACHE_BYTES", 3 * size + size // 2)
+        coord._book._encoded.clear()
+        coord._book._encoded_bytes = 0
+        for sid in ids:
+            await coord.read_json("get_session", sid)
+        book = coord._book
+        assert list(book._encoded) == ids[-3:]  # the least recently read dropped first
+        assert book._encoded_bytes == sum(len(b) for _, b in book._encoded.values())
+        assert book._encoded_bytes <= session_book.VIEW_CACHE_BYTES
+
+    asyncio.run(go())

@@ -72,6 +72,11 @@ def test_a_session_after_a_profiled_one_aligns_on_the_jobs_step(live: tuple[Home
     prof = home.cli("profile", "--next-steps", "1", "--role", "critic", "--wait", "--json")
     assert prof.returncode == 0, prof.stdout + prof.stderr
     profiled = json.loads(prof.stdout)["steps"][0]
+    # its summary, computed by the sidecar actor's summary worker process (local files)
+    summary = home.http("GET", f"/api/v1/sessions/{json.loads(prof.stdout)['session_id']}/summary")
+    assert summary.status_code == 200, summary.text
+    assert {t["role"] for t in summary.json()["tracks"]} == {"critic"}
+    assert summary.json()["stages"] and not summary.json()["skipped"]
     job.wait_step(profiled + 20)
     critic = next(a for a in home.agents() if a["role"] == "critic")
     assert critic["current_step"] >= profiled + 20 and critic["step_source"] == "driver"

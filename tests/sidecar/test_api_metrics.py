@@ -111,3 +111,35 @@ def test_each_app_has_its_own_registry(local_coordinator) -> None:
     b = create_app(SidecarConfig(), client=LoopClient(local_coordinator))
     assert a.state.metrics[0] is not b.state.metrics[0]
     assert not any(n.startswith("profd_") for n in REGISTRY._names_to_collectors)
+
+
+def test_a_snapshot_shared_by_requests_is_rendered_once(
+    make_sidecar, local_coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests that share one coordinator snapshot (``SharedReads``) share its text; a new
+    snapshot, after a change, is rendered again."""
+    from profd.api import metrics as metrics_mod
+
+    renders: list[int] = []
+    real = metrics_mod.generate_latest
+
+    def counted(registry: Any) -> bytes:
+        renders.append(1)
+        return real(registry)
+
+    monkeypatch.setattr(metrics_mod, "generate_latest", counted)
+    agents = start_agents(local_coordinator, 1, "actor")
+    try:
+        with make_sidecar(read_cache_s=5.0) as srv:
+            a, b = (httpx.get(f"{srv.url}/metrics") for _ in range(2))
+            assert a.status_code == b.status_code == 200 and a.text == b.text
+            assert len(renders) == 1
+            live = httpx.post(f"{srv.url}/api/v1/sessions", json={"steps": [50]}, headers=AUTH)
+            assert live.status_code == 201
+            c = httpx.get(f"{srv.url}/metrics")
+            assert len(renders) == 2
+            sessions = {k: v for k, v in samples(c.text).items() if k[0] == "profd_sessions"}
+            assert sum(sessions.values()) == 1  # the new snapshot, with the new session
+    finally:
+        for agent in agents:
+            agent.close()
