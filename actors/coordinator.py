@@ -424,15 +424,21 @@ class ProfileCoordinator:
     async def read_many(self, reads: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Several of the sidecar's reads in one call (:data:`BATCHED_READS`; see
         :class:`profd.api.client.BatchedReads`): each answer in order, or the error it raised
-        (the coordinator's own, as :meth:`read_json` raises them)."""
+        (the coordinator's own, as :meth:`read_json` raises them; any other as a
+        ``RuntimeError`` naming it)."""
         out: list[Any] = []
-        for method, args in reads:
+        for i, (method, args) in enumerate(reads):
+            if i:
+                await asyncio.sleep(0)  # agents' polls and reports between two reads
             try:
                 if method not in BATCHED_READS:
                     raise RequestInvalid.at("method", f"not a batched read: {method!r}")
                 out.append(await getattr(self, method)(*args))
             except ProfdError as exc:
                 out.append(exc)
+            except Exception as exc:  # one read's fault fails that read, not its batch
+                log.exception("read_many: %s failed", method)
+                out.append(RuntimeError(f"{method}: {type(exc).__name__}: {exc}"))
         return out
 
     async def ping(self) -> str:

@@ -181,13 +181,14 @@ class _AgentTimes:
             self.pace.append((at, step))
 
     def period(self) -> float | None:
-        """Median seconds per step between the reports that showed new steps."""
+        """Median seconds per step between the reports that showed new steps (two gaps at
+        least: one could be a pause)."""
         rates = [
             (t1 - t0) / (s1 - s0)
             for (t0, s0), (t1, s1) in zip(self.pace, list(self.pace)[1:], strict=False)
             if t1 > t0
         ]
-        return statistics.median(rates) if rates else None
+        return statistics.median(rates) if len(rates) >= 2 else None
 
 
 class MarkStats:

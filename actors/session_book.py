@@ -211,6 +211,7 @@ class SessionBook:
             return None
         return (
             s.state,
+            s.steps,  # a next_steps session cancelled while its steps were being chosen
             s.finished_at,
             s.reason,
             len(s.targets),

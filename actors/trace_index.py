@@ -167,17 +167,10 @@ class TraceIndex:
         chosen, next_cursor, total = page_of(out, _newest_key, "traces", limit, cursor)
         return Page(chosen, next_cursor, total, sum(t.bytes for t in out))
 
-    def find_json(
-        self,
-        session_id: str | None = None,
-        role: str | None = None,
-        rank: int | None = None,
-        limit: int | None = None,
-        cursor: str | None = None,
-    ) -> JsonItems:
-        """:meth:`find` as :class:`~profd.core.json_body.JsonItems`; each trace's JSON is
-        encoded once (a view never changes), when first read."""
-        found = self.find(session_id, role, rank, limit, cursor)
+    def find_json(self, *query: Any) -> JsonItems:
+        """:meth:`find` (its arguments) as :class:`~profd.core.json_body.JsonItems`; each
+        trace's JSON is encoded once (a view never changes), when first read."""
+        found = self.find(*query)
         if not isinstance(found, Page):
             return JsonItems(self._encode(found), len(found), len(found))
         encoded = self._encode(found.items)

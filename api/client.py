@@ -62,7 +62,7 @@ class RayCoordinatorClient:
             # a coordinator of an older profd, still running after an upgrade: encode here
             return encode_read(await self.call(*args))
         if method == "read_many" and not hasattr(handle, "read_many"):
-            return [await _answer(self.call(m, *a)) for m, a in args[0]]
+            return list(await asyncio.gather(*(_answer(self.call(m, *a)) for m, a in args[0])))
         try:
             return await acall_coordinator(handle, method, *args)
         except CoordinatorUnavailable:
@@ -110,21 +110,8 @@ class BatchedReads:
 
     async def _send(self, batch: list[tuple[str, tuple[Any, ...], asyncio.Future[Any]]]) -> None:
         try:
-            if len(batch) == 1:
-                method, args, fut = batch[0]
-                try:
-                    answers: list[Any] = [await self.inner.call(method, *args)]
-                except Exception as exc:
-                    answers = [exc]
-            else:
-                self.batches += 1
-                self.batched_reads += len(batch)
-                reads = [(method, args) for method, args, _ in batch]
-                try:
-                    answers = await self.inner.call("read_many", reads)
-                except Exception as exc:
-                    answers = [exc] * len(batch)
-            for (_, _, fut), answer in zip(batch, answers, strict=True):
+            answers = await self._answers(batch)
+            for (_, _, fut), answer in zip(batch, answers, strict=False):
                 if fut.done():  # its request was cancelled (the client went away)
                     continue
                 if isinstance(answer, BaseException):
@@ -132,8 +119,30 @@ class BatchedReads:
                 else:
                     fut.set_result(answer)
         finally:
+            for _, _, fut in batch:  # never left waiting, whatever happened above
+                if not fut.done():
+                    fut.set_exception(CoordinatorUnavailable("the read was not answered"))
             self._sending -= 1
             self._send_some()
+
+    async def _answers(self, batch: list[tuple[str, tuple[Any, ...], Any]]) -> list[Any]:
+        """One answer or error per read of ``batch``, in order."""
+        if len(batch) == 1:
+            method, args, _ = batch[0]
+            try:
+                return [await self.inner.call(method, *args)]
+            except Exception as exc:
+                return [exc]
+        self.batches += 1
+        self.batched_reads += len(batch)
+        try:
+            answers = await self.inner.call("read_many", [(m, a) for m, a, _ in batch])
+        except Exception as exc:
+            return [exc] * len(batch)
+        if not isinstance(answers, list) or len(answers) != len(batch):
+            wrong = CoordinatorUnavailable(f"read_many: {len(batch)} reads, a wrong answer")
+            return [wrong] * len(batch)
+        return answers
 
 
 class SharedReads:

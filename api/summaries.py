@@ -21,13 +21,22 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from profd.analysis.models import SessionSummary
+from profd.core.errors import ProfdError
 
-__all__ = ["WORKER_NICE", "SummaryCache"]
+__all__ = ["WORKER_NICE", "SummaryCache", "SummaryUnavailable"]
 
 log = logging.getLogger(__name__)
 
 #: How much lower the summary worker's CPU priority is than the sidecar's (``nice``).
 WORKER_NICE = 10
+
+
+class SummaryUnavailable(ProfdError):
+    """The summary worker died twice on one summary (out of memory on huge traces, most
+    likely): not computed in the sidecar itself, which serves every other route."""
+
+    status_code = 503
+    code = "summary_unavailable"
 
 
 def _lower_priority() -> None:
@@ -48,19 +57,23 @@ class SummaryCache:
         self._pool: ProcessPoolExecutor | None = None
 
     async def compute(self, fn: Callable[..., SessionSummary], *args: Any, **kw: Any) -> Any:
-        """``fn(*args, **kw)`` in the worker process (started on first use; started again
-        when it died, and this one summary then computed on a thread)."""
-        if self._pool is None:
-            # spawn: a fork of the sidecar would copy Ray's threads and sockets
-            ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(1, mp_context=ctx, initializer=_lower_priority)
+        """``fn(*args, **kw)`` in the worker process (started on first use; when it dies,
+        started again and the summary tried once more)."""
         call = functools.partial(fn, *args, **kw)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
-        except BrokenProcessPool:
-            log.warning("profd: the summary worker died; starting another")
-            self.close()
-            return await asyncio.to_thread(call)
+        for attempt in (1, 2):
+            if self._pool is None:
+                # spawn: a fork of the sidecar would copy Ray's threads and sockets
+                ctx = multiprocessing.get_context("spawn")
+                self._pool = ProcessPoolExecutor(1, mp_context=ctx, initializer=_lower_priority)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+            except BrokenProcessPool:
+                log.warning("profd: the summary worker died (attempt %d of 2)", attempt)
+                self.close()
+        raise SummaryUnavailable(
+            "the summary worker died twice computing this summary (out of memory?); "
+            "`profd summarize` on the session directory reads it in a process of its own"
+        )
 
     def close(self) -> None:
         pool, self._pool = self._pool, None

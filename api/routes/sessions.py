@@ -166,7 +166,7 @@ async def get_session(client: ClientDep, session_id: str = SessionId) -> Respons
 @router.get(
     "/{session_id}/summary",
     response_model=SessionSummary,
-    responses=error_responses(404, 409, 422),
+    responses=error_responses(404, 409, 422, 503),
 )
 async def session_summary(
     client: ClientDep,
@@ -186,7 +186,7 @@ async def session_summary(
 @router.get(
     "/{session_id}/diff/{other_id}",
     response_model=SessionDiff,
-    responses=error_responses(404, 409, 422),
+    responses=error_responses(404, 409, 422, 503),
 )
 async def session_diff(
     client: ClientDep,

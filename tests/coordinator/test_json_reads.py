@@ -152,6 +152,12 @@ def test_a_finished_sessions_json_is_kept_until_what_it_shows_changes(tmp_path: 
         hooked = json.loads(await coord.read_json("get_session", sid))
         assert hooked["hooks"][0]["exit_code"] == 0 and hooked == await fresh()
 
+        # steps chosen after the session ended (next_steps cancelled while being aligned)
+        s.resolve_steps((31,))
+        stepped = json.loads(await coord.read_json("get_session", sid))
+        assert stepped["steps"] == [31] and stepped == await fresh()
+        hooked = stepped
+
         # a page is made of the same kept JSON
         page = await coord.read_json("list_sessions", 10, None)
         assert json.loads(page.items) == [hooked]

@@ -34,6 +34,9 @@ def test_the_step_period_is_the_loops_pace_when_slower_than_the_step_mark() -> N
     slow = MarkStats()
     for t in range(6):
         slow.add("c", MarkDurations(step=LabelDurations("step", ())), 7 + t // 3, float(t))
+    assert slow.step_period("c") is None  # one gap: it could have been a pause
+    for t in range(6, 9):
+        slow.add("c", MarkDurations(step=LabelDurations("step", ())), 7 + t // 3, float(t))
     assert slow.step_period("c") == 3.0
 
 

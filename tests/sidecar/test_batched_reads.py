@@ -126,6 +126,7 @@ def test_the_coordinators_read_many_answers_each_read_as_it_would_alone(tmp_path
             ("ping", ()),
             ("read_json", ("list_sessions", 10, None)),
             ("cancel_session", (view.session_id,)),
+            ("read_json", ("get_session",)),  # a bad call: that read fails, as itself
         ]
         got = await coord.read_many(reads)
         assert json.loads(got[0]) == (await coord.get_session(view.session_id)).model_dump(
@@ -135,6 +136,7 @@ def test_the_coordinators_read_many_answers_each_read_as_it_would_alone(tmp_path
         assert got[2] == await coord.ping()
         assert got[3].count == 1 and got[3].total == 1
         assert isinstance(got[4], RequestInvalid) and "not a batched read" in str(got[4])
+        assert isinstance(got[5], RuntimeError) and "TypeError" in str(got[5])
         assert (await coord.get_session(view.session_id)).state.is_terminal is False
 
         # through the client, with the coordinator in this process
@@ -146,6 +148,29 @@ def test_the_coordinators_read_many_answers_each_read_as_it_would_alone(tmp_path
         )
         assert all(a == got[0] for a in answers[:5]) and isinstance(answers[5], NotFoundError)
         assert client.batches == 1 and client.batched_reads == 5
+
+    asyncio.run(go())
+
+
+def test_a_batch_answered_with_the_wrong_number_of_answers_fails_each_read() -> None:
+    class Short(HeldCoordinator):
+        async def call(self, method: str, *args: Any) -> Any:
+            if method == "read_many":
+                self.calls.append((method, args))
+                return []
+            return await super().call(method, *args)
+
+    async def go() -> None:
+        inner = Short()
+        reads = BatchedReads(inner, in_flight=1)
+        blocker = asyncio.ensure_future(reads.call("ping"))
+        await _until(lambda: inner.calls)
+        waiting = [asyncio.ensure_future(reads.call("read_json", "status")) for _ in range(2)]
+        await asyncio.sleep(0)
+        inner.release_all()
+        assert await blocker == "ping()"
+        got = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 5)
+        assert all(isinstance(g, CoordinatorUnavailable) for g in got), got
 
     asyncio.run(go())
 
