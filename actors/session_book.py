@@ -195,11 +195,7 @@ class SessionBook:
 
     def views_json(self, limit: int | None = None, cursor: str | None = None) -> JsonItems:
         """:meth:`views` as :class:`~profd.core.json_body.JsonItems`."""
-        if limit is None and cursor is None:
-            chosen = sorted(self._sessions.values(), key=lambda s: s.created_at)
-            next_cursor, total = None, len(chosen)
-        else:
-            chosen, next_cursor, total = self._listing.page("sessions", limit, cursor)
+        chosen, next_cursor, total = self._chosen(limit, cursor)
         items = b"[" + b",".join(self.view_json(s) for s in chosen) + b"]"
         return JsonItems(items, len(chosen), total, next_cursor)
 
@@ -228,11 +224,19 @@ class SessionBook:
 
     def views(self, limit: int | None, cursor: str | None) -> list[SessionView] | Page:
         """See :meth:`ProfileCoordinator.list_sessions`."""
+        chosen, next_cursor, total = self._chosen(limit, cursor)
         if limit is None and cursor is None:
-            ordered = sorted(self._sessions.values(), key=lambda s: s.created_at)
-            return [self.view(s) for s in ordered]
-        chosen, next_cursor, total = self._listing.page("sessions", limit, cursor)
+            return [self.view(s) for s in chosen]
         return Page([self.view(s) for s in chosen], next_cursor, total)
+
+    def _chosen(
+        self, limit: int | None, cursor: str | None
+    ) -> tuple[list[Session], str | None, int]:
+        """Without ``limit`` and ``cursor`` every session, oldest first; else one page."""
+        if limit is None and cursor is None:
+            every = sorted(self._sessions.values(), key=lambda s: s.created_at)
+            return every, None, len(every)
+        return self._listing.page("sessions", limit, cursor)
 
     # -- changes ---------------------------------------------------------------------------
     def cancel(self, session_id: str, reason: str) -> Session:

@@ -57,7 +57,8 @@ def test_an_operators_day_of_restarts_and_crashes_never_hurts_the_job(
     _keep_ray_stops_profd_only_and_up_rejoins(home, job, first)
     traces += _up_recreates_a_coordinator_killed_for_good(home, job)
     _stop_ray_stops_all_of_it(home, job, first)
-    _downloads_work_after_up_on_a_new_ray(home, tmp_path, first, traces)
+    downloaded = _downloads_work_after_up_on_a_new_ray(home, tmp_path, first, traces)
+    assert downloaded == len(traces) == 6  # every trace of the day, after all of it
 
 
 def _up_starts_its_own_loopback_ray(home: Home) -> dict:
@@ -194,7 +195,8 @@ def _stop_ray_stops_all_of_it(home: Home, job: Job, first: dict) -> None:
 
 def _downloads_work_after_up_on_a_new_ray(
     home: Home, tmp_path: Path, first: dict, traces: list[dict]
-) -> None:
+) -> int:
+    """Returns how many of the traces were downloaded, byte for byte."""
     home.up()
     state = home.state()
     assert state["ray_address"] != first["ray_address"]  # a new cluster: node ids changed
@@ -202,15 +204,18 @@ def _downloads_work_after_up_on_a_new_ray(
     r = home.cli("traces", "--download", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert len(traces) == 6
+    same = 0
     for t in traces:
         got = list(out.rglob(Path(t["path"]).name))
         assert len(got) == 1 and got[0].read_bytes() == Path(t["path"]).read_bytes(), t
+        same += 1
     # nothing but profd runs on this Ray: a plain `down` stops it too, and leaves nothing
     down = home.cli("down", timeout=120)
     assert down.returncode == 0 and "local ray" in down.stdout, down.stdout + down.stderr
     wait_until(
         lambda: not _processes_of(state["ray_temp_dir"]), 30, what="that Ray's processes gone"
     )
+    return same
 
 
 def _processes_of(temp_dir: str) -> list[int]:

@@ -93,13 +93,15 @@ def test_agents_poll_their_nodes_relay_and_survive_its_death(ray_coordinator) ->
         nodes = Counter(ray.get([w.node_id.remote() for w in ws], timeout=30))
         for w in ws:  # the job: steps until the test kills it (an actor runs one call at once)
             w.run.remote(100_000, 0.5)
-        _check(coord, nodes)
+        final = _check(coord, nodes)
+        assert final.state == "done" and final.traces, final.reason
     finally:
         for w in ws:
             ray.kill(w)
 
 
-def _check(coord: Any, nodes: Counter[str]) -> None:
+def _check(coord: Any, nodes: Counter[str]) -> Any:
+    """Returns the last session's view, after the relay came back."""
     import ray
 
     from profd.actors.relay import relay_name
@@ -115,6 +117,7 @@ def _check(coord: Any, nodes: Counter[str]) -> None:
 
     final = _session(coord)
     assert final.state == "done", final.reason
+    return final
     after = {n: ray.get(r.stats.remote()) for n, r in relays.items()}
     assert after[head].events_sent > 0 and after[head].reports_sent < after[head].events_sent
     assert all(s.pushes > 0 for s in after.values())  # plans pushed to each relay actor
