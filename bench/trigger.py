@@ -21,10 +21,14 @@ coordinator's SQLite store made ``--slow-commit-ms`` longer: the store's measure
 switched between variants on the one coordinator). The store writes behind the event loop,
 so the slow disk should move no figure (target: p50s within 10 %).
 
-    python bench/trigger.py [--agents 16] [--rounds 100] [--slow-commit-ms 50]
+    python bench/trigger.py [--agents 16] [--rounds 100] [--slow-commit-ms 50] [--relay off]
 
-Last line: ``RESULT agents=16 rounds=100 p50_ms=... p99_ms=... next_steps_p50_ms=...
-next_steps_p99_ms=... slow_disk_p50_ms=... slow_disk_next_steps_p50_ms=...
+The agents reach the coordinator as profd's do by default, through their node's relay
+(``--relay off``: ``PROFD_RELAY=0`` in the workers, each long-polls the coordinator); the
+rounds start once every agent reports that link (``link`` in RESULT).
+
+Last line: ``RESULT agents=16 rounds=100 link=relay|direct p50_ms=... p99_ms=...
+next_steps_p50_ms=... next_steps_p99_ms=... slow_disk_p50_ms=... slow_disk_next_steps_p50_ms=...
 slow_disk_delta_pct=... slow_disk_next_steps_delta_pct=... post_p50_ms=...
 slow_disk_post_p50_ms=... incomplete=... slow_disk_incomplete=... targets=met|missed:...
 load_start=... load=...`` (targets: both normal-disk p50s ≤ 100 ms; the slow disk moves each
@@ -170,9 +174,9 @@ class Stack:
     workers: list[Any]
 
 
-def start(agents: int, state_dir: str) -> Stack:
+def start(agents: int, state_dir: str, relay: bool) -> Stack:
     """The coordinator (persisting under ``state_dir``), the sidecar and ``agents`` workers
-    that have all reported a step."""
+    that have all reported a step through the link asked for (``relay``, or direct)."""
     import ray
 
     from profd.actors import COORDINATOR_MAX_CONCURRENCY
@@ -199,15 +203,24 @@ def start(agents: int, state_dir: str) -> Stack:
     api = httpx.Client(
         base_url=services.address["url"], timeout=60, headers={"Authorization": f"Bearer {token}"}
     )
-    remote = ray.remote(BenchWorker).options(num_cpus=0, max_concurrency=2)  # loop + disarmed
+    env = {"env_vars": {"PROFD_RELAY": "1" if relay else "0"}}
+    remote = ray.remote(BenchWorker).options(  # loop + disarmed
+        num_cpus=0, max_concurrency=2, runtime_env=env
+    )
     workers = [remote.remote(r, agents) for r in range(agents)]
     ray.get([w.ready.remote() for w in workers])
     for w in workers:
         w.loop.remote(3600)
+    link = "relay" if relay else "direct"
+
+    def ready() -> int:
+        data = api.get("/api/v1/agents").json()["data"]
+        return sum(1 for a in data if a["current_step"] and a["link"] == link)
+
     deadline = time.monotonic() + 120
-    while sum(1 for a in api.get("/api/v1/agents").json()["data"] if a["current_step"]) < agents:
+    while ready() < agents:
         if time.monotonic() > deadline:
-            raise RuntimeError("the agents did not all report a step within 120 s")
+            raise RuntimeError(f"the agents did not all report a step via {link} within 120 s")
         time.sleep(0.2)
     return Stack(coordinator, services, api, workers)
 
@@ -275,6 +288,10 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--slow-commit-ms", type=float, default=50.0)
+    parser.add_argument(
+        "--relay", choices=("on", "off"), default="on",
+        help="agents through their node's relay (profd's default) or each to the coordinator",
+    )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -286,7 +303,7 @@ def main() -> None:
     import ray
 
     with tempfile.TemporaryDirectory(prefix="profd-bench-trigger-") as state_dir:
-        stack = start(args.agents, state_dir)
+        stack = start(args.agents, state_dir, args.relay == "on")
         slow_s = args.slow_commit_ms / 1000
         samples = run_rounds(stack, args.rounds, slow_s)
         stats = ray.get(stack.coordinator.store_stats.remote())
@@ -305,6 +322,7 @@ def main() -> None:
             )
     print(f"store: {stats['commits']} commits, {stats['failed']} failed")
     fields = {"agents": str(args.agents), "rounds": str(args.rounds)}
+    fields["link"] = "relay" if args.relay == "on" else "direct"
     fields |= {"slow_commit_ms": f"{args.slow_commit_ms:g}", **result_fields(samples)}
     fields |= {"load_start": f"{load_start:.2f}", "load": f"{os.getloadavg()[0]:.2f}"}
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)

@@ -496,7 +496,7 @@ class ProfilerAgent:
 
 
 def _default_find_link() -> Callable[[], CoordinatorLink | None] | None:
-    """Inside Ray: the coordinator (through the node's relay with ``PROFD_RELAY=1``)."""
+    """Inside Ray: the coordinator, through the node's relay (``PROFD_RELAY=0``: directly)."""
     if not ray_up():
         return None
     from profd.agent.relay_link import default_link_finder

@@ -8,8 +8,8 @@ raises :class:`LinkMoved`, so the channel re-registers through the relay. A rela
 the middle of a call is a :class:`~profd.agent.channel.LinkDown`: the channel asks the finder
 again, which falls back to the coordinator. All of it runs on the agent's background threads.
 
-Relays are opt-in for now: ``PROFD_RELAY=1`` in the job's environment turns them on (without
-it every agent long-polls the coordinator itself); ``PROFD_RELAY_RETRY_S`` sets ``retry_s``
+Relays are on by default; ``PROFD_RELAY=0`` in the job's environment turns them off (every
+agent then long-polls the coordinator itself). ``PROFD_RELAY_RETRY_S`` sets ``retry_s``
 (default 10 s).
 """
 
@@ -37,16 +37,21 @@ log = logging.getLogger(__name__)
 
 #: While on a direct link, how often an agent checks whether its relay is back.
 RELAY_RETRY_S = 10.0
-#: How long a new (or restarted) relay may take to answer its first ping.
+#: How long an agent waits for a relay that exists (being restarted, perhaps) to answer.
 RELAY_READY_S = 10.0
+#: When an agent that started its node's relay first checks whether it answers (then
+#: twice as long each time, up to ``retry_s``); it polls the coordinator meanwhile.
+RELAY_FIRST_CHECK_S = 0.5
+#: The shortest long-poll a direct link sends while it waits for the relay.
+MIN_POLL_S = 0.05
 #: How long an agent waits for the relay to answer a report: two of the relay's own
 #: ``report_many`` waits (``profd.actors.relay.REPORT_TIMEOUT_S``), and a little more.
 RELAY_REPORT_WAIT_S = 65.0
 
 
 def relays_enabled() -> bool:
-    """``PROFD_RELAY`` is set to a true value (1, true, yes, on)."""
-    return os.environ.get("PROFD_RELAY", "0").strip().lower() in ("1", "true", "yes", "on")
+    """Relays are on unless ``PROFD_RELAY`` is set to a false value (0, false, no, off)."""
+    return os.environ.get("PROFD_RELAY", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class RelayLink(RayLink):
@@ -74,25 +79,37 @@ class RelayLink(RayLink):
 
 class DirectLink:
     """The coordinator itself, for as long as the relay is not there; raises
-    :class:`LinkMoved` from :meth:`poll` once it is."""
+    :class:`LinkMoved` from :meth:`poll` once it is. ``relay_back`` must not block: it is
+    asked between polls, first after ``first_check_s``, then twice as long each time up to
+    ``retry_s`` (a relay just started is moved to within a second or two)."""
 
     kind = "direct"
 
-    def __init__(self, link: CoordinatorLink, relay_back: Callable[[], bool], retry_s: float):
+    def __init__(
+        self,
+        link: CoordinatorLink,
+        relay_back: Callable[[], bool],
+        retry_s: float,
+        first_check_s: float | None = None,
+    ):
         self._link = link
         self._relay_back = relay_back
         self._retry_s = retry_s
-        self._next_check = time.monotonic() + retry_s
+        self._check_s = min(retry_s, first_check_s or retry_s)
+        self._next_check = time.monotonic() + self._check_s
 
     def register(self, info: AgentInfo, step: int | None) -> Registration:
         return self._link.register(info, step)
 
     def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> PollReply:
-        if time.monotonic() >= self._next_check:
-            self._next_check = time.monotonic() + self._retry_s
+        now = time.monotonic()
+        if now >= self._next_check:
             if self._relay_back():
                 raise LinkMoved("the node's relay is back")
-        return self._link.poll(agent_id, version, step, min(timeout, self._retry_s))
+            self._check_s = min(self._retry_s, self._check_s * 2)
+            self._next_check = now + self._check_s
+        left = max(MIN_POLL_S, self._next_check - time.monotonic())
+        return self._link.poll(agent_id, version, step, min(timeout, left))
 
     def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         return self._link.report(agent_id, events)
@@ -102,7 +119,12 @@ class DirectLink:
 
 
 class NodeLinkFinder:
-    """``find_link`` for the agents of one process (see the module docstring)."""
+    """``find_link`` for the agents of one process (see the module docstring).
+
+    A relay already on the node (or being restarted by Ray) is waited for, up to
+    :data:`RELAY_READY_S`. A node without one gets one started, but the agent does not wait
+    for it: it registers with the coordinator directly at once and moves to the relay as
+    soon as the relay answers a ping (checked without blocking between polls)."""
 
     def __init__(
         self,
@@ -111,41 +133,73 @@ class NodeLinkFinder:
         retry_s: float | None = None,
         find_direct: Callable[[], CoordinatorLink | None] = find_ray_link,
         get_relay: Callable[[str], Any] | None = None,
+        find_relay: Callable[[str], Any | None] | None = None,
     ) -> None:
         self._node_id = node_id
         self._retry_s = retry_s or float(os.environ.get("PROFD_RELAY_RETRY_S", RELAY_RETRY_S))
         self._find_direct = find_direct
-        self._get_relay = get_relay
+        self._get_relay = get_relay or _get_or_create_relay
+        self._find_relay = find_relay or _find_relay
+        self._ping: Any | None = None  # a ping sent to a starting relay, not answered yet
         self._warned = False
 
     def __call__(self) -> CoordinatorLink | None:
         direct = self._find_direct()
         if direct is None:
             return None  # no coordinator: nothing to relay to
-        relay = self._relay()
+        relay = self._existing_relay()
         if relay is not None:
             return RelayLink(relay)
-        return DirectLink(direct, lambda: self._relay() is not None, self._retry_s)
+        self._relay_ready()  # starts the relay (and sends it a ping) without waiting
+        return DirectLink(direct, self._relay_ready, self._retry_s, RELAY_FIRST_CHECK_S)
 
-    def _relay(self) -> Any | None:
-        """The node's relay answering a ping (started when missing), or None."""
+    def _node(self) -> str:
+        import ray
+
+        return self._node_id or ray.get_runtime_context().get_node_id()
+
+    def _existing_relay(self) -> Any | None:
+        """The node's relay if it exists and answers a ping (Ray may be restarting it)."""
         import ray
 
         try:
-            node = self._node_id or ray.get_runtime_context().get_node_id()
-            handle = (self._get_relay or _get_or_create_relay)(node)
+            handle = self._find_relay(self._node())
+            if handle is None:
+                return None
             ray.get(handle.ping.remote(), timeout=RELAY_READY_S)
             return handle
-        except Exception as exc:  # no relay now: the coordinator directly, checked again later
-            if not self._warned:
-                self._warned = True
-                log.warning("profd: node relay unavailable (%s); polling the coordinator", exc)
+        except Exception as exc:  # gone, or not back in time: the coordinator directly
+            self._warn(exc)
             return None
+
+    def _relay_ready(self) -> bool:
+        """Whether the node's relay (started when missing) answered the ping sent to it
+        earlier; never waits."""
+        import ray
+
+        try:
+            if self._ping is None:
+                self._ping = self._get_relay(self._node()).ping.remote()
+            ready, _ = ray.wait([self._ping], timeout=0)
+            if not ready:
+                return False
+            ref, self._ping = self._ping, None
+            ray.get(ref)  # raises if the relay died
+            return True
+        except Exception as exc:  # no relay now: asked again at the next check
+            self._ping = None
+            self._warn(exc)
+            return False
+
+    def _warn(self, exc: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("profd: node relay unavailable (%s); polling the coordinator", exc)
 
 
 def default_link_finder() -> Callable[[], CoordinatorLink | None]:
-    """An agent's ``find_link`` inside Ray: :class:`NodeLinkFinder` with ``PROFD_RELAY=1``,
-    else the coordinator directly."""
+    """An agent's ``find_link`` inside Ray: :class:`NodeLinkFinder`, or the coordinator
+    directly with ``PROFD_RELAY=0``."""
     return NodeLinkFinder() if relays_enabled() else find_ray_link
 
 
@@ -153,3 +207,10 @@ def _get_or_create_relay(node_id: str) -> Any:
     from profd.actors import get_or_create_relay
 
     return get_or_create_relay(node_id)
+
+
+def _find_relay(node_id: str) -> Any | None:
+    from profd.actors.relay import relay_name
+    from profd.core.ray_env import find_actor
+
+    return find_actor(relay_name(node_id))

@@ -240,6 +240,7 @@ def test_the_driver_never_hangs_when_the_gcs_is_gone(home: Home) -> None:
     state = home.state()
     job = Job(home, state["ray_address"])
     job.wait_step(3)
+    wait_until(lambda: len(home.agents()) == 3, 60, what="the job's agents")
     r = home.http(
         "POST", "/api/v1/sessions", json={"next_steps": 500, "roles": {"*": {"all_ranks": True}}}
     )

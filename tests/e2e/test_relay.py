@@ -1,6 +1,7 @@
-"""Per-node relays on the real two-node Ray of the test session: the job's workers reach the
-coordinator through their node's relay, one shared long-poll per node; a relay's death never
-stops a session, its agents go straight to the coordinator, and move back when it returns."""
+"""Per-node relays on the real two-node Ray of the test session: by default the job's workers
+reach the coordinator through their node's relay (started by the node's first agent, which
+registers directly meanwhile); a relay's death never stops a session, its agents go straight
+to the coordinator, and move back when it returns. ``PROFD_RELAY=0`` keeps a worker direct."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
-ENV = {"PROFD_RELAY": "1", "PROFD_RELAY_RETRY_S": "1"}
+ENV = {"PROFD_RELAY_RETRY_S": "1"}  # relays are on without PROFD_RELAY
+DIRECT = {"PROFD_RELAY": "0"}
 
 
-def _workers(specs: list[tuple[str, int, int, bool]]) -> list[Any]:
+def _workers(specs: list[tuple[str, int, int, bool]], env: dict[str, str] = ENV) -> list[Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -25,7 +27,7 @@ def _workers(specs: list[tuple[str, int, int, bool]]) -> list[Any]:
     head = ray.get_runtime_context().get_node_id()
     made = []
     for role, rank, world, on_b in specs:
-        opts: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": ENV}}
+        opts: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": env}}
         if on_b:
             opts["resources"] = {"node_b": 0.01}
         else:  # the head: the test process's node
@@ -66,7 +68,8 @@ def _parked(relay: Any, n: int) -> None:
 
 
 def _links(coord: Any) -> list[str | None]:
-    return sorted(str(a.link) for a in _agents(coord) if a.state == "alive")
+    """How the relayed workers (role ``actor``) reach the coordinator."""
+    return sorted(str(a.link) for a in _agents(coord) if a.state == "alive" and a.role == "actor")
 
 
 def _session(coord: Any) -> Any:
@@ -89,12 +92,18 @@ def test_agents_poll_their_nodes_relay_and_survive_its_death(ray_coordinator) ->
 
     coord = ray_coordinator
     ws = _workers([("actor", 0, 3, False), ("actor", 1, 3, False), ("actor", 2, 3, True)])
+    ws += _workers([("critic", 0, 1, False)], DIRECT)
     try:
-        nodes = Counter(ray.get([w.node_id.remote() for w in ws], timeout=30))
+        nodes = Counter(ray.get([w.node_id.remote() for w in ws[:3]], timeout=30))
         for w in ws:  # the job: steps until the test kills it (an actor runs one call at once)
             w.run.remote(100_000, 0.5)
         final = _check(coord, nodes)
-        assert final.state == "done" and final.traces, final.reason
+        assert final.state == "done", final.reason
+        assert sorted((t.role, t.rank) for t in final.traces) == [
+            ("actor", 0), ("actor", 1), ("actor", 2), ("critic", 0)
+        ]  # fmt: skip
+        (critic,) = [a for a in _agents(coord) if a.role == "critic"]
+        assert str(critic.link) == "direct"  # PROFD_RELAY=0: never through a relay
     finally:
         for w in ws:
             ray.kill(w)
@@ -117,7 +126,6 @@ def _check(coord: Any, nodes: Counter[str]) -> Any:
 
     final = _session(coord)
     assert final.state == "done", final.reason
-    return final
     after = {n: ray.get(r.stats.remote()) for n, r in relays.items()}
     assert after[head].events_sent > 0 and after[head].reports_sent < after[head].events_sent
     assert all(s.pushes > 0 for s in after.values())  # plans pushed to each relay actor
@@ -130,3 +138,4 @@ def _check(coord: Any, nodes: Counter[str]) -> Any:
     _parked(_relays()[head], nodes.most_common(1)[0][1])
     final = _session(coord)
     assert final.state == "done", final.reason
+    return final
