@@ -55,7 +55,7 @@ def create_app(
         try:
             yield
         finally:
-            app.state.summaries.close()
+            await app.state.summaries.aclose()
 
     app = FastAPI(
         title="profd",
