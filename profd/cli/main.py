@@ -72,7 +72,7 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
     if st["live_sessions"]:
         console.print("live sessions: " + ", ".join(st["live_sessions"]))
     table = Table(title="Agents")
-    for col in ("role", "rank", "world", "node", "pid", "state", "step", "last seen"):
+    for col in ("role", "rank", "world", "node", "pid", "state", "step", "via", "last seen"):
         table.add_column(col)
     for a in agents:
         table.add_row(
@@ -83,6 +83,7 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
             str(a["pid"]),
             a["state"],
             _step_cell(a),
+            a.get("link") or "-",  # how its plans reach it: relay, direct or shared
             f"{a['last_seen_s']:.1f}s",
         )
     console.print(table)

@@ -50,6 +50,8 @@ def test_status_shows_the_jobs_step_from_its_driver(live: tuple[Home, Job]) -> N
     # relays are on by default: the job's agents end up polling their node's relay
     links = lambda: [a["link"] for a in home.agents()]  # noqa: E731
     wait_until(lambda: links() == ["relay"] * 3, 60, 0.2, what=f"agents via the relay: {links()}")
+    rows = [ln for ln in home.cli("status").stdout.splitlines() if " alive " in ln]
+    assert len(rows) == 3 and all("relay" in ln for ln in rows), rows  # the "via" column
 
 
 def test_steps_already_past_are_refused_and_reasons_stay_true(live: tuple[Home, Job]) -> None:
