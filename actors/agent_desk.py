@@ -216,6 +216,15 @@ class AgentDesk:
                 self._relays.changed(aid, True)
         return replies
 
+    async def relay_resync(
+        self, via: str, known: dict[str, int], steps: dict[str, int | None]
+    ) -> dict[str, PollReply] | None:
+        """See :meth:`ProfileCoordinator.relay_resync`."""
+        reach = self._relays.target_of(via) if self._relays is not None else None
+        if reach is None:
+            return None
+        return await self.relay_sync(via, known, steps, *reach)
+
     async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         rec = self._registry.get(agent_id)
         if rec is None:

@@ -301,6 +301,14 @@ class ProfileCoordinator:
         then on whenever their plans change."""
         return await self._agents.relay_sync(via, known, steps, target, key)
 
+    async def relay_resync(
+        self, via: str, known: dict[str, int], steps: dict[str, int | None]
+    ) -> dict[str, PollReply] | None:
+        """:meth:`relay_sync` of a relay whose handle the coordinator already holds (the
+        handle is not sent again); ``None`` when it holds none (never synced, forgotten
+        after a failed push, or a restarted coordinator): sync again with the handle."""
+        return await self._agents.relay_resync(via, known, steps)
+
     async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         return await self._agents.report(agent_id, events)
 

@@ -171,7 +171,11 @@ class NodeRelay:
         self._caller = caller or RayCoordinatorCaller()
         self._push_target = (push_target or (lambda: ray_self(node_id))) if pushed else None
         self._refresh = asyncio.Event()
+        self._refresh_ids: set[str] = set()  # agents whose fresh steps a push asked for
+        self._refresh_all = False
         self._pushes = 0
+        self._handle_held = False  # whether the coordinator holds this relay's push target
+        self._resync_works = True
         self._slots: dict[str, _Slot] = {}
         self._poll_s = SHARED_POLL_S
         self._loop_task: asyncio.Task[None] | None = None
@@ -268,14 +272,29 @@ class NodeRelay:
             loop = self._poll_loop() if target is None else self._sync_loop(*target)
             self._loop_task = asyncio.create_task(loop)
 
-    async def push(self, key: str, replies: dict[str, PollReply], refresh: bool) -> bool:
+    async def push(
+        self, key: str, replies: dict[str, PollReply], refresh: bool | list[str]
+    ) -> bool:
         """The coordinator's push (:mod:`profd.actors.relay_desk`): its agents' new plans,
-        and whether it wants their current steps (a ``next_steps`` session being placed)."""
+        and the agents whose current steps it wants (a ``next_steps`` session being placed
+        on them; ``True`` from an older coordinator: every agent here)."""
         self._pushes += 1
         self._apply(self._slots, replies)
+        if refresh is True:
+            self._refresh_all = True
+        elif refresh:
+            self._refresh_ids.update(refresh)
         if refresh:
             self._refresh.set()
         return True
+
+    def _to_refresh(self) -> dict[str, _Slot]:
+        """The slots a wake-up asked for (then forgotten): only they poll again, so a
+        session on one rank does not send every agent of the node around again."""
+        every = {a: s for a, s in self._slots.items() if not s.unknown}
+        ids, self._refresh_ids = self._refresh_ids, set()
+        everyone, self._refresh_all = self._refresh_all, False
+        return every if everyone else {a: s for a, s in every.items() if a in ids}
 
     def _snapshot(self) -> tuple[dict[str, _Slot], dict[str, int], dict[str, int | None]]:
         """The agents a shared poll or sync speaks for, the versions they hold and their
@@ -293,10 +312,15 @@ class NodeRelay:
             if not slots:
                 await self._joined.wait()
                 continue
-            sync = self._caller.call(
-                "relay_sync", self.name, known, steps, target, key, timeout=30.0
-            )
-            if await self._answered(slots, sync) is None:
+            if self._handle_held:  # the coordinator has it: not sent (nor deserialised) again
+                sync = self._resync(known, steps)
+            else:
+                sync = self._caller.call(
+                    "relay_sync", self.name, known, steps, target, key, timeout=30.0
+                )
+            answered = await self._answered(slots, sync)
+            self._handle_held = answered is not None and self._resync_works
+            if answered is None:
                 continue
             waits = {
                 asyncio.ensure_future(self._joined.wait()),
@@ -307,9 +331,22 @@ class NodeRelay:
                 t.cancel()
             if self._refresh.is_set():
                 self._refresh.clear()
-                await self._refresh_steps({a: s for a, s in self._slots.items() if not s.unknown})
+                await self._refresh_steps(self._to_refresh())
             elif self._joined.is_set():
                 await asyncio.sleep(JOIN_DEBOUNCE_S)  # a node's agents joining together
+
+    async def _resync(
+        self, known: dict[str, int], steps: dict[str, int | None]
+    ) -> dict[str, PollReply] | None:
+        """``relay_resync``; ``None`` when the coordinator holds no handle of this relay (or
+        is older and has no ``relay_resync``: the handle goes with every sync then)."""
+        try:
+            return await self._caller.call("relay_resync", self.name, known, steps, timeout=30.0)
+        except ConnectionError as exc:
+            if isinstance(exc.__cause__, AttributeError):
+                self._resync_works = False
+                return None
+            raise
 
     async def _poll_loop(self) -> None:
         while True:

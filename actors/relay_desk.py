@@ -6,9 +6,12 @@ A relay that gives the coordinator its handle instead (:meth:`RelayDesk.sync`, t
 ``relay_sync`` RPC, which answers at once) gets its agents' changed plans pushed to it: a
 plan change marks the relay, and one pass per event-loop turn sends each marked relay one
 ``push`` of its agents' new plans (:meth:`RelayDesk.flush`). A wake-up (a ``next_steps``
-session wants fresh steps) asks the relay to have its agents poll again and to sync with
-their steps. The relay syncs every poll period too: that keeps its agents alive here and
-their steps fresh.
+session wants fresh steps) asks the relay to have the woken agents (the session's targets
+there, not every agent of the node) poll again and to sync with their steps. The relay
+syncs every poll period too: that keeps its agents alive here and their steps fresh. Its
+handle travels once (``relay_sync``); later syncs leave it out (``relay_resync``: each
+handle that arrives is deserialised, 250 a second at 1,250 relays syncing every 5 s) until
+the coordinator no longer knows the relay.
 
 A push that fails (the relay died) forgets the relay; its agents are then served by its
 next incarnation's sync, or go to the coordinator directly (:mod:`profd.agent.relay_link`).
@@ -45,7 +48,8 @@ class _Relay:
     #: agent id -> the plan version the relay holds for it (or was last sent)
     held: dict[str, int] = field(default_factory=dict)
     dirty: bool = False
-    refresh: bool = False
+    #: agents whose current steps the coordinator wants (a wake-up), sent with the push
+    refresh: set[str] = field(default_factory=set)
     in_flight: int = 0
 
 
@@ -81,6 +85,11 @@ class RelayDesk:
             relay.held[aid] = version
             self._by_agent[aid] = relay
 
+    def target_of(self, name: str) -> tuple[Any, str] | None:
+        """How the relay ``name`` is reached (its handle and key), if it is known here."""
+        relay = self._relays.get(name)
+        return (relay.target, relay.key) if relay is not None else None
+
     def serves(self, agent_id: str) -> bool:
         return agent_id in self._by_agent
 
@@ -96,7 +105,8 @@ class RelayDesk:
         if relay is None:
             return False
         relay.dirty = True
-        relay.refresh = relay.refresh or refresh
+        if refresh:
+            relay.refresh.add(agent_id)
         self._pending.add(relay.name)
         if not self._scheduled:
             self._scheduled = True
@@ -121,7 +131,7 @@ class RelayDesk:
                 if plan.version != held:
                     replies[aid] = PollReply(plan=plan)
                     relay.held[aid] = plan.version  # sent (a failed push forgets the relay)
-            refresh, relay.refresh = relay.refresh, False
+            refresh, relay.refresh = sorted(relay.refresh), set()
             if replies or refresh:
                 try:  # submitted here, in this turn: every relay's push leaves at once
                     call = relay.target.push.remote(relay.key, replies, refresh)

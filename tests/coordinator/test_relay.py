@@ -293,3 +293,104 @@ def test_a_nodes_burst_of_events_goes_up_in_bounded_batches_each_agents_in_order
     assert sum(caller.sizes) == 3 + 18 + 4 and len(caller.sizes) >= 4, caller.sizes
     assert owner.call("metrics")["events_total"] - before == 25
     assert owner.call("metrics")["duplicate_events_total"] == 0  # a0's later ones not reordered
+
+
+def test_the_relays_handle_travels_once_until_the_coordinator_forgets_it(local_coordinator):
+    """Every sync of a pushed relay used to carry its actor handle, which the coordinator
+    deserialises on its event loop (tens of ms here); now only the first one does, and the
+    next one after the coordinator forgot the relay (a failed push, a restart)."""
+    owner = local_coordinator
+    caller = DirectCaller(owner.coordinator)
+    handle = PushHandle()
+    relay = owner.run(lambda: NodeRelay("node-a", caller, push_target=lambda: (handle, "node-a")))
+    handle.relay = relay
+    link = lambda: RelayLink(relay, owner.loop)  # noqa: E731
+    agent = ProfilerAgent("actor", 0, 1, find_link=link, mark_times=False).start()
+    try:
+        # polls of 1 s (the suite's settings): a resync about every second
+        wait_until(lambda: caller.calls.get("relay_resync", 0) >= 3, 20, 0.05, what="resyncs")
+        assert caller.calls["relay_sync"] <= 2  # the join (and an agent joining after it)
+        desk = owner.coordinator._relays
+        owner.run(lambda: desk._drop(desk._relays["profd_relay_node-a"]))  # as a failed push
+        before = caller.calls["relay_sync"]
+        wait_until(lambda: caller.calls["relay_sync"] > before, 20, 0.05, what="handle again")
+        assert owner.run(lambda: desk.target_of("profd_relay_node-a")) == (handle, "node-a")
+        view = owner.call("create_session", {"steps": [2], "roles": {"actor": {"all_ranks": True}}})
+        wait_until(
+            lambda: any(w.session_id == view.session_id for w in agent.plan.windows),
+            10, 0.02, what="a plan pushed through the relay it knows again",
+        )  # fmt: skip
+    finally:
+        agent.close(timeout=10)
+
+
+def test_an_older_coordinator_without_resync_gets_the_handle_every_time(local_coordinator):
+    owner = local_coordinator
+
+    class OlderCaller(DirectCaller):
+        async def call(self, method: str, *args: Any, timeout: float, **kw: Any) -> Any:
+            if method == "relay_resync":
+                self.calls[method] = self.calls.get(method, 0) + 1
+                raise ConnectionError("relay_resync: AttributeError") from AttributeError(method)
+            return await super().call(method, *args, timeout=timeout, **kw)
+
+    caller = OlderCaller(owner.coordinator)
+    handle = PushHandle()
+    relay = owner.run(lambda: NodeRelay("node-a", caller, push_target=lambda: (handle, "node-a")))
+    handle.relay = relay
+    link = lambda: RelayLink(relay, owner.loop)  # noqa: E731
+    agent = ProfilerAgent("actor", 0, 1, find_link=link, mark_times=False).start()
+    try:
+        wait_until(lambda: caller.calls.get("relay_sync", 0) >= 4, 20, 0.05, what="syncs")
+        assert caller.calls.get("relay_resync", 0) == 1  # tried once, then never again
+        assert stats(owner, relay).coordinator_errors == 0  # not taken for a lost coordinator
+        assert agent.connected
+    finally:
+        agent.close(timeout=10)
+
+
+def test_a_wake_up_sends_only_the_woken_agents_around_again(tmp_path: Any) -> None:
+    """A ``next_steps`` session on one rank asks the relay for that agent's step: its poll
+    is released and sent again; its neighbours stay parked (polls of 30 s here)."""
+    from collections import Counter
+
+    from profd.actors.coordinator import ProfileCoordinator
+    from profd.testing.coordinator import InProcessCoordinator
+
+    from helpers import coordinator_settings
+
+    owner = InProcessCoordinator(
+        ProfileCoordinator(coordinator_settings(tmp_path, poll_timeout_s=30.0))
+    )
+    handle = PushHandle()
+    relay = owner.run(
+        lambda: NodeRelay("node-a", DirectCaller(owner.coordinator), lambda: (handle, "node-a"))
+    )
+    handle.relay = relay
+    polls: Counter[str] = Counter()
+
+    class CountingLink(RelayLink):
+        def poll(self, agent_id, version, step, timeout):
+            polls[agent_id] += 1
+            return super().poll(agent_id, version, step, timeout)
+
+    agents = [
+        ProfilerAgent(
+            "actor", r, 3, find_link=lambda: CountingLink(relay, owner.loop), mark_times=False
+        ).start()
+        for r in range(3)
+    ]
+    try:
+        wait_until(lambda: stats(owner, relay).parked_polls == 3, 10, 0.02, what="parked")
+        ids = [a.info.agent_id for a in agents]
+        before = dict(polls)
+        owner.run(lambda: asyncio.ensure_future(relay.push("node-a", {}, [ids[0]])))
+        wait_until(lambda: polls[ids[0]] > before[ids[0]], 10, 0.02, what="rank 0 polls again")
+        wait_until(lambda: stats(owner, relay).parked_polls == 3, 10, 0.02, what="parked again")
+        assert [polls[i] - before[i] for i in ids[1:]] == [0, 0]  # its neighbours stayed
+        owner.run(lambda: asyncio.ensure_future(relay.push("node-a", {}, True)))  # older one
+        wait_until(lambda: all(polls[i] > before[i] for i in ids), 10, 0.02, what="all again")
+    finally:
+        for a in agents:
+            a.close(timeout=10)
+        owner.close()

@@ -55,7 +55,7 @@ def test_changes_of_one_turn_are_one_push_per_relay_of_what_its_agents_lack() ->
         plans.set("a", (window("s1"),))
         plans.set("b", (window("s1"),))
         await turns()
-        assert [(k, sorted(r), f) for k, r, f in h1.pushes] == [("n1", ["a", "b"], False)]
+        assert [(k, sorted(r), f) for k, r, f in h1.pushes] == [("n1", ["a", "b"], [])]
         assert h2.pushes == []  # its agent's plan did not change
         v = plans.plan("a").version
         assert h1.pushes[0][1]["a"].plan.version == v
@@ -65,10 +65,14 @@ def test_changes_of_one_turn_are_one_push_per_relay_of_what_its_agents_lack() ->
         plans.set("b", (window("s1"), window("s2")))
         await turns()
         assert sorted(h1.pushes[1][1]) == ["b"]
-        # a wake-up asks the relay for fresh steps instead of leaving a flag for a poll
+        # a wake-up asks the relay for fresh steps of the woken agents only, instead of
+        # leaving a flag for a poll (or sending every agent of the node around again)
         plans.wake("c")
         await turns()
-        assert h2.pushes == [("n2", {}, True)]
+        assert h2.pushes == [("n2", {}, ["c"])]
+        plans.wake("a")
+        await turns()
+        assert h1.pushes[-1] == ("n1", {}, ["a"])  # not b, its neighbour
         assert plans.take_woken(["c"]) == set()
         # an agent the coordinator forgot: the relay is told it must register again
         known.discard("c")
