@@ -295,17 +295,23 @@ def test_a_nodes_burst_of_events_goes_up_in_bounded_batches_each_agents_in_order
     assert owner.call("metrics")["duplicate_events_total"] == 0  # a0's later ones not reordered
 
 
-def test_the_relays_handle_travels_once_until_the_coordinator_forgets_it(local_coordinator):
-    """Every sync of a pushed relay used to carry its actor handle, which the coordinator
-    deserialises on its event loop (tens of ms here); now only the first one does, and the
-    next one after the coordinator forgot the relay (a failed push, a restart)."""
-    owner = local_coordinator
-    caller = DirectCaller(owner.coordinator)
+def _one_pushed_agent(owner: Any, caller: Any) -> tuple[PushHandle, NodeRelay, ProfilerAgent]:
+    """A relay whose plans are pushed (calling the coordinator through ``caller``) and one
+    agent behind it, started."""
     handle = PushHandle()
     relay = owner.run(lambda: NodeRelay("node-a", caller, push_target=lambda: (handle, "node-a")))
     handle.relay = relay
     link = lambda: RelayLink(relay, owner.loop)  # noqa: E731
-    agent = ProfilerAgent("actor", 0, 1, find_link=link, mark_times=False).start()
+    return handle, relay, ProfilerAgent("actor", 0, 1, find_link=link, mark_times=False).start()
+
+
+def test_the_relays_handle_travels_once_until_the_coordinator_forgets_it(local_coordinator):
+    """Every sync of a pushed relay used to carry its actor handle, which the coordinator
+    deserialises; now only the first one does, and the next one after the coordinator forgot
+    the relay (a failed push, a restart)."""
+    owner = local_coordinator
+    caller = DirectCaller(owner.coordinator)
+    handle, _, agent = _one_pushed_agent(owner, caller)
     try:
         # polls of 1 s (the suite's settings): a resync about every second
         wait_until(lambda: caller.calls.get("relay_resync", 0) >= 3, 20, 0.05, what="resyncs")
@@ -335,11 +341,7 @@ def test_an_older_coordinator_without_resync_gets_the_handle_every_time(local_co
             return await super().call(method, *args, timeout=timeout, **kw)
 
     caller = OlderCaller(owner.coordinator)
-    handle = PushHandle()
-    relay = owner.run(lambda: NodeRelay("node-a", caller, push_target=lambda: (handle, "node-a")))
-    handle.relay = relay
-    link = lambda: RelayLink(relay, owner.loop)  # noqa: E731
-    agent = ProfilerAgent("actor", 0, 1, find_link=link, mark_times=False).start()
+    _, relay, agent = _one_pushed_agent(owner, caller)
     try:
         wait_until(lambda: caller.calls.get("relay_sync", 0) >= 4, 20, 0.05, what="syncs")
         assert caller.calls.get("relay_resync", 0) == 1  # tried once, then never again
