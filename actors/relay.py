@@ -172,7 +172,6 @@ class NodeRelay:
         self._push_target = (push_target or (lambda: ray_self(node_id))) if pushed else None
         self._refresh = asyncio.Event()
         self._refresh_ids: set[str] = set()  # agents whose fresh steps a push asked for
-        self._refresh_all = False
         self._pushes = 0
         self._handle_held = False  # whether the coordinator holds this relay's push target
         self._resync_works = True
@@ -280,21 +279,16 @@ class NodeRelay:
         on them; ``True`` from an older coordinator: every agent here)."""
         self._pushes += 1
         self._apply(self._slots, replies)
-        if refresh is True:
-            self._refresh_all = True
-        elif refresh:
-            self._refresh_ids.update(refresh)
         if refresh:
+            self._refresh_ids.update(self._slots if refresh is True else refresh)
             self._refresh.set()
         return True
 
     def _to_refresh(self) -> dict[str, _Slot]:
         """The slots a wake-up asked for (then forgotten): only they poll again, so a
         session on one rank does not send every agent of the node around again."""
-        every = {a: s for a, s in self._slots.items() if not s.unknown}
         ids, self._refresh_ids = self._refresh_ids, set()
-        everyone, self._refresh_all = self._refresh_all, False
-        return every if everyone else {a: s for a, s in every.items() if a in ids}
+        return {a: s for a, s in self._slots.items() if a in ids and not s.unknown}
 
     def _snapshot(self) -> tuple[dict[str, _Slot], dict[str, int], dict[str, int | None]]:
         """The agents a shared poll or sync speaks for, the versions they hold and their

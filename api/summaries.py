@@ -19,15 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 from profd.analysis.models import SessionSummary
-from profd.analysis.worker import HEADER, NICE, encode
+from profd.analysis.worker import HEADER, encode
+from profd.analysis.worker import NICE as WORKER_NICE
 from profd.core.errors import ProfdError
 
 __all__ = ["WORKER_NICE", "SummaryCache", "SummaryUnavailable", "SummaryWorker"]
 
 log = logging.getLogger(__name__)
-
-#: How much lower the summary worker's CPU priority is than the sidecar's (``nice``).
-WORKER_NICE = NICE
 
 
 class SummaryUnavailable(ProfdError):
@@ -50,10 +48,6 @@ class SummaryWorker:
     def __init__(self) -> None:
         self._proc: asyncio.subprocess.Process | None = None
         self._one = asyncio.Lock()  # the pipe carries one call's frames at a time
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         async with self._one:
