@@ -194,10 +194,18 @@ class Tenant:
         return f"{self.kind} of job {self.job_id} ({pid}): {self.what}"
 
 
+def is_profd_actor(name: str) -> bool:
+    """The coordinator, the sidecar, or a node relay (started by a job's agents, detached,
+    stopped by ``profd down`` with the rest)."""
+    from profd.actors.relay import RELAY_PREFIX
+
+    return name in (COORDINATOR_NAME, SIDECAR_NAME) or name.startswith(RELAY_PREFIX)
+
+
 def cluster_tenants() -> list[Tenant]:
     """Live drivers and actors of the joined cluster other than profd's own (this process's
-    job, the coordinator and the sidecar). Read from Ray's GCS tables, which need no dashboard.
-    """
+    job, the coordinator, the sidecar and the node relays). Read from Ray's GCS tables, which
+    need no dashboard."""
     import ray
     from ray._private import state as ray_state  # the GCS tables; no public API without a dashboard
 
@@ -209,7 +217,7 @@ def cluster_tenants() -> list[Tenant]:
         entry = str(job.get("Entrypoint") or "").strip() or "(no command line)"
         out.append(Tenant("driver", str(job.get("JobID")), job.get("DriverPid"), entry))
     for actor in ray_state.actors().values():
-        if actor.get("State") == "DEAD" or actor.get("Name") in (COORDINATOR_NAME, SIDECAR_NAME):
+        if actor.get("State") == "DEAD" or is_profd_actor(actor.get("Name") or ""):
             continue
         name = actor.get("Name") or ""
         what = f"{actor.get('ActorClassName')}" + (f" named {name!r}" if name else "")
