@@ -141,12 +141,29 @@ def _children() -> dict[int, list[int]]:
     return out
 
 
-def cluster_pids(temp_dir: str) -> list[int]:
+def ray_client_servers(address: str) -> list[int]:
+    """The Ray client server of the cluster whose GCS is at ``address``: ``ray start`` leaves
+    it as an orphan that names neither the temp dir nor a parent of the cluster's, only the
+    GCS (``--address=...``); a user's job naming the address is not one."""
+    return [
+        pid for pid in _pids_mentioning(address) if b"ray.util.client.server" in _cmdline_bytes(pid)
+    ]
+
+
+def _cmdline_bytes(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def cluster_pids(temp_dir: str, address: str | None = None) -> list[int]:
     """Every process of the local cluster that uses ``temp_dir``: those naming it on their
-    command line and all their descendants. Ray renames some of its processes
-    (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``, workers), so the command line alone
-    misses them; they are children of the raylet."""
-    roots = _pids_mentioning(temp_dir)
+    command line and all their descendants, and its Ray client server (given its GCS
+    ``address``). Ray renames some of its processes (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``, workers), so the command line alone misses them; they are
+    children of the raylet."""
+    roots = _pids_mentioning(temp_dir) + (ray_client_servers(address) if address else [])
     children = _children()
     seen: set[int] = set()
     todo = list(roots)
@@ -159,7 +176,7 @@ def cluster_pids(temp_dir: str) -> list[int]:
     return sorted(seen)
 
 
-def stop_local_ray(temp_dir: str | None, timeout: float = 3.0) -> int:
+def stop_local_ray(temp_dir: str | None, timeout: float = 3.0, address: str | None = None) -> int:
     """Stop the cluster started by :func:`start_local_ray` — every process of it, Ray's
     renamed agents and workers included; return how many processes were signalled. What
     has not exited ``timeout`` after SIGTERM gets SIGKILL (Ray's GCS ignores SIGTERM for
@@ -167,7 +184,7 @@ def stop_local_ray(temp_dir: str | None, timeout: float = 3.0) -> int:
     if not temp_dir or not Path("/proc").is_dir():
         subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, env=os.environ.copy())
         return -1
-    pids = cluster_pids(temp_dir)
+    pids = cluster_pids(temp_dir, address)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)

@@ -252,7 +252,7 @@ def _choose_cluster(
                 raise typer.Exit(1)
         console.print(f"The Ray cluster recorded in the state file ({recorded}) is gone.")
         if previous.started_ray and previous.ray_temp_dir:
-            left = stop_local_ray(previous.ray_temp_dir, timeout=5)
+            left = stop_local_ray(previous.ray_temp_dir, timeout=5, address=previous.ray_address)
             if left > 0:
                 console.print(f"  stopped {left} process(es) left over from it")
     target, started, temp_dir = _join_or_start_ray(address, num_cpus)
@@ -530,7 +530,7 @@ def _stop_ray(state: Any) -> list[str]:
     from profd.cli.ray_cluster import stop_local_ray
 
     ray.shutdown()  # disconnect first, so the driver does not echo the cluster's shutdown
-    stop_local_ray(state.ray_temp_dir)
+    stop_local_ray(state.ray_temp_dir, address=state.ray_address)
     return ["local ray"]
 
 

@@ -180,7 +180,7 @@ def _up_recreates_a_coordinator_killed_for_good(home: Home, job: Job) -> list[di
 def _stop_ray_stops_all_of_it(home: Home, job: Job, first: dict) -> None:
     from profd.cli.ray_cluster import cluster_pids
 
-    pids = cluster_pids(first["ray_temp_dir"])
+    pids = cluster_pids(first["ray_temp_dir"], first["ray_address"])
     names = _names(pids)
     assert any("DashboardAgent" in n for n in names) and any("RuntimeEnvAgent" in n for n in names)
     stop = home.cli("down", "--stop-ray")
@@ -215,6 +215,10 @@ def _downloads_work_after_up_on_a_new_ray(
     wait_until(
         lambda: not _processes_of(state["ray_temp_dir"]), 30, what="that Ray's processes gone"
     )
+    from profd.cli.ray_cluster import ray_client_servers
+
+    # `ray start` leaves its client server an orphan naming only the GCS address
+    wait_until(lambda: not ray_client_servers(state["ray_address"]), 30, what="client server")
     return same
 
 
