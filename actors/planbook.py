@@ -152,7 +152,7 @@ class PlanBook:
         return woken
 
     def ack(self, agent_id: str, known_version: int) -> None:
-        """The agent (or the relay that holds its plan) has ``known_version``."""
+        """The agent has ``known_version`` (it polled with it, or its relay saw it do so)."""
         entry = self._entries.get(agent_id)
         if entry is not None:
             self._ack(entry, known_version)

@@ -60,6 +60,11 @@ REPOLL_WAIT_S = 0.5
 MAX_BATCH_EVENTS = 2000
 #: How long the relay waits for the coordinator to take a batch.
 REPORT_TIMEOUT_S = 30.0
+#: How long a push waits for its agents to poll again with their new plans before it
+#: answers: the coordinator counts a plan delivered only once the agent holds it (a driver's
+#: step announcement returns then, and the agent must know the step before the step's first
+#: worker call). Agents that take longer are left out of the answer.
+PUSH_CONFIRM_S = 2.0
 
 
 #: Relay actor names: this, then the Ray node id.
@@ -161,6 +166,7 @@ class NodeRelay:
         caller: CoordinatorCaller | None = None,
         push_target: Callable[[], tuple[Any, str] | None] | None = None,
         pushed: bool = True,
+        confirm_s: float = PUSH_CONFIRM_S,
     ) -> None:
         """``push_target``: where the coordinator reaches this relay (an actor handle with
         ``push(key, replies, refresh)`` and the key); by default its own handle when it runs
@@ -172,6 +178,8 @@ class NodeRelay:
         self._push_target = (push_target or (lambda: ray_self(node_id))) if pushed else None
         self._refresh = asyncio.Event()
         self._refresh_ids: set[str] = set()  # agents whose fresh steps a push asked for
+        self._confirm_s = confirm_s
+        self._polled: list[asyncio.Future[None]] = []  # pushes waiting for agents' polls
         self._pushes = 0
         self._handle_held = False  # whether the coordinator holds this relay's push target
         self._resync_works = True
@@ -209,6 +217,8 @@ class NodeRelay:
             return PollReply(plan=None, known=False)
         slot.version, slot.step = version, step
         slot.arrived.set()
+        for fut in self._polled:  # a push waiting for this agent to hold its plan
+            release(fut)
         deadline = time.monotonic() + timeout
         self._parked += 1
         slot.parked = True
@@ -273,16 +283,42 @@ class NodeRelay:
 
     async def push(
         self, key: str, replies: dict[str, PollReply], refresh: bool | list[str]
-    ) -> bool:
+    ) -> dict[str, int]:
         """The coordinator's push (:mod:`profd.actors.relay_desk`): its agents' new plans,
         and the agents whose current steps it wants (a ``next_steps`` session being placed
-        on them; ``True`` from an older coordinator: every agent here)."""
+        on them; ``True`` from an older coordinator: every agent here). Answers with the
+        plan versions its agents hold, once each polled again with its new plan (or after
+        ``confirm_s``, without those that did not)."""
         self._pushes += 1
         self._apply(self._slots, replies)
         if refresh:
             self._refresh_ids.update(self._slots if refresh is True else refresh)
             self._refresh.set()
-        return True
+        wanted = {a: r.plan.version for a, r in replies.items() if r.plan is not None}
+        return await self._confirmed(wanted)
+
+    async def _confirmed(self, wanted: dict[str, int]) -> dict[str, int]:
+        """The agents of ``wanted`` that hold (at least) their version, waiting up to
+        ``confirm_s`` for their polls."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._confirm_s
+        while True:
+            held = {
+                a: slot.version
+                for a in wanted
+                if (slot := self._slots.get(a)) is not None and slot.version >= wanted[a]
+            }
+            left = deadline - loop.time()
+            if len(held) == len(wanted) or left <= 0:
+                return held
+            fut: asyncio.Future[None] = loop.create_future()
+            self._polled.append(fut)
+            timer = loop.call_later(left, release, fut)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                self._polled.remove(fut)
 
     def _to_refresh(self) -> dict[str, _Slot]:
         """The slots a wake-up asked for (then forgotten): only they poll again, so a
@@ -290,19 +326,27 @@ class NodeRelay:
         ids, self._refresh_ids = self._refresh_ids, set()
         return {a: s for a, s in self._slots.items() if a in ids and not s.unknown}
 
-    def _snapshot(self) -> tuple[dict[str, _Slot], dict[str, int], dict[str, int | None]]:
-        """The agents a shared poll or sync speaks for, the versions they hold and their
-        steps; agents joining from now on are news (``_joined`` cleared)."""
+    def _snapshot(
+        self, agents_hold: bool = False
+    ) -> tuple[dict[str, _Slot], dict[str, int], dict[str, int | None]]:
+        """The agents a shared poll or sync speaks for, the versions the relay holds for
+        them (``agents_hold``: the agents themselves, which a sync's answer acknowledges),
+        and their steps; agents joining from now on are news (``_joined`` cleared)."""
         self._joined.clear()
         slots = {a: s for a, s in self._slots.items() if not s.unknown}
-        known = {a: (s.plan.version if s.plan is not None else s.version) for a, s in slots.items()}
+        known = {
+            a: (s.plan.version if s.plan is not None and not agents_hold else s.version)
+            for a, s in slots.items()
+        }
         return slots, known, {a: s.step for a, s in slots.items()}
 
     async def _sync_loop(self, target: Any, key: str) -> None:
         """Pushed plans: sync with the coordinator (answered at once) when an agent joins,
         when it wants fresh steps, and every poll period (its agents are alive)."""
         while True:
-            slots, known, steps = self._snapshot()
+            # What the agents hold: the coordinator counts a plan delivered once they do (a
+            # plan still on its way to an agent is sent again and kept once).
+            slots, known, steps = self._snapshot(agents_hold=True)
             if not slots:
                 await self._joined.wait()
                 continue

@@ -151,14 +151,18 @@ class RelayDesk:
     async def _push(self, relay: _Relay, call: Any, replies: dict[str, PollReply]) -> None:
         relay.in_flight += 1
         try:
-            await asyncio.wait_for(call, self._timeout_s)
+            held = await asyncio.wait_for(call, self._timeout_s)
         except Exception as exc:  # the relay died or does not answer: forget it
             self._failed(relay, exc)
             return
         finally:
             relay.in_flight -= 1
         self.pushes += 1
-        for aid, reply in replies.items():
+        if isinstance(held, dict):  # the versions its agents hold now (they polled again)
+            for aid, version in held.items():
+                self._plans.ack(aid, version)
+            return
+        for aid, reply in replies.items():  # an older relay: delivered to the relay
             if reply.plan is not None:
                 self._plans.ack(aid, reply.plan.version)
 

@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 #: While on a direct link, how often an agent checks whether its relay is back.
 RELAY_RETRY_S = 10.0
-#: How long an agent waits for a relay that exists (being restarted, perhaps) to answer.
-RELAY_READY_S = 10.0
+#: How long an agent waits for a relay that exists to answer before it registers with the
+#: coordinator directly (the relay may be starting for another agent of the node, or being
+#: restarted by Ray); it moves to the relay once the relay answers.
+RELAY_READY_S = 1.0
 #: When an agent that started its node's relay first checks whether it answers (then
 #: twice as long each time, up to ``retry_s``); it polls the coordinator meanwhile.
 RELAY_FIRST_CHECK_S = 0.5
@@ -121,10 +123,11 @@ class DirectLink:
 class NodeLinkFinder:
     """``find_link`` for the agents of one process (see the module docstring).
 
-    A relay already on the node (or being restarted by Ray) is waited for, up to
-    :data:`RELAY_READY_S`. A node without one gets one started, but the agent does not wait
-    for it: it registers with the coordinator directly at once and moves to the relay as
-    soon as the relay answers a ping (checked without blocking between polls)."""
+    A relay already on the node is used if it answers a ping within :data:`RELAY_READY_S`.
+    A node without one gets one started. Either way an agent never waits for a relay that
+    is starting (for it, for another agent of the node, or after Ray restarted it): it
+    registers with the coordinator directly and moves to the relay as soon as the relay
+    answers the ping (checked without blocking between polls)."""
 
     def __init__(
         self,
@@ -159,16 +162,24 @@ class NodeLinkFinder:
         return self._node_id or ray.get_runtime_context().get_node_id()
 
     def _existing_relay(self) -> Any | None:
-        """The node's relay if it exists and answers a ping (Ray may be restarting it)."""
+        """The node's relay if it exists and answers a ping within :data:`RELAY_READY_S`.
+        A relay that exists but does not answer in time keeps its ping pending: the direct
+        link's checks watch that ping (:meth:`_relay_ready`)."""
         import ray
 
         try:
             handle = self._find_relay(self._node())
             if handle is None:
                 return None
-            ray.get(handle.ping.remote(), timeout=RELAY_READY_S)
+            ping = handle.ping.remote()
+            ready, _ = ray.wait([ping], timeout=RELAY_READY_S)
+            if not ready:  # starting: the coordinator directly meanwhile
+                self._ping = ping
+                return None
+            ray.get(ping)  # raises if the relay failed
             return handle
-        except Exception as exc:  # gone, or not back in time: the coordinator directly
+        except Exception as exc:  # gone: the coordinator directly, a new relay started
+            self._ping = None
             self._warn(exc)
             return None
 

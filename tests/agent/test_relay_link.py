@@ -1,7 +1,8 @@
 """How an agent in Ray finds its link (``profd.agent.relay_link``), on the session's real Ray:
 relays are on by default; an agent whose node has no relay starts one but registers with the
-coordinator at once, and moves to the relay as soon as it answers; a relay that exists is
-waited for; ``PROFD_RELAY=0`` keeps every agent on the coordinator."""
+coordinator at once, and moves to the relay as soon as it answers; so does an agent whose
+node's relay exists but is still starting (another agent of the node started it); a relay
+that answers is used at once; ``PROFD_RELAY=0`` keeps every agent on the coordinator."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from profd.agent.channel import LinkMoved, find_ray_link
 from profd.agent.relay_link import (
     RELAY_FIRST_CHECK_S,
+    RELAY_READY_S,
     NodeLinkFinder,
     default_link_finder,
     relays_enabled,
@@ -167,6 +169,40 @@ def test_an_existing_relay_is_used_at_once(relay_parts) -> None:
     )  # fmt: skip
     link = finder()
     assert link is not None and link.kind == "relay"
+
+
+def test_a_relay_another_agent_is_starting_is_not_waited_for(relay_parts) -> None:
+    """The second agent of a node finds the relay the first one started, not answering yet:
+    it registers directly at once (it used to wait up to 10 s, missing sessions created
+    meanwhile) and moves once the relay answers, without starting another."""
+    import ray
+
+    gate, new_relay = relay_parts
+    handle = new_relay()  # exists, its ping waits for the gate
+    coordinator = Coordinator()
+    finder = NodeLinkFinder(
+        "node-d", retry_s=4.0, find_direct=lambda: coordinator, find_relay=lambda node: handle,
+        get_relay=lambda node: pytest.fail("a relay that exists is not started again"),
+    )  # fmt: skip
+    t0 = time.monotonic()
+    link = finder()
+    assert link is not None and link.kind == "direct"
+    assert time.monotonic() - t0 < RELAY_READY_S + 2
+    link.poll("d", 0, None, 30.0)
+    assert coordinator.timeouts[0] <= RELAY_FIRST_CHECK_S  # checks for the relay soon
+
+    ray.get(gate.open.remote())
+
+    def moved() -> bool:
+        try:
+            link.poll("d", 0, None, 30.0)
+        except LinkMoved:
+            return True
+        return False
+
+    wait_until(moved, 10, 0, what="the move to the relay")
+    back = finder()
+    assert back is not None and back.kind == "relay"
 
 
 def test_relays_are_on_unless_turned_off(monkeypatch) -> None:

@@ -396,3 +396,51 @@ def test_a_wake_up_sends_only_the_woken_agents_around_again(tmp_path: Any) -> No
         for a in agents:
             a.close(timeout=10)
         owner.close()
+
+
+def test_a_driver_step_counts_as_delivered_only_once_the_agent_holds_it(local_coordinator):
+    """A driver's step announcement returns once every profiled agent holds the step. A
+    relay used to count as the agent: the push was acknowledged when the relay had the plan,
+    before the agent did, and the step's first worker call could run unrecorded (the first
+    stage missing from a traced step, under load)."""
+    import threading
+
+    owner = local_coordinator
+    caller = DirectCaller(owner.coordinator)
+    handle = PushHandle()
+    relay = owner.run(lambda: NodeRelay("node-a", caller, push_target=lambda: (handle, "node-a")))
+    handle.relay = relay
+    gate = threading.Event()  # while closed, the agent gets no plan that names a step
+    gate.set()
+
+    class SlowAgentLink(RelayLink):
+        def poll(self, agent_id, version, step, timeout):
+            reply = super().poll(agent_id, version, step, timeout)
+            if reply.plan is not None and reply.plan.controller_step is not None:
+                gate.wait(30)  # the agent's process is slow to take it
+            return reply
+
+    agent = ProfilerAgent(
+        "actor", 0, 1, find_link=lambda: SlowAgentLink(relay, owner.loop), mark_times=False
+    ).start()
+    try:
+        wait_until(lambda: agent.connected, 10, what="agent registered")
+        links = lambda: {v.link for v in owner.call("list_agents")}  # noqa: E731
+        wait_until(lambda: links() == {AgentLink.RELAY}, 10, 0.02, what="polls via the relay")
+        view = owner.call("create_session", {"steps": [3], "roles": {"actor": {"all_ranks": True}}})
+        wait_until(
+            lambda: any(w.session_id == view.session_id for w in agent.plan.windows),
+            10, 0.02, what="the agent armed",
+        )  # fmt: skip
+        gate.clear()
+        ack = owner.call("controller_step", 1, 1.0)
+        assert ack.agents == 1 and ack.slow == (agent.agent_id,)  # the relay has it; not the agent
+        assert agent.plan.controller_step is None
+        gate.set()
+        wait_until(lambda: agent.plan.controller_step == 1, 10, 0.02, what="step 1 taken")
+        ack = owner.call("controller_step", 2, 5.0)
+        assert ack.slow == ()
+        assert agent.plan.controller_step == 2  # held before the driver's call returned
+    finally:
+        gate.set()
+        agent.close(timeout=10)
