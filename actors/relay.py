@@ -132,6 +132,24 @@ class _Slot:
             release(fut)
 
 
+@dataclass
+class _PushWait:
+    """A push waiting for its agents to poll with (at least) the versions it brought."""
+
+    wanted: dict[str, int]
+    fut: asyncio.Future[None]
+    left: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.left = set(self.wanted)
+
+    def polled(self, agent_id: str, version: int) -> None:
+        if agent_id in self.left and version >= self.wanted[agent_id]:
+            self.left.discard(agent_id)
+            if not self.left:
+                release(self.fut)
+
+
 @dataclass(frozen=True, slots=True)
 class RelayStats:
     """What the relay does now (for tests, benches and ``profd status``)."""
@@ -179,7 +197,7 @@ class NodeRelay:
         self._refresh = asyncio.Event()
         self._refresh_ids: set[str] = set()  # agents whose fresh steps a push asked for
         self._confirm_s = confirm_s
-        self._polled: list[asyncio.Future[None]] = []  # pushes waiting for agents' polls
+        self._confirming: list[_PushWait] = []  # pushes waiting for their agents' polls
         self._pushes = 0
         self._handle_held = False  # whether the coordinator holds this relay's push target
         self._resync_works = True
@@ -217,8 +235,8 @@ class NodeRelay:
             return PollReply(plan=None, known=False)
         slot.version, slot.step = version, step
         slot.arrived.set()
-        for fut in self._polled:  # a push waiting for this agent to hold its plan
-            release(fut)
+        for wait in self._confirming:  # a push waiting for this agent to hold its plan
+            wait.polled(agent_id, version)
         deadline = time.monotonic() + timeout
         self._parked += 1
         slot.parked = True
@@ -299,26 +317,22 @@ class NodeRelay:
 
     async def _confirmed(self, wanted: dict[str, int]) -> dict[str, int]:
         """The agents of ``wanted`` that hold (at least) their version, waiting up to
-        ``confirm_s`` for their polls."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._confirm_s
-        while True:
-            held = {
-                a: slot.version
-                for a in wanted
-                if (slot := self._slots.get(a)) is not None and slot.version >= wanted[a]
-            }
-            left = deadline - loop.time()
-            if len(held) == len(wanted) or left <= 0:
-                return held
-            fut: asyncio.Future[None] = loop.create_future()
-            self._polled.append(fut)
-            timer = loop.call_later(left, release, fut)
+        ``confirm_s`` for their polls (each poll is checked once, against each push)."""
+        wait = _PushWait(wanted, asyncio.get_running_loop().create_future())
+        for aid in wanted:
+            slot = self._slots.get(aid)
+            if slot is not None:
+                wait.polled(aid, slot.version)
+        if wait.left:
+            self._confirming.append(wait)
+            timer = asyncio.get_running_loop().call_later(self._confirm_s, release, wait.fut)
             try:
-                await fut
+                await wait.fut
             finally:
                 timer.cancel()
-                self._polled.remove(fut)
+                self._confirming.remove(wait)
+        held = (a for a in wanted if a not in wait.left and a in self._slots)
+        return {a: self._slots[a].version for a in held}
 
     def _to_refresh(self) -> dict[str, _Slot]:
         """The slots a wake-up asked for (then forgotten): only they poll again, so a

@@ -7,6 +7,8 @@ it lives in ``helpers`` because this module is not meant to be imported by tests
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +24,22 @@ for _k, _v in {
     "RAY_USAGE_STATS_ENABLED": "0",
 }.items():
     os.environ.setdefault(_k, _v)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM'd run (a CI timeout, ``kill``) ends as an interrupted one: fixtures and
+    ``pytest_unconfigure`` still run, so the background vLLM server and Ray are stopped
+    instead of outliving the run (a SIGTERM'd run used to leave the vLLM server running)."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.table import Table
 
 from profd.cli import analysis, diff_view, export_view, service, stacks_view, watch_view
@@ -71,14 +72,17 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
         )
     if st["live_sessions"]:
         console.print("live sessions: " + ", ".join(st["live_sessions"]))
-    table = Table(title="Agents")
-    for col in ("role", "rank", "world", "node", "pid", "state", "step", "via", "last seen"):
-        table.add_column(col)
+    # Fits 80 columns (a terminal's, and what a pipe gets) without cutting a role or node:
+    # rank and world share a cell, no borders, long names fold instead of ending in "…".
+    table = Table(
+        title="Agents", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
+    )
+    for col in ("role", "rank", "node", "pid", "state", "step", "via", "seen"):
+        table.add_column(col, overflow="fold", no_wrap=col not in ("role", "node"))
     for a in agents:
         table.add_row(
             a["role"],
-            str(a["rank"]),
-            str(a["world_size"] or "-"),
+            f"{a['rank']}/{a['world_size']}" if a["world_size"] else str(a["rank"]),
             a["node_ip"] or a["hostname"],
             str(a["pid"]),
             a["state"],

@@ -34,7 +34,12 @@ class InProcessCoordinator:
             asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
 
     def call(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
-        fut = asyncio.run_coroutine_threadsafe(getattr(self.coordinator, method)(*args), self.loop)
+        coro = getattr(self.coordinator, method)(*args)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed (an agent retrying after tear-down)
+            coro.close()  # never run: no "coroutine was never awaited" warning
+            raise
         return fut.result(timeout)
 
     def run(self, fn: Any, *args: Any) -> Any:

@@ -71,6 +71,15 @@ class Coordinator:
         return PollReply(plan=None)
 
 
+def _moved(link: Any, agent_id: str) -> bool:
+    """One poll of a direct link: whether it said the relay is back."""
+    try:
+        link.poll(agent_id, 0, None, 30.0)
+    except LinkMoved:
+        return True
+    return False
+
+
 @pytest.fixture
 def relay_parts(ray_session: Any) -> Any:
     import ray
@@ -120,14 +129,7 @@ def test_a_node_without_a_relay_starts_one_and_moves_to_it_once_it_answers(relay
 
     ray.get(gate.open.remote())
 
-    def moved() -> bool:
-        try:
-            link.poll("a", 0, None, 30.0)
-        except LinkMoved:
-            return True
-        return False
-
-    wait_until(moved, 10, 0, what="the move to the relay")
+    wait_until(lambda: _moved(link, "a"), 10, 0, what="the move to the relay")
     registered["handle"] = relay["handle"]
     back = finder()  # what the channel asks next: the relay, now that it answers
     assert back is not None and back.kind == "relay"
@@ -193,14 +195,7 @@ def test_a_relay_another_agent_is_starting_is_not_waited_for(relay_parts) -> Non
 
     ray.get(gate.open.remote())
 
-    def moved() -> bool:
-        try:
-            link.poll("d", 0, None, 30.0)
-        except LinkMoved:
-            return True
-        return False
-
-    wait_until(moved, 10, 0, what="the move to the relay")
+    wait_until(lambda: _moved(link, "d"), 10, 0, what="the move to the relay")
     back = finder()
     assert back is not None and back.kind == "relay"
 

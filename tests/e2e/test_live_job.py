@@ -47,6 +47,7 @@ def test_status_shows_the_jobs_step_from_its_driver(live: tuple[Home, Job]) -> N
         assert a["step_source"] == "driver" and a["current_step"] >= at, a
     table = home.cli("status")
     assert "(driver)" in table.stdout and "driver (profd.controller()) at step" in table.stdout
+    assert "…" not in table.stdout  # 80 columns (a pipe's): no role or node cut short
     # relays are on by default: the job's agents end up polling their node's relay
     links = lambda: [a["link"] for a in home.agents()]  # noqa: E731
     wait_until(lambda: links() == ["relay"] * 3, 60, 0.2, what=f"agents via the relay: {links()}")
