@@ -165,6 +165,7 @@ def test_an_existing_relay_is_used_at_once(relay_parts) -> None:
     gate, new_relay = relay_parts
     ray.get(gate.open.remote())
     handle = new_relay()
+    ray.get(handle.ping.remote(), timeout=60)  # it exists and answers (its process started)
     finder = NodeLinkFinder(
         "node-c", find_direct=lambda: Coordinator(), find_relay=lambda node: handle,
         get_relay=lambda node: pytest.fail("a relay that exists is not started again"),
