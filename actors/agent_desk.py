@@ -18,6 +18,7 @@ from profd.actors.trace_index import TraceRefused
 from profd.core.protocol import (
     AgentEvent,
     AgentInfo,
+    AgentPlan,
     EventKind,
     MarkDurations,
     OutOfMemory,
@@ -44,17 +45,12 @@ log = logging.getLogger(__name__)
 MAX_POLL_S = 60.0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class Registration:
-    """Reply to :meth:`ProfileCoordinator.register`."""
+    """Reply to :meth:`ProfileCoordinator.register` (a message: it crosses relay sockets)."""
 
-    __slots__ = ("plan", "poll_timeout_s")
-
-    def __init__(self, plan: Any, poll_timeout_s: float) -> None:
-        self.plan = plan
-        self.poll_timeout_s = poll_timeout_s
-
-    def __reduce__(self):
-        return (Registration, (self.plan, self.poll_timeout_s))
+    plan: AgentPlan
+    poll_timeout_s: float
 
 
 def _fresher(current: Any, reported: Any) -> Any:

@@ -1,8 +1,10 @@
 """The per-node relay: one actor per Ray node that hosts agents (``profd_relay_<node id>``).
 
 Agents on the node long-poll the relay instead of the coordinator, and send it their
-events; the relay sends the node's events in batches (``report_many``), and gets its
-agents' plans one of two ways, so the coordinator's load grows with nodes, not processes:
+events, over the relay's Unix socket (:mod:`profd.actors.relay_socket`, started by the first
+``ping``; Ray calls to the relay where an agent cannot reach it); the relay sends the node's
+events in batches (``report_many``), and gets its agents' plans one of two ways, so the
+coordinator's load grows with nodes, not processes:
 
 * **pushed** (a relay actor, the default): it syncs with the coordinator (``relay_sync``,
   answered at once, with its own handle) when an agent joins and every poll period, and the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +37,7 @@ from typing import Any, Protocol
 
 from profd.actors.planbook import release
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
+from profd.core.relay_wire import RelayHello
 
 __all__ = [
     "RELAY_PREFIX",
@@ -162,6 +166,8 @@ class RelayStats:
     reports_sent: int
     events_sent: int
     coordinator_errors: int
+    #: Agents' connections to its Unix socket (each agent's poller and reporter hold one).
+    socket_connections: int = 0
 
 
 def ray_self(node_id: str) -> tuple[Any, str] | None:
@@ -185,11 +191,13 @@ class NodeRelay:
         push_target: Callable[[], tuple[Any, str] | None] | None = None,
         pushed: bool = True,
         confirm_s: float = PUSH_CONFIRM_S,
+        serve_socket: bool = True,
     ) -> None:
         """``push_target``: where the coordinator reaches this relay (an actor handle with
         ``push(key, replies, refresh)`` and the key); by default its own handle when it runs
         as an actor. Without one, or with ``pushed=False``, the relay parks a ``poll_many``
-        at the coordinator instead."""
+        at the coordinator instead. ``serve_socket``: its agents reach it over a Unix socket
+        (:mod:`profd.actors.relay_socket`, started by the first ``ping``), not only by Ray."""
         self.node_id = node_id
         self.name = relay_name(node_id)
         self._caller = caller or RayCoordinatorCaller()
@@ -213,6 +221,8 @@ class NodeRelay:
         self._reports = 0
         self._events = 0
         self._errors = 0
+        self._serve_socket = serve_socket
+        self._socket: Any = None  # its RelaySocketServer once started
 
     # -- agent-facing (the CoordinatorLink calls) -----------------------------------------
     async def register(self, info: AgentInfo, step: int | None) -> Any:
@@ -277,8 +287,31 @@ class NodeRelay:
     async def clock_ns(self) -> int:
         return await self._caller.call("clock_ns", timeout=5.0)
 
-    async def ping(self) -> str:
-        return "ok"
+    async def ping(self) -> RelayHello:
+        """Alive; where its agents reach it without Ray (the socket starts on the first ping:
+        an agent pings before it uses a relay)."""
+        if self._serve_socket and self._socket is None:
+            await self._start_socket()
+        return RelayHello(str(self._socket.path) if self._socket is not None else None)
+
+    async def _start_socket(self) -> None:
+        from profd.actors.relay_socket import RelaySocketServer
+        from profd.core.relay_wire import socket_dir, socket_path
+
+        try:
+            server = RelaySocketServer(self, socket_path(socket_dir(), self.node_id, os.getpid()))
+            await server.start()
+        except Exception as exc:  # no socket here: its agents call it through Ray
+            self._serve_socket = False
+            log.warning("relay %s: no Unix socket (%s); agents use Ray calls", self.name, exc)
+            return
+        self._socket = server
+
+    async def close(self) -> None:
+        """Stop serving the socket (its file removed)."""
+        if self._socket is not None:
+            await self._socket.close()
+            self._socket = None
 
     async def stats(self) -> RelayStats:
         return RelayStats(
@@ -290,6 +323,7 @@ class NodeRelay:
             reports_sent=self._reports,
             events_sent=self._events,
             coordinator_errors=self._errors,
+            socket_connections=self._socket.connections if self._socket is not None else 0,
         )
 
     # -- the shared poll --------------------------------------------------------------------

@@ -206,21 +206,37 @@ class RelayHost:
         self.node_ids = node_ids
         self.pushed = pushed
         self.relays: dict[str, Any] = {}
+        self.servers: dict[str, Any] = {}
         self.delivered: dict[str, float] = {}
 
-    async def start(self) -> int:
+    async def start(self, serve_sockets: bool) -> tuple[int, dict[str, str]]:
+        """The relays; with ``serve_sockets`` each serves its own Unix socket with the
+        relay's real server (``--agent-hop socket``); (pid, each node's socket path)."""
         import ray
 
         from profd.actors.relay import NodeRelay, RayCoordinatorCaller
+        from profd.actors.relay_socket import RelaySocketServer
+        from profd.core.relay_wire import socket_dir, socket_path
 
         me = ray.get_runtime_context().current_actor  # the coordinator pushes to us, by node
         self.relays = {
             n: NodeRelay(
-                n, RayCoordinatorCaller(), push_target=lambda n=n: (me, n), pushed=self.pushed
+                n, RayCoordinatorCaller(), push_target=lambda n=n: (me, n), pushed=self.pushed,
+                serve_socket=False,
             )
             for n in self.node_ids
-        }
-        return os.getpid()
+        }  # fmt: skip
+        if serve_sockets:
+            where = socket_dir()
+            for n in self.node_ids:  # served as NodeRelay.ping starts it, poll receipts stamped
+                server = RelaySocketServer(_Stamped(self, n), socket_path(where, n, os.getpid()))
+                await server.start()
+                self.servers[n] = server
+        return os.getpid(), {n: str(s.path) for n, s in self.servers.items()}
+
+    async def close(self) -> None:
+        for server in self.servers.values():
+            await server.close()
 
     async def push(self, node: str, replies: dict[str, Any], refresh: bool) -> bool:
         return await self.relays[node].push(node, replies, refresh)
@@ -271,9 +287,64 @@ class RelayHost:
         return await self.agent_host.send_window(session_id, save_dir)
 
 
+class _Stamped:
+    """One node's relay as its socket serves it, its polls' plan receipts stamped."""
+
+    def __init__(self, host: RelayHost, node: str) -> None:
+        self._host, self._node = host, node
+        self._relay = host.relays[node]
+
+    async def register(self, info: Any, step: int | None) -> Any:
+        return await self._relay.register(info, step)
+
+    async def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> Any:
+        return await self._host.poll(self._node, agent_id, version, step, timeout)
+
+    async def report(self, agent_id: str, events: list[Any]) -> bool:
+        return await self._relay.report(agent_id, events)
+
+    async def clock_ns(self) -> int:
+        return await self._relay.clock_ns()
+
+    async def ping(self) -> Any:
+        return await self._relay.ping()
+
+
+class SocketCalls:
+    """One connection of a simulated agent to its relay's Unix socket (a real agent's poller
+    and reporter each hold one), in :mod:`profd.core.relay_wire`'s frames."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._io is None:
+            self._io = await asyncio.open_unix_connection(self.path)
+        return self._io
+
+    async def call(self, method: str, *args: Any) -> Any:
+        from profd.core.relay_wire import HEADER_SIZE, body_size, decode, encode
+
+        reader, writer = await self.open()
+        try:
+            writer.write(encode((method, args)))
+            await writer.drain()
+            ok, value = decode(await reader.readexactly(body_size(await reader.readexactly(
+                HEADER_SIZE))))  # fmt: skip
+        except BaseException:
+            self._io = None  # out of step: a new connection next time
+            writer.close()
+            raise
+        if not ok:
+            raise ConnectionError(value)
+        return value
+
+
 class AgentHost:
     """Simulated agents of many nodes in one process: one asyncio task each, whose long-poll
-    is a Ray call of its own (to its node's relay host, or to the coordinator)."""
+    is a call of its own: over its own connection to its node's relay socket (``socket``),
+    a Ray call to its node's relay host (``relay``), or to the coordinator (``direct``)."""
 
     def __init__(self, mode: str, target: Any, agents: list[tuple[str, int, int]], world: int):
         """``agents``: (node id, relay host index, rank) of each; ``target``: the relay hosts
@@ -291,6 +362,7 @@ class AgentHost:
                 os.getpid(), node_id=node, node_ip="127.0.0.1", capabilities=caps,
             )  # fmt: skip
             self.agents.append((node, host, info))
+        self.conns: dict[tuple[str, str], SocketCalls] = {}  # (agent, poll | report)
         self.versions: dict[str, int] = {}
         self.received: dict[str, float] = {}
         self.unknown = 0
@@ -303,9 +375,17 @@ class AgentHost:
         return os.getpid()
 
     async def _call(self, node: str, host: int, method: str, *args: Any) -> Any:
-        """A call of the agent's link: a Ray call to its node's relay host (``relay``), an
-        await of its node's relay in this process (``local``), or a Ray call to the
-        coordinator (``direct``)."""
+        """A call of the agent's link: over its connection to its node's relay socket
+        (``socket``; ``target`` maps nodes to socket paths), a Ray call to its node's relay
+        host (``relay``), an await of its node's relay in this process (``local``), or a Ray
+        call to the coordinator (``direct``)."""
+        if self.mode == "socket":
+            agent = args[0].agent_id if method == "register" else args[0]
+            key = (agent, "report" if method == "report" else "poll")
+            conn = self.conns.get(key)
+            if conn is None:
+                conn = self.conns[key] = SocketCalls(self.target[node])
+            return await conn.call(method, *args)
         if self.mode == "relay":
             return await getattr(self.target[host], method).remote(node, *args)
         if self.mode == "local":
@@ -316,6 +396,9 @@ class AgentHost:
         reg = await self._call(node, host, "register", info, 0)
         self.versions[info.agent_id] = reg.plan.version
         self.poll_timeout = float(reg.poll_timeout_s)
+        if self.mode == "socket":  # the reporter's connection, open as a live agent's is
+            conn = self.conns[(info.agent_id, "report")] = SocketCalls(self.target[node])
+            await conn.open()
 
     async def start_agents(self, part: int, parts: int, chunk: int = 200) -> float:
         """Register the ``part``-th of ``parts`` slices of this host's nodes and start their
@@ -475,6 +558,7 @@ class Fleet:
         # nodes [0, real_nodes) hold the real agents, the others simulated ones
         sim_nodes = list(range(self.real_nodes, args.nodes))
         relay_of: dict[int, int] = {}
+        self.sockets: dict[str, str] = {}
         self.relay_hosts: list[Any] = []
         self.rh_pids: list[int] = []
         if args.mode == "relay":
@@ -487,7 +571,11 @@ class Fleet:
             self.relay_hosts = [
                 rh_cls.remote([node_id_of(n) for n in c], pushed) for c in chunks
             ]
-            self.rh_pids = ray.get([h.start.remote() for h in self.relay_hosts])
+            started = ray.get(
+                [h.start.remote(args.agent_hop == "socket") for h in self.relay_hosts]
+            )
+            self.rh_pids = [pid for pid, _ in started]
+            self.sockets = {n: path for _, paths in started for n, path in paths.items()}
 
         def agents_of(nodes: list[int]) -> list[tuple[str, int, int]]:
             per = self.per_node
@@ -508,9 +596,10 @@ class Fleet:
             m = args.agent_hosts
             self.ah_nodes = [sim_nodes[i::m] for i in range(m)]
             ah_cls = ray.remote(AgentHost).options(num_cpus=0, max_concurrency=1000)
-            target = self.relay_hosts if args.mode == "relay" else self.coord
+            hop = "socket" if args.mode == "relay" and args.agent_hop == "socket" else args.mode
+            target = {"socket": self.sockets, "relay": self.relay_hosts}.get(hop, self.coord)
             self.agent_hosts = [
-                ah_cls.remote(args.mode, target, agents_of(nodes), args.agents)
+                ah_cls.remote(hop, target, agents_of(nodes), args.agents)
                 for nodes in self.ah_nodes
             ]
         self.ah_pids = (
@@ -570,6 +659,7 @@ class Fleet:
     def close(self) -> None:
         import ray
 
+        ray.get([h.close.remote() for h in self.relay_hosts])  # their socket files
         ray.shutdown()
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
@@ -797,9 +887,10 @@ def main() -> int:
     parser.add_argument("--relay-hosts", type=int, default=4)
     parser.add_argument("--agent-hosts", type=int, default=4)
     parser.add_argument(
-        "--agent-hop", choices=("rpc", "local"), default="rpc",
-        help="simulated agents' calls to their relay: Ray calls from agent hosts, or awaits "
-        "in the relay's own process",
+        "--agent-hop", choices=("socket", "rpc", "local"), default="socket",
+        help="simulated agents' calls to their relay: each agent's own connections to its "
+        "relay's Unix socket (as profd's agents make them), Ray calls from agent hosts, or "
+        "awaits in the relay's own process",
     )  # fmt: skip
     parser.add_argument(
         "--delivery", choices=("push", "poll"), default="push",

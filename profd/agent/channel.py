@@ -280,16 +280,16 @@ class Channel:
                 )
                 if not reply.known:
                     self._registered.clear()
-                    self._link = None
+                    self._forget_link()
                     continue
                 self._accept(reply.plan)
             except LinkMoved as exc:
                 self._registered.clear()
-                self._link = None
+                self._forget_link()
                 log.info("profd: agent %s: %s; connecting again", self.info.agent_id, exc)
             except LinkDown as exc:
                 self._registered.clear()
-                self._link = None
+                self._forget_link()
                 if self._stop.is_set():
                     return  # shutting down: the coordinator going away is expected
                 self._warn_once("down", "profd: coordinator unreachable (%s); retrying", exc)
@@ -297,7 +297,7 @@ class Channel:
                 self._backoff(attempt)
             except Exception:
                 self._registered.clear()
-                self._link = None
+                self._forget_link()
                 if self._stop.is_set():
                     return
                 if "poll" not in self._warned:
@@ -305,6 +305,18 @@ class Channel:
                     log.exception("profd: plan poll failed; retrying")
                 attempt += 1
                 self._backoff(attempt)
+        self._forget_link()  # stopped
+
+    def _forget_link(self) -> None:
+        """Poller thread: drop the link (closing what it holds open, a relay socket's
+        connections; a report in flight on it ends first)."""
+        link, self._link = self._link, None
+        close = getattr(link, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # nothing to keep from a link being dropped
+                log.debug("profd: closing a link failed", exc_info=True)
 
     def _drain(self, first: AgentEvent) -> list[AgentEvent]:
         """The next batch, each event numbered (sent again as is until it is taken)."""

@@ -2,7 +2,11 @@
 
 :class:`NodeLinkFinder` is the agent's default ``find_link`` inside Ray. It returns a link to
 the node's relay (:mod:`profd.actors.relay`, started here when the node has none yet), or,
-when the relay cannot be had, a direct link to the coordinator. A direct link checks every
+when the relay cannot be had, a direct link to the coordinator. The relay link is
+:class:`SocketLink`, the relay's Unix socket (a Ray call costs each side about a millisecond
+of CPU, and a node's agents call their relay all the time), or :class:`RelayLink`, Ray calls
+to the relay, where the socket cannot be reached (a relay of an older profd, a socket
+directory not shared with the relay). A direct link checks every
 ``retry_s`` whether the relay is back (starting it again if it is gone for good) and then
 raises :class:`LinkMoved`, so the channel re-registers through the relay. A relay failing in
 the middle of a call is a :class:`~profd.agent.channel.LinkDown`: the channel asks the finder
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +36,16 @@ from profd.agent.channel import (
     find_ray_link,
 )
 from profd.core.protocol import AgentEvent, AgentInfo, PollReply
+from profd.core.relay_wire import RelayHello, WireError, encode, recv_frame
 
-__all__ = ["LinkMoved", "NodeLinkFinder", "RelayLink", "default_link_finder", "relays_enabled"]
+__all__ = [
+    "LinkMoved",
+    "NodeLinkFinder",
+    "RelayLink",
+    "SocketLink",
+    "default_link_finder",
+    "relays_enabled",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +91,115 @@ class RelayLink(RayLink):
             return ray.get(ref, timeout=timeout or self._timeout)
         except Exception as exc:  # the relay died, restarts, or lost the coordinator
             raise LinkDown(f"relay {method}: {type(exc).__name__}") from exc
+
+
+class SocketLink:
+    """:class:`~profd.agent.channel.CoordinatorLink` over the relay's Unix socket
+    (:mod:`profd.core.relay_wire`). Each calling thread (the channel's poller and reporter)
+    holds its own connection, one call at a time; any failure of the socket, or of the relay
+    behind it, is :class:`LinkDown` (a connection that failed mid-call is closed, so no late
+    answer is read as the next call's)."""
+
+    kind = "relay"
+
+    def __init__(self, path: str, call_timeout_s: float = 30.0) -> None:
+        self.path = path
+        self._timeout = call_timeout_s
+        self._lock = threading.Lock()
+        self._socks: dict[int, tuple[threading.Thread, socket.socket]] = {}  # by thread id
+        self._busy: set[int] = set()
+        self._closed = False
+
+    def register(self, info: AgentInfo, step: int | None) -> Any:
+        return self._call("register", info, step)
+
+    def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> PollReply:
+        return self._call("poll", agent_id, version, step, timeout, timeout=timeout + self._timeout)
+
+    def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
+        return self._call("report", agent_id, events, timeout=RELAY_REPORT_WAIT_S)
+
+    def clock_ns(self) -> int:
+        return self._call("clock_ns", timeout=5.0)
+
+    def ping(self, timeout: float = RELAY_READY_S) -> Any:
+        return self._call("ping", timeout=timeout)
+
+    def close(self) -> None:
+        """Close the connections; one in a call closes when its call returns."""
+        with self._lock:
+            self._closed = True
+            idle = [t for t in self._socks if t not in self._busy]
+            socks = [self._socks.pop(t)[1] for t in idle]
+        for sock in socks:
+            sock.close()
+
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        tid = threading.get_ident()
+        try:
+            sock = self._connection(tid)
+            sock.settimeout(timeout or self._timeout)
+            sock.sendall(encode((method, args)))
+            ok, value = recv_frame(sock)
+        except (OSError, WireError, ValueError) as exc:  # the relay went away, or timed out
+            self._drop(tid)
+            raise LinkDown(f"relay socket {method}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._release(tid)
+        if not ok:
+            raise LinkDown(f"relay {method}: {value}")
+        return value
+
+    def _connection(self, tid: int) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise ConnectionAbortedError("link closed")
+            self._busy.add(tid)
+            held = self._socks.get(tid)
+        if held is not None:
+            return held[1]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(RELAY_READY_S)
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        with self._lock:  # a thread that ended leaves its connection: closed now
+            ended = [t for t, (thread, _) in self._socks.items() if not thread.is_alive()]
+            old = [self._socks.pop(t)[1] for t in ended]
+            self._socks[tid] = (threading.current_thread(), sock)
+        for s in old:
+            s.close()
+        return sock
+
+    def _drop(self, tid: int) -> None:
+        with self._lock:
+            held = self._socks.pop(tid, None)
+        if held is not None:
+            held[1].close()
+
+    def _release(self, tid: int) -> None:
+        with self._lock:
+            self._busy.discard(tid)
+            closing = self._closed
+        if closing:
+            self._drop(tid)
+
+
+def relay_link(handle: Any, hello: Any) -> CoordinatorLink:
+    """The link to a relay that answered ``ping`` with ``hello``: its socket when it serves
+    one this process can reach (checked with a ping over it), else Ray calls to it."""
+    path = hello.socket_path if isinstance(hello, RelayHello) else None
+    if path:
+        link = SocketLink(path)
+        try:
+            link.ping()
+            return link
+        except LinkDown as exc:
+            link.close()
+            log.info("profd: relay socket %s unreachable (%s); calling the relay by Ray", path, exc)
+    return RelayLink(handle)
 
 
 class DirectLink:
@@ -152,7 +275,7 @@ class NodeLinkFinder:
             return None  # no coordinator: nothing to relay to
         relay = self._existing_relay()
         if relay is not None:
-            return RelayLink(relay)
+            return relay_link(*relay)
         self._relay_ready()  # starts the relay (and sends it a ping) without waiting
         return DirectLink(direct, self._relay_ready, self._retry_s, RELAY_FIRST_CHECK_S)
 
@@ -161,8 +284,9 @@ class NodeLinkFinder:
 
         return self._node_id or ray.get_runtime_context().get_node_id()
 
-    def _existing_relay(self) -> Any | None:
-        """The node's relay if it exists and answers a ping within :data:`RELAY_READY_S`.
+    def _existing_relay(self) -> tuple[Any, Any] | None:
+        """The node's relay and its ping's answer, if it exists and answers a ping within
+        :data:`RELAY_READY_S`.
         A relay that exists but does not answer in time keeps its ping pending: the direct
         link's checks watch that ping (:meth:`_relay_ready`)."""
         import ray
@@ -176,8 +300,7 @@ class NodeLinkFinder:
             if not ready:  # starting: the coordinator directly meanwhile
                 self._ping = ping
                 return None
-            ray.get(ping)  # raises if the relay failed
-            return handle
+            return handle, ray.get(ping)  # raises if the relay failed
         except Exception as exc:  # gone: the coordinator directly, a new relay started
             self._ping = None
             self._warn(exc)

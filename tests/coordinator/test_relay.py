@@ -6,6 +6,7 @@ it directly, the agents reach the relay through a link with the blocking Ray-lin
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from profd.actors.relay import NodeRelay
 from profd.agent import ProfilerAgent
 from profd.agent.channel import LinkDown
+from profd.agent.relay_link import SocketLink
 from profd.core.states import AgentLink
 
 from helpers import wait_terminal, wait_until
@@ -72,29 +74,38 @@ class PushHandle:
         return self.relay.push(key, replies, refresh)
 
 
-@pytest.fixture(params=["poll", "push"])
-def relayed(local_coordinator: Any, request: pytest.FixtureRequest) -> Any:
+@pytest.fixture(params=["poll", "push", "socket"])
+def relayed(local_coordinator: Any, request: pytest.FixtureRequest, monkeypatch) -> Any:
     """Three agents of one node behind one relay, which parks a ``poll_many`` at the
-    coordinator (``poll``) or has its plans pushed (``push``, as a relay actor does); yields
-    (owner, relay, caller, agents)."""
+    coordinator (``poll``) or has its plans pushed (``push``, as a relay actor does); their
+    calls reach it on its loop, or (``socket``, pushed, as profd's agents do) over the
+    relay's real Unix socket; yields (owner, relay, caller, agents)."""
     owner = local_coordinator
     caller = DirectCaller(owner.coordinator)
     handle = PushHandle()
-    target = (lambda: (handle, "node-a")) if request.param == "push" else (lambda: None)
-    relay = owner.run(lambda: NodeRelay("node-a", caller, push_target=target))
+    target = (lambda: (handle, "node-a")) if request.param != "poll" else (lambda: None)
+    over_socket = request.param == "socket"
+    relay = owner.run(
+        lambda: NodeRelay("node-a", caller, push_target=target, serve_socket=over_socket)
+    )
     handle.relay = relay
+    find: Any = lambda: RelayLink(relay, owner.loop)  # noqa: E731
+    if over_socket:
+        monkeypatch.setenv("PROFD_RELAY_SOCKET_DIR", tempfile.mkdtemp(prefix="profd-"))
+        hello = asyncio.run_coroutine_threadsafe(relay.ping(), owner.loop).result(10)
+        find = lambda: SocketLink(hello.socket_path)  # noqa: E731
     # untimed marks: the coordinator learns the agents' steps only from their polls (times
     # events carry steps too), so placing a next_steps window needs the relay's refresh
     agents = [
-        ProfilerAgent(
-            "actor", r, 3, find_link=lambda: RelayLink(relay, owner.loop), mark_times=False
-        ).start()
-        for r in range(3)
+        ProfilerAgent("actor", r, 3, find_link=find, mark_times=False).start() for r in range(3)
     ]
     wait_until(lambda: all(a.connected for a in agents), 10, what="agents registered")
+    if over_socket:  # each agent's poller and reporter: their own connections
+        wait_until(lambda: stats(owner, relay).socket_connections >= 3, 10, 0.02, what="on it")
     yield owner, relay, caller, agents
     for a in agents:
         a.close(timeout=10)
+    asyncio.run_coroutine_threadsafe(relay.close(), owner.loop).result(10)
 
 
 def stats(owner: Any, relay: NodeRelay) -> Any:

@@ -1,7 +1,8 @@
 """Per-node relays on the real two-node Ray of the test session: by default the job's workers
 reach the coordinator through their node's relay (started by the node's first agent, which
-registers directly meanwhile); a relay's death never stops a session, its agents go straight
-to the coordinator, and move back when it returns. ``PROFD_RELAY=0`` keeps a worker direct."""
+registers directly meanwhile), over the relay's Unix socket; a relay's death never stops a
+session, its agents go straight to the coordinator, and move back when it returns.
+``PROFD_RELAY=0`` keeps a worker direct."""
 
 from __future__ import annotations
 
@@ -129,6 +130,8 @@ def _check(coord: Any, nodes: Counter[str]) -> Any:
     after = {n: ray.get(r.stats.remote()) for n, r in relays.items()}
     assert after[head].events_sent > 0 and after[head].reports_sent < after[head].events_sent
     assert all(s.pushes > 0 for s in after.values())  # plans pushed to each relay actor
+    for node, n in nodes.items():  # the workers call their relay over its Unix socket
+        assert after[relay_name(node)].socket_connections >= n, after
 
     # killed for good: its agents go to the coordinator directly, then start it again
     ray.kill(relays[head], no_restart=True)
@@ -138,4 +141,6 @@ def _check(coord: Any, nodes: Counter[str]) -> Any:
     _parked(_relays()[head], nodes.most_common(1)[0][1])
     final = _session(coord)
     assert final.state == "done", final.reason
+    back = ray.get(_relays()[head].stats.remote())  # the new process's socket, taken again
+    assert back.socket_connections >= nodes.most_common(1)[0][1], back
     return final
