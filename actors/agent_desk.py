@@ -25,6 +25,7 @@ from profd.core.protocol import (
     PollReply,
     StackSample,
     TraceWritten,
+    fast_pickle,
 )
 from profd.core.states import AgentLink
 
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 MAX_POLL_S = 60.0
 
 
+@fast_pickle
 @dataclasses.dataclass(frozen=True, slots=True)
 class Registration:
     """Reply to :meth:`ProfileCoordinator.register` (a message: it crosses relay sockets)."""
@@ -222,6 +224,24 @@ class AgentDesk:
         return await self.relay_sync(via, known, steps, *reach)
 
     async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
+        return (await self.report_many({agent_id: events}))[agent_id]
+
+    async def report_many(self, batches: dict[str, list[AgentEvent]]) -> dict[str, bool]:
+        """Each agent's events applied in order; the sessions they touched are persisted and
+        advanced once for the whole batch (a relay's batch holds a node's agents, all of one
+        session as a window ends), before anyone is told the events arrived. Whether each
+        agent is known (an unknown one registers again)."""
+        touched: dict[str, Session] = {}
+        known = {aid: self._apply(aid, events, touched) for aid, events in batches.items()}
+        for s in touched.values():
+            self._book.persist(s)  # saved before the agents are told their events arrived
+        self._book.advance_soon(touched.values())
+        if touched:
+            await self._on_events()
+        return known
+
+    def _apply(self, agent_id: str, events: list[AgentEvent], touched: dict[str, Session]) -> bool:
+        """One agent's events; the sessions they touch go into ``touched``."""
         rec = self._registry.get(agent_id)
         if rec is None:
             return False
@@ -229,7 +249,6 @@ class AgentDesk:
         self.reports += 1
         events = self._unseen(rec, events)
         self.events += len(events)
-        touched: dict[str, Session] = {}
         for ev in events:
             if isinstance(ev.payload, MarkDurations):  # live step and stage times
                 rec.current_step = _fresher(rec.current_step, ev.step)
@@ -259,11 +278,6 @@ class AgentDesk:
             if s is not None:
                 s.apply(agent_id, ev)
                 touched[s.session_id] = s
-        for s in touched.values():
-            self._book.persist(s)  # saved before the agent is told its events arrived
-        self._book.advance_soon(touched.values())
-        if touched:
-            await self._on_events()
         return True
 
     def _unseen(self, rec: AgentRecord, events: list[AgentEvent]) -> list[AgentEvent]:

@@ -315,7 +315,7 @@ class ProfileCoordinator:
     async def report_many(self, batches: dict[str, list[AgentEvent]]) -> dict[str, bool]:
         """A relay's batch: each agent's events, applied as :meth:`report` does; whether
         each agent is known."""
-        return {aid: await self._agents.report(aid, events) for aid, events in batches.items()}
+        return await self._agents.report_many(batches)
 
     async def list_agents(self) -> list[AgentView]:
         now = self._clock()

@@ -70,13 +70,17 @@ class PlanBook:
         if agent_id not in self._entries:
             self._entries[agent_id] = _Entry()
 
-    def set(self, agent_id: str, windows: tuple[WindowPlan, ...]) -> bool:
-        """Install ``windows`` for an agent; return True when that changed its plan."""
+    def set(self, agent_id: str, windows: tuple[WindowPlan, ...], quiet: bool = False) -> bool:
+        """Install ``windows`` for an agent; return True when that changed its plan.
+        ``quiet``: when the plan only loses windows, its parked poll (or relay) is not woken:
+        the agent gets the plan at its next poll."""
         entry = self._entries.setdefault(agent_id, _Entry())
-        if entry.plan.windows == windows:
-            return False
         plan = entry.plan
-        self._install(agent_id, entry, windows, plan.controller_step, plan.controller_phase)
+        if plan.windows == windows:
+            return False
+        fewer = quiet and all(w in plan.windows for w in windows)
+        step, phase = plan.controller_step, plan.controller_phase
+        self._install(agent_id, entry, windows, step, phase, notify=not fewer)
         return True
 
     def set_controller_step(self, agent_id: str, step: int, phase: str | None = None) -> int:
@@ -100,6 +104,7 @@ class PlanBook:
         windows: tuple[WindowPlan, ...],
         step: int | None,
         phase: str | None = None,
+        notify: bool = True,
     ) -> None:
         self._version += 1
         entry.plan = AgentPlan(
@@ -110,7 +115,8 @@ class PlanBook:
             stacks=entry.plan.stacks,
             spans=entry.plan.spans,
         )
-        self._changed_plan(agent_id, entry)
+        if notify:
+            self._changed_plan(agent_id, entry)
 
     def set_spans(self, agent_id: str, on: bool) -> None:
         """Tell an agent whether its marks keep their end times (a straggler trigger watches

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from profd.actors.finisher import Finisher
@@ -305,10 +305,10 @@ class SessionBook:
             log.info("session %s %s: %s", s.session_id, s.state.value, s.reason)
         if s.is_live:  # a finished part's window leaves its agent's plan
             closed = list(s.closed_parts)
-            self.publish(closed)
+            self.publish(closed, quiet=_ended_by_agent(s, closed))
             s.closed_parts.difference_update(closed)  # after: a failed publish is retried
         elif not s.end_published:  # the session ended: its window leaves every plan
-            self.publish(list(s.targets))
+            self.publish(list(s.targets), quiet=_ended_by_agent(s, s.targets))
             s.end_published = True
             s.closed_parts.clear()
         if persist:
@@ -332,8 +332,11 @@ class SessionBook:
             self._saved.pop(s.session_id, None)
 
     # -- plans -----------------------------------------------------------------------------
-    def publish(self, agent_ids: Iterable[str]) -> None:
-        """Install the windows of live sessions in each agent's plan."""
+    def publish(self, agent_ids: Iterable[str], quiet: Collection[str] = ()) -> None:
+        """Install the windows of live sessions in each agent's plan. The agents in
+        ``quiet`` ended their part themselves: a plan that only loses windows is not sent to
+        them now (they get it with their next poll; a fleet's windows end together, and
+        waking every agent at once to say what it already knows is a second fan-out)."""
         live = [s for s in self.live() if s.steps is not None]
         # Agents of one role block share one window object (thousands of agents, one plan).
         cache: dict[tuple[Any, ...], WindowPlan] = {}
@@ -348,7 +351,7 @@ class SessionBook:
                 if key not in cache:
                     cache[key] = self._window(s, part)
                 windows.append(cache[key])
-            self._plans.set(aid, tuple(windows))
+            self._plans.set(aid, tuple(windows), quiet=aid in quiet)
 
     def _window(self, s: Session, part: Part) -> WindowPlan:
         block = self._blocks[s.session_id][part.role_block]
@@ -369,3 +372,8 @@ class SessionBook:
                 tuple(part.keep_global_ranks) if part.keep_global_ranks is not None else None
             ),
         )
+
+
+def _ended_by_agent(s: Session, agent_ids: Iterable[str]) -> set[str]:
+    """Of ``agent_ids``, those whose part of ``s`` ended by the agent's own word."""
+    return {a for a in agent_ids if (p := s.targets.get(a)) is not None and p.ended_by_agent}

@@ -114,6 +114,9 @@ class Part:
     keep_global_ranks: list[int] | None = None
     #: The last controller phase a rollout agent confirmed, as ``[step, phase]``.
     last_phase: list[Any] | None = None
+    #: It ended by the agent's own word (its ``part_done``, or its end): the agent knows,
+    #: so the window leaving its plan need not wake it (not persisted).
+    ended_by_agent: bool = field(default=False, compare=False)
 
     def finish(self, state: PartState, reason: str = "") -> None:
         if not self.state.is_terminal:
@@ -315,11 +318,14 @@ class Session:
             part.errors.append(event.message)
         elif kind is EventKind.CLOSED:
             # An agent that shut down before finishing its window cannot finish it later.
+            part.ended_by_agent = True
             self._close_part(part, unresolved_reason="the job ended before these steps")
 
     def _on_trace(self, part: Part, trace: TraceWritten) -> None:
-        name = trace.path.rsplit("/", 1)[-1]
-        self.warnings.extend(f"{part.role} rank {part.rank} {name}: {w}" for w in trace.warnings)
+        if trace.warnings:
+            name = trace.path.rsplit("/", 1)[-1]
+            who = f"{part.role} rank {part.rank} {name}"
+            self.warnings.extend(f"{who}: {w}" for w in trace.warnings)
         part.recorded.update(trace.steps)
         if trace.trace_id not in part.traces:
             part.traces.append(trace.trace_id)
@@ -331,6 +337,7 @@ class Session:
         who = f"{part.role} replica {done.replica if done.replica is not None else part.rank}"
         self.warnings.extend(f"{who}: {w}" for w in done.warnings)
         self.warnings.extend(f"{who}: incomplete {i.path}: {i.reason}" for i in done.incomplete)
+        part.ended_by_agent = True
         self._close_part(part)
 
     def _close_part(self, part: Part, unresolved_reason: str = "not reached") -> None:

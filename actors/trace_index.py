@@ -7,6 +7,7 @@ coordinator still serves the traces of earlier sessions.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable
@@ -117,11 +118,12 @@ class TraceIndex:
             return  # indexed once
         self._traces[view.trace_id] = view
         self._by_session.setdefault(view.session_id, {})[view.trace_id] = view
+        key = _newest_key(view)
         for k in ((None, None), (view.role, None), (None, view.rank), (view.role, view.rank)):
             listing = self._listings.get(k)
             if listing is None:
                 listing = self._listings[k] = Listing(_newest_key, _size)
-            listing.add(view)
+            listing.add(view, key)
         written = self._by_tool.setdefault(view.tool, [0, 0])
         written[0] += 1
         written[1] += view.bytes
@@ -219,9 +221,16 @@ def _inside_session_dir(path: str, session: Session | None, session_id: str) -> 
     if not path.startswith("/"):
         return False
     if session is not None:
-        root = os.path.normpath(session.save_dir)
-        if not root.startswith("/"):
-            return False
-        prefix = root if root.endswith("/") else root + "/"
-        return len(path) > len(prefix) and path.startswith(prefix)
+        prefix = _dir_prefix(session.save_dir)
+        return prefix is not None and len(path) > len(prefix) and path.startswith(prefix)
     return bool(session_id) and session_id in path.split("/")[:-1]
+
+
+@functools.lru_cache(maxsize=256)
+def _dir_prefix(save_dir: str) -> str | None:
+    """A session directory as the prefix its files' paths start with (``None``: not absolute);
+    kept, since every trace of a session asks for it."""
+    root = os.path.normpath(save_dir)
+    if not root.startswith("/"):
+        return None
+    return root if root.endswith("/") else root + "/"

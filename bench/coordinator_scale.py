@@ -283,8 +283,11 @@ class RelayHost:
     async def received_times(self) -> tuple[int, float, int, int]:
         return await self.agent_host.received_times()
 
-    async def send_window(self, session_id: str, save_dir: str) -> tuple[int, int, int]:
-        return await self.agent_host.send_window(session_id, save_dir)
+    async def prepare_window(self, session_id: str, save_dir: str) -> int:
+        return await self.agent_host.prepare_window(session_id, save_dir)
+
+    async def send_window(self) -> tuple[int, int, int]:
+        return await self.agent_host.send_window()
 
 
 class _Stamped:
@@ -438,13 +441,19 @@ class AgentHost:
         last = max(self.received.values(), default=0.0)
         return len(self.received), last, self.unknown, self.poll_errors
 
-    async def send_window(self, session_id: str, save_dir: str) -> tuple[int, int, int]:
-        """Every agent reports its window's 10 events at once; (events, reports whose agent
-        was not known)."""
-        batches = [
+    async def prepare_window(self, session_id: str, save_dir: str) -> int:
+        """Each agent's window's 10 events (made over the window by a real agent's recorder
+        and exporter; made here before the timed send); how many."""
+        self.window = [
             (node, host, info, window_events(session_id, save_dir, node, info.rank))
             for node, host, info in self.agents
         ]
+        return sum(len(b[3]) for b in self.window)
+
+    async def send_window(self) -> tuple[int, int, int]:
+        """Every agent reports its window's 10 events at once; (events, reports whose agent
+        was not known, reports sent again)."""
+        batches = self.window
 
         async def one(node: str, host: int, info: Any, evs: list[Any]) -> bool:
             attempt = 0
@@ -809,10 +818,11 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
             "parked at their relay as memory was read"
         )
     # Events: every simulated agent's window, 10 events in one report, all at once.
+    ray.get([h.prepare_window.remote(sid, view.save_dir) for h in f.agent_hosts])
     spy = PySpy(args.py_spy, "events", {"coordinator": f.cpid, "relay_host": f.rh_pids[:1]})
     cpu2 = f.cpu(relay_pids)
     t_ev = time.perf_counter()
-    sent = ray.get([h.send_window.remote(sid, view.save_dir) for h in f.agent_hosts])
+    sent = ray.get([h.send_window.remote() for h in f.agent_hosts])
     ev_s = time.perf_counter() - t_ev
     spy.stop()
     cpu3 = f.cpu(relay_pids)

@@ -126,8 +126,9 @@ class Listing(Generic[T]):
         self._items: list[T] = []
         self.bytes = 0  # the sum of every item's ``size``
 
-    def add(self, item: T) -> None:
-        k = self._key(item)
+    def add(self, item: T, key: SortKey | None = None) -> None:
+        """Add ``item``; ``key``: its key, when the caller has it already."""
+        k = self._key(item) if key is None else key
         if not self._keys or k > self._keys[-1]:  # the usual case: the newest
             self._keys.append(k)
             self._items.append(item)

@@ -14,7 +14,7 @@ each peer's uid (``SO_PEERCRED``) where the platform has it. Unpickling resolves
 profd's message types (dataclasses, enums and pydantic models of ``profd.``), never a
 function, so a frame cannot run code.
 
-Pure stdlib: no Ray import.
+No Ray import.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from profd.core.protocol import fast_pickle
 
 __all__ = [
     "AGENT_CALLS",
@@ -58,6 +60,7 @@ class WireError(Exception):
     """A frame that is not one (too large, cut short, or not a profd message)."""
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class RelayHello:
     """A relay's answer to ``ping``: where its agents reach it without Ray (``None``: only

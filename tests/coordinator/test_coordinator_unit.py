@@ -212,6 +212,37 @@ def test_a_finished_part_leaves_its_agents_plan_while_the_session_goes_on(
     run(go)
 
 
+def test_a_part_its_agent_ended_leaves_the_plan_without_waking_it(tmp_path: Path) -> None:
+    """The agent said its part is done: its plan loses the window quietly (no poll woken: a
+    fleet's windows end together), and its next poll gets it. A part the coordinator ended
+    (cancelled, lost) wakes its agent at once: the agent does not know yet."""
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        for aid, rank in (("a", 0), ("b", 1)):
+            await coord.register(info(aid, rank=rank), 1)
+        view = await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+        sid = view.session_id
+        held = {aid: (await coord.poll(aid, 0, 2, 0)).plan for aid in "ab"}
+        polls = {a: asyncio.create_task(coord.poll(a, held[a].version, 3, 30)) for a in "ab"}
+        await asyncio.sleep(0.05)
+        done = [trace(sid, view.save_dir, "t-a", (3,))]
+        done.append(ev(EventKind.PART_DONE, sid, payload=PartDone(recorded=(3,))))
+        await coord.report("a", done)
+        coord.tick()
+        await asyncio.sleep(0.2)
+        assert not polls["a"].done()  # not woken for what it said itself
+        assert (await coord.poll("a", held["a"].version, 3, 0)).plan.windows == ()
+        await coord.cancel_session(sid)
+        coord.tick()
+        woken = await asyncio.wait_for(polls["b"], 5)  # cancelled: told at once
+        assert woken.plan is not None and woken.plan.windows == ()
+        polls["a"].cancel()
+
+    run(go)
+
+
 def test_woken_polls_are_handed_over_before_the_new_session_is_persisted(
     tmp_path: Path,
 ) -> None:

@@ -105,6 +105,33 @@ def test_wait_any_returns_only_the_changed_plans() -> None:
     run(go)
 
 
+def test_a_quiet_plan_that_only_loses_windows_wakes_nobody() -> None:
+    """A window the agent ended itself leaves its plan without waking its poll or its relay
+    (the plan goes with its next poll); a quiet plan that brings a window wakes as usual."""
+
+    async def go() -> None:
+        book = PlanBook()
+        told: list[str] = []
+        book.on_change = lambda aid, refresh: told.append(aid) or False
+        book.set("a", (window("s1"), window("s2")))
+        held = book.plan("a").version
+        told.clear()
+        parked = asyncio.create_task(book.wait("a", held, 0.2))
+        await asyncio.sleep(0)
+        assert book.set("a", (window("s2"),), quiet=True)
+        await asyncio.sleep(0.05)
+        assert not parked.done() and told == []
+        plan = await parked  # at its time, with the plan it did not hold
+        assert plan is not None and plan.windows == (window("s2"),) and plan.version > held
+        parked = asyncio.create_task(book.wait("a", plan.version, 10.0))
+        await asyncio.sleep(0)
+        assert book.set("a", (window("s3"),), quiet=True)  # s2 leaves, s3 comes: news
+        woken = await asyncio.wait_for(parked, 1.0)
+        assert woken is not None and woken.windows == (window("s3"),) and told == ["a"]
+
+    run(go)
+
+
 def test_wake_releases_a_parked_poll_without_a_new_plan() -> None:
     async def go() -> None:
         book = PlanBook()

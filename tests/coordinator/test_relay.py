@@ -138,8 +138,9 @@ def test_one_shared_poll_carries_the_nodes_agents_and_their_events(relayed) -> N
     assert s.events_sent >= 6 and s.reports_sent < s.events_sent
     assert caller.calls.get("report", 0) == 0 and caller.calls.get("poll", 0) == 0
     assert caller.calls[shared] - polls_before < 20  # one shared poll (or sync) at a time
-    if shared == "relay_sync":  # plans pushed: nothing parked at the coordinator
-        assert s.pushes >= 2 and caller.calls.get("poll_many", 0) == 0
+    if shared == "relay_sync":  # plans pushed: nothing parked at the coordinator (the
+        # window's end is not pushed: the agents ended their parts themselves)
+        assert s.pushes >= 1 and caller.calls.get("poll_many", 0) == 0
 
 
 def test_next_steps_are_placed_from_fresh_steps_through_the_relay(relayed) -> None:
