@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from profd.actors.planbook import release
-from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, PollReply
+from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, Packed, PollReply
 from profd.core.relay_wire import RelayHello
 
 __all__ = [
@@ -104,8 +104,9 @@ class RayCoordinatorCaller:
             self._handle = find_coordinator()
             if self._handle is None:
                 raise ConnectionError("no coordinator")
-        try:
-            ref = getattr(self._handle, method).remote(*args, **kw)
+        try:  # plain data as one C pickle (a node's event batch: Packed's docstring says why)
+            packed = [Packed(a) if isinstance(a, (dict, list)) else a for a in args]
+            ref = getattr(self._handle, method).remote(*packed, **kw)
             return await asyncio.wait_for(ref, timeout)
         except TimeoutError as exc:
             # Slow, not gone: keep the handle. Finding it again is a blocking GCS lookup on

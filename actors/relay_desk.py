@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from profd.core.protocol import PollReply
+from profd.core.protocol import Packed, PollReply
 
 if TYPE_CHECKING:
     from profd.actors.planbook import PlanBook
@@ -134,7 +134,7 @@ class RelayDesk:
             refresh, relay.refresh = sorted(relay.refresh), set()
             if replies or refresh:
                 try:  # submitted here, in this turn: every relay's push leaves at once
-                    call = relay.target.push.remote(relay.key, replies, refresh)
+                    call = relay.target.push.remote(relay.key, Packed(replies), refresh)
                 except Exception as exc:
                     self._failed(relay, exc)
                     continue

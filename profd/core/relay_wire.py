@@ -88,14 +88,22 @@ def body_size(header: bytes) -> int:
 HEADER_SIZE = _HEADER.size
 
 
+#: The message types resolved so far, by (module, name): every frame names a few.
+_resolved: dict[tuple[str, str], type] = {}
+
+
 class _Messages(pickle.Unpickler):
     """Resolves profd's message types only: a dataclass, enum or pydantic model defined in a
     ``profd.`` module (constructing one runs no code of the sender's choosing)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        cls = _resolved.get((module, name))
+        if cls is not None:
+            return cls
         if module == "profd" or module.startswith("profd."):
             obj = super().find_class(module, name)
             if isinstance(obj, type) and _is_message(obj):
+                _resolved[(module, name)] = obj
                 return obj
         raise WireError(f"{module}.{name} is not a profd message type")
 

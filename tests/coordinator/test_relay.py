@@ -6,6 +6,7 @@ it directly, the agents reach the relay through a link with the blocking Ray-lin
 from __future__ import annotations
 
 import asyncio
+import pickle
 import tempfile
 from typing import Any
 
@@ -71,6 +72,7 @@ class PushHandle:
 
     def remote(self, key: str, replies: Any, refresh: bool) -> Any:
         assert self.relay is not None and key == "node-a"
+        key, replies, refresh = pickle.loads(pickle.dumps((key, replies, refresh)))  # Ray's way
         return self.relay.push(key, replies, refresh)
 
 
@@ -246,6 +248,37 @@ def test_a_slow_coordinator_keeps_its_handle_and_a_failed_call_drops_it() -> Non
         assert caller._handle is None
 
     asyncio.run(go())
+
+
+def test_a_relays_plain_data_crosses_ray_as_one_stdlib_pickle_and_arrives_plain() -> None:
+    """The relay's calls wrap dicts and lists in Packed (cloudpickle's per-object hook is
+    several times the C pickler on a node's event batch); the coordinator gets the plain
+    value back from Ray's own unpickling, so its signature is unchanged; a handle (or any
+    other argument) goes as it is."""
+    from ray import cloudpickle
+
+    from profd.actors.relay import RayCoordinatorCaller
+    from profd.core.protocol import AgentEvent, EventKind, Packed
+
+    sent: list[tuple[Any, ...]] = []
+
+    class Handle:
+        class report_many:  # a Ray actor method's shape
+            @staticmethod
+            async def remote(*args: Any) -> Any:
+                sent.append(args)
+                return pickle.loads(cloudpickle.dumps(args))  # what the coordinator is given
+
+    batch = {"a": [AgentEvent(EventKind.ARMED, "s1", seq=1)]}
+
+    async def go() -> Any:
+        caller = RayCoordinatorCaller()
+        caller._handle = Handle()
+        return await caller.call("report_many", batch, "node-x", timeout=5.0)
+
+    arrived = asyncio.run(go())
+    assert isinstance(sent[0][0], Packed) and sent[0][1] == "node-x"
+    assert arrived == (batch, "node-x")
 
 
 def test_a_nodes_burst_of_events_goes_up_in_bounded_batches_each_agents_in_order(
