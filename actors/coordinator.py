@@ -45,6 +45,7 @@ from profd.actors.trace_index import TraceIndex
 from profd.actors.triggers import TriggerDesk
 from profd.core.constants import __version__
 from profd.core.errors import ProfdError, RequestInvalid
+from profd.core.heap import trim_heap
 from profd.core.json_body import BATCHED_READS, JSON_READS, JsonItems, encode_read
 from profd.core.paging import Page
 from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, MarkDurations, PollReply
@@ -67,6 +68,15 @@ __all__ = ["ProfileCoordinator", "Registration"]
 log = logging.getLogger(__name__)
 
 _C = TypeVar("_C", bound=type)
+
+#: How often the coordinator gives freed heap back to the OS (profd.core.heap): a burst of
+#: registrations or events leaves its resident size at the burst's peak otherwise.
+HEAP_TRIM_S = 60.0
+
+
+async def _trim_heap() -> None:
+    """Off the event loop: the C library holds its allocator locks while it trims."""
+    await asyncio.to_thread(trim_heap)
 
 
 def _started_first(cls: _C) -> _C:
@@ -154,6 +164,7 @@ class ProfileCoordinator:
             on_oom=self._triggers.on_oom,
         )
         self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
+        self._heap = Periodic(HEAP_TRIM_S, _trim_heap, clock)
         self._ticker: asyncio.Task | None = None
         self._restore()
 
@@ -207,6 +218,7 @@ class ProfileCoordinator:
             try:
                 self.tick()
                 self._liveness.kick(self._clock())
+                self._heap.kick(self._clock())
             except Exception:
                 log.exception("coordinator tick failed")
 

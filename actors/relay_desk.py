@@ -15,12 +15,19 @@ the coordinator no longer knows the relay.
 
 A push that fails (the relay died) forgets the relay; its agents are then served by its
 next incarnation's sync, or go to the coordinator directly (:mod:`profd.agent.relay_link`).
+
+A Ray actor handle held as an object costs about 22 KB (Ray keeps metadata for each of its
+actor's methods): 28 MB for 1,250 relays, more than the agents themselves. Each is kept as
+its serialized bytes (about 350) and made live again for a push, the most recent
+:data:`LIVE_HANDLES` kept live (a cluster of fewer nodes never makes one twice).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +43,30 @@ log = logging.getLogger(__name__)
 
 #: A push not answered within this long counts as failed (the relay is forgotten).
 PUSH_TIMEOUT_S = 30.0
+#: Relay handles kept live between pushes (each ~22 KB; the others wait as bytes).
+LIVE_HANDLES = 128
+
+
+class _Stored:
+    """A Ray actor handle as its serialized bytes (see the module docstring)."""
+
+    __slots__ = ("blob",)
+
+    def __init__(self, handle: Any) -> None:
+        from ray import cloudpickle
+
+        self.blob = cloudpickle.dumps(handle)
+
+    def live(self) -> Any:
+        return pickle.loads(self.blob)
+
+
+def _stored(target: Any) -> Any:
+    """``target`` as the desk keeps it: a Ray actor handle as bytes, anything else (a test's
+    stand-in, a handle already stored) as it is."""
+    if type(target).__name__ == "ActorHandle" and type(target).__module__.startswith("ray."):
+        return _Stored(target)
+    return target
 
 
 @dataclass
@@ -43,7 +74,7 @@ class _Relay:
     """A relay the coordinator pushes to: how to call it and what its agents hold."""
 
     name: str
-    target: Any  # an actor handle with ``push(key, replies, refresh)``
+    target: Any  # an actor handle with ``push(key, replies, refresh)`` (or it _Stored)
     key: str  # which relay of the actor (a bench hosts many in one)
     #: agent id -> the plan version the relay holds for it (or was last sent)
     held: dict[str, int] = field(default_factory=dict)
@@ -61,6 +92,7 @@ class RelayDesk:
         self._known = known  # whether the coordinator knows the agent (else: register again)
         self._timeout_s = timeout_s
         self._relays: dict[str, _Relay] = {}
+        self._live: OrderedDict[str, Any] = OrderedDict()  # name -> live handle, newest last
         self._by_agent: dict[str, _Relay] = {}
         self._pending: set[str] = set()
         self._scheduled = False
@@ -73,9 +105,10 @@ class RelayDesk:
         """A relay's sync: remember how to reach it and which versions its agents hold."""
         relay = self._relays.get(name)
         if relay is None:
-            relay = self._relays[name] = _Relay(name, target, key)
-        else:  # a relay Ray restarted syncs under its name with its new handle
-            relay.target, relay.key = target, key
+            relay = self._relays[name] = _Relay(name, _stored(target), key)
+        elif target is not relay.target:  # a relay Ray restarted syncs with its new handle
+            relay.target, relay.key = _stored(target), key
+            self._live.pop(name, None)
         for aid in list(relay.held):
             if aid not in known:
                 del relay.held[aid]
@@ -134,13 +167,26 @@ class RelayDesk:
             refresh, relay.refresh = sorted(relay.refresh), set()
             if replies or refresh:
                 try:  # submitted here, in this turn: every relay's push leaves at once
-                    call = relay.target.push.remote(relay.key, Packed(replies), refresh)
+                    call = self._handle(relay).push.remote(relay.key, Packed(replies), refresh)
                 except Exception as exc:
                     self._failed(relay, exc)
                     continue
                 task = asyncio.ensure_future(self._push(relay, call, replies))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    def _handle(self, relay: _Relay) -> Any:
+        """The relay's handle, live (see the module docstring)."""
+        if not isinstance(relay.target, _Stored):
+            return relay.target
+        handle = self._live.get(relay.name)
+        if handle is None:
+            handle = self._live[relay.name] = relay.target.live()
+            if len(self._live) > LIVE_HANDLES:
+                self._live.popitem(last=False)
+        else:
+            self._live.move_to_end(relay.name)
+        return handle
 
     def _failed(self, relay: _Relay, exc: Exception) -> None:
         self.push_failures += 1
@@ -168,6 +214,7 @@ class RelayDesk:
 
     def _drop(self, relay: _Relay) -> None:
         del self._relays[relay.name]
+        self._live.pop(relay.name, None)
         for aid in relay.held:
             if self._by_agent.get(aid) is relay:
                 del self._by_agent[aid]

@@ -1,0 +1,40 @@
+"""Giving freed heap back to the operating system (glibc's ``malloc_trim``).
+
+A long-running process that takes bursts of calls (the coordinator: thousands of agents
+registering, a fleet's events as its windows end) frees most of what a burst allocated, but
+glibc keeps the freed pages, so its resident size stays at the burst's high-water mark.
+Measured on the coordinator with 10,000 agents: 20 MB (2 KB an agent) of its 57 MB growth was
+such pages. Trimming now and then makes the resident size what the process holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+from typing import Any
+
+__all__ = ["trim_heap"]
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        return libc if hasattr(libc, "malloc_trim") else None  # glibc only (not musl, macOS)
+    except OSError:
+        return None
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the OS; whether the C library can (and did)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.malloc_trim(0))
