@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 #: What an ``oom`` event keeps of the error's message.
 OOM_MESSAGE_CHARS = 2000
+#: How long ``close`` waits for an agent that is between two links (moving to its node's
+#: relay, or registering again) before it gives up on sending its last events.
+RELINK_WAIT_S = 5.0
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -195,7 +198,9 @@ class ProfilerAgent:
             ok = False
         self._sync_wake()
         if self._channel is not None:
-            if self._channel.connected:  # events cannot leave an agent that never connected
+            # events cannot leave an agent that never connected; one between two links
+            # (moving to its relay) is waited for briefly, or its last traces were lost
+            if self._channel.reachable(min(RELINK_WAIT_S, timeout)):
                 self._emit(AgentEvent(EventKind.CLOSED, None, self._current_step))
                 self._channel.flush(min(10.0, timeout))
             self._channel.stop()

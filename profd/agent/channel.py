@@ -150,6 +150,7 @@ class Channel:
         self._version = 0
         self._events: queue.Queue[AgentEvent] = queue.Queue(maxsize=_MAX_QUEUED_EVENTS)
         self._registered = threading.Event()
+        self._was_registered = False
         self._stop = threading.Event()
         self._dropped = 0
         self._seq = 0  # the last event number given (reporter thread)
@@ -173,6 +174,14 @@ class Channel:
     @property
     def connected(self) -> bool:
         return self._registered.is_set()
+
+    def reachable(self, timeout: float) -> bool:
+        """Registered now, or again within ``timeout`` when it was before (an agent moving to
+        its node's relay, or re-registering, is between two links for a moment); ``False``
+        at once for an agent that never reached the coordinator."""
+        if self._registered.is_set():
+            return True
+        return self._was_registered and self._registered.wait(timeout)
 
     def update_info(self, info: AgentInfo) -> None:
         """Register again with new details (same agent id) at the next poll."""
@@ -220,6 +229,7 @@ class Channel:
         self._poll_timeout = float(getattr(reg, "poll_timeout_s", self._poll_timeout))
         self._accept(reg.plan)
         self._registered.set()
+        self._was_registered = True
         log.info("profd: agent %s registered with the coordinator", self.info.agent_id)
         self._clock_due = 0.0  # a new coordinator (or the first): measure again now
         self._sync_clock(link)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -387,3 +388,52 @@ def test_group_joined_late_is_named_by_its_first_recorded_step(local_coordinator
     assert parse_trace_name(trace.file_name).step == "2"  # not step1: it holds no step 1
     assert view.targets[0].missed_steps == [1]
     agent.close()
+
+
+def test_an_agent_between_two_links_at_close_still_says_how_its_window_ended(
+    local_coordinator,
+) -> None:
+    """The job ends while its agent moves to another link (its node's relay came back): close
+    waits for it to register again and sends its last events, instead of dropping them (the
+    session then waited on an agent that was gone)."""
+    import threading
+
+    from profd.agent.channel import LinkMoved
+
+    owner = local_coordinator
+    gate = threading.Event()
+    gate.set()
+    moving = threading.Event()
+
+    class Moving:
+        """The coordinator, until told the relay is back: then its poll says so."""
+
+        def __init__(self) -> None:
+            self._link = owner.link()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._link, name)
+
+        def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> Any:
+            if moving.is_set():
+                moving.clear()
+                raise LinkMoved("the node's relay is back")
+            return self._link.poll(agent_id, version, step, min(timeout, 0.2))
+
+    def find() -> Any:
+        gate.wait(30)  # the new link takes a moment (a relay's ping, its socket)
+        return Moving()
+
+    agent = ProfilerAgent("actor", 0, 1, find_link=find).start()
+    wait_until(lambda: agent.connected, 10, what="registered")
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [5]})
+    wait_armed(agent, view.session_id)
+    gate.clear()
+    moving.set()
+    wait_until(lambda: not agent.connected, 10, 0.01, what="between two links")
+    threading.Timer(0.5, gate.set).start()
+    assert agent.close(timeout=20)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value in ("missed", "failed"), view.reason
+    assert "job ended" in view.targets[0].reason, view.targets[0].reason

@@ -134,10 +134,18 @@ def test_real_relay_handles_wait_as_bytes_and_every_relay_is_pushed_to(
 
     monkeypatch.setattr(relay_desk, "LIVE_HANDLES", 1)
     actors = [ray.remote(Relay).options(num_cpus=0).remote() for _ in range(3)]
+    ray.get([h.received.remote() for h in actors], timeout=120)  # their processes started
+
+    async def pushed(n: int) -> None:
+        for _ in range(600):  # the pushes are Ray calls to other processes: up to 60 s
+            if desk.pushes >= n or desk.push_failures:
+                return
+            await asyncio.sleep(0.1)
+
+    plans = PlanBook()
+    desk = RelayDesk(plans, lambda aid: True)
 
     async def go() -> None:
-        plans = PlanBook()
-        desk = RelayDesk(plans, lambda aid: True)
         for i, h in enumerate(actors):
             plans.ensure(f"a{i}")
             desk.sync(f"relay-{i}", h, f"n{i}", {f"a{i}": 0})
@@ -146,7 +154,7 @@ def test_real_relay_handles_wait_as_bytes_and_every_relay_is_pushed_to(
         for want, sid in ((3, "s1"), (6, "s2")):
             for i in range(3):
                 plans.set(f"a{i}", (window(sid),))
-            await turns(lambda want=want: desk.pushes == want, n=100_000)
+            await pushed(want)
         assert desk.pushes == 6 and desk.push_failures == 0
         assert len(desk._live) == 1
 
