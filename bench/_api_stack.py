@@ -175,7 +175,12 @@ def _record_seed(
     def view() -> Any:
         return owner.call("get_session", sid)
 
-    _wait("plans did not arrive", lambda: all(agents[r].plan.windows for r in ranks))
+    # this session's window (a finished one may still be in a plan until the agent's next
+    # poll: a window the agent ended leaves its plan without waking it)
+    _wait(
+        "plans did not arrive",
+        lambda: all(any(w.session_id == sid for w in agents[r].plan.windows) for r in ranks),
+    )
     # a step past the window closes it; the cancelled session records its first step only
     steps = body["steps"][:1] if shape == "cancelled" else [*body["steps"], body["steps"][-1] + 1]
     for r in ranks:
