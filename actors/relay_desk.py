@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 #: A push not answered within this long counts as failed (the relay is forgotten).
 PUSH_TIMEOUT_S = 30.0
-#: Relay handles kept live between pushes (each ~22 KB; the others wait as bytes).
-LIVE_HANDLES = 128
+#: Relay handles kept live between pushes (each ~22 KB: 1.4 MB; the others wait as bytes).
+LIVE_HANDLES = 64
 
 
 class _Stored:
