@@ -118,17 +118,24 @@ class AgentDesk:
         return Registration(self._plans.plan(info.agent_id), self._poll_timeout_s)
 
     def _interned(self, info: AgentInfo) -> AgentInfo:
-        """Thousands of agents report the same capabilities and topology keys: keep one copy."""
+        """Thousands of agents report the same capabilities, topology keys, labels, node and
+        job: keep one copy of each (a node's 8 agents name it 8 times)."""
         caps = tuple(sorted(info.capabilities.items()))
         shared = self._shared.setdefault(caps, dict(caps))
         topo = tuple(sorted(info.topology.items()))
         shared_topo = self._shared.setdefault(("topology", *topo), dict(topo))
+        labels = tuple(sorted(info.labels.items()))
+        shared_labels = self._shared.setdefault(("labels", *labels), dict(labels))
         return dataclasses.replace(
             info,
             capabilities=shared,
             topology=shared_topo,
+            labels=shared_labels,
             hostname=sys.intern(info.hostname),
             role=sys.intern(info.role),
+            node_id=_intern(info.node_id),
+            node_ip=_intern(info.node_ip),
+            job_id=_intern(info.job_id),
         )
 
     async def poll(
@@ -309,3 +316,7 @@ class AgentDesk:
         if view is not None and session is not None:
             self._book.upload(session, view)
         return ev
+
+
+def _intern(text: str | None) -> str | None:
+    return sys.intern(text) if isinstance(text, str) else text

@@ -13,7 +13,7 @@ from profd.core.views import AgentView, ReplicaView, TimingView
 __all__ = ["AgentRecord", "AgentRegistry"]
 
 
-@dataclass
+@dataclass(slots=True)
 class AgentRecord:
     info: AgentInfo
     registered_at: float
