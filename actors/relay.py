@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -292,21 +291,11 @@ class NodeRelay:
         """Alive; where its agents reach it without Ray (the socket starts on the first ping:
         an agent pings before it uses a relay)."""
         if self._serve_socket and self._socket is None:
-            await self._start_socket()
+            from profd.actors.relay_socket import serve
+
+            self._socket = await serve(self, self.node_id)
+            self._serve_socket = self._socket is not None  # tried once
         return RelayHello(str(self._socket.path) if self._socket is not None else None)
-
-    async def _start_socket(self) -> None:
-        from profd.actors.relay_socket import RelaySocketServer
-        from profd.core.relay_wire import socket_dir, socket_path
-
-        try:
-            server = RelaySocketServer(self, socket_path(socket_dir(), self.node_id, os.getpid()))
-            await server.start()
-        except Exception as exc:  # no socket here: its agents call it through Ray
-            self._serve_socket = False
-            log.warning("relay %s: no Unix socket (%s); agents use Ray calls", self.name, exc)
-            return
-        self._socket = server
 
     async def close(self) -> None:
         """Stop serving the socket (its file removed)."""

@@ -27,7 +27,7 @@ from profd.core.relay_wire import (
     socket_pid,
 )
 
-__all__ = ["RelaySocketServer", "clear_stale_sockets"]
+__all__ = ["RelaySocketServer", "clear_stale_sockets", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,21 @@ class RelaySocketServer:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(msg, *args)
+
+
+async def serve(relay: Any, node_id: str) -> RelaySocketServer | None:
+    """Serve ``relay``'s agent calls on the socket of node ``node_id`` and this process;
+    ``None`` when there can be none here (the directory refused, no Unix sockets): its
+    agents then call it through Ray."""
+    from profd.core.relay_wire import socket_dir, socket_path
+
+    try:
+        server = RelaySocketServer(relay, socket_path(socket_dir(), node_id, os.getpid()))
+        await server.start()
+    except Exception as exc:
+        log.warning("relay of node %s: no Unix socket (%s); agents use Ray calls", node_id, exc)
+        return None
+    return server
 
 
 def clear_stale_sockets(directory: Path) -> list[Path]:

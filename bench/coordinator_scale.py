@@ -215,8 +215,7 @@ class RelayHost:
         import ray
 
         from profd.actors.relay import NodeRelay, RayCoordinatorCaller
-        from profd.actors.relay_socket import RelaySocketServer
-        from profd.core.relay_wire import socket_dir, socket_path
+        from profd.actors.relay_socket import serve
 
         me = ray.get_runtime_context().current_actor  # the coordinator pushes to us, by node
         self.relays = {
@@ -227,10 +226,10 @@ class RelayHost:
             for n in self.node_ids
         }  # fmt: skip
         if serve_sockets:
-            where = socket_dir()
             for n in self.node_ids:  # served as NodeRelay.ping starts it, poll receipts stamped
-                server = RelaySocketServer(_Stamped(self, n), socket_path(where, n, os.getpid()))
-                await server.start()
+                server = await serve(_Stamped(self, n), n)
+                if server is None:
+                    raise RuntimeError("no relay socket here (see the log)")
                 self.servers[n] = server
         return os.getpid(), {n: str(s.path) for n, s in self.servers.items()}
 
