@@ -70,8 +70,9 @@ log = logging.getLogger(__name__)
 _C = TypeVar("_C", bound=type)
 
 #: How often the coordinator gives freed heap back to the OS (profd.core.heap): a burst of
-#: registrations or events leaves its resident size at the burst's peak otherwise.
-HEAP_TRIM_S = 60.0
+#: registrations or events leaves its resident size at the burst's peak otherwise (a trim
+#: costs well under a millisecond: measured 0.15 ms on a 580 MB heap).
+HEAP_TRIM_S = 10.0
 
 
 async def _trim_heap() -> None:

@@ -118,12 +118,11 @@ class TraceIndex:
             return  # indexed once
         self._traces[view.trace_id] = view
         self._by_session.setdefault(view.session_id, {})[view.trace_id] = view
-        key = _newest_key(view)
         for k in ((None, None), (view.role, None), (None, view.rank), (view.role, view.rank)):
             listing = self._listings.get(k)
             if listing is None:
                 listing = self._listings[k] = Listing(_newest_key, _size)
-            listing.add(view, key)
+            listing.add(view)
         written = self._by_tool.setdefault(view.tool, [0, 0])
         written[0] += 1
         written[1] += view.bytes
@@ -161,8 +160,7 @@ class TraceIndex:
         out = [
             t
             for t in pool.values()
-            if (role is None or t.role == role)
-            and (rank is None or t.rank == rank)
+            if (role is None or t.role == role) and (rank is None or t.rank == rank)
         ]
         if limit is None and cursor is None:
             return sorted(out, key=lambda t: (t.session_id, t.role, t.rank, t.steps, t.file_name))

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from sortedcontainers import SortedKeyList
+
 from profd.core.errors import RequestInvalid
 
 __all__ = [
@@ -113,22 +115,42 @@ def page_of(
     return chosen, next_cursor, total
 
 
+#: A listing holds its items in one flat list up to this many (see :class:`Listing`).
+FLAT_MAX = 1000
+
+
 class Listing(Generic[T]):
     """Items kept in key order as they are added, with their count and summed ``size``: the
     pages :func:`page_of` gives, found by bisection instead of a pass over every item (a
     store of thousands of past sessions and their traces is paged by every dashboard).
-    Keys must be unique; items are added, never changed or removed."""
+    Keys must be unique; items are added, never changed or removed.
 
-    def __init__(self, key: Callable[[T], SortKey], size: Callable[[T], int] | None = None):
+    Up to ``flat_max`` items live in one flat list; past it, in a sorted list of sublists
+    (``sortedcontainers``): a fleet's window end indexes tens of thousands of traces whose
+    creation times interleave, and an insert into one flat list moves every newer item,
+    while a small listing (one rank's traces) is cheaper flat, in time and memory."""
+
+    def __init__(
+        self,
+        key: Callable[[T], SortKey],
+        size: Callable[[T], int] | None = None,
+        flat_max: int = FLAT_MAX,
+    ):
         self._key = key
         self._size = size
-        self._keys: list[SortKey] = []
+        self._flat_max = flat_max
+        self._keys: list[SortKey] = []  # while flat
         self._items: list[T] = []
+        self._sorted: SortedKeyList | None = None  # once past flat_max
         self.bytes = 0  # the sum of every item's ``size``
 
-    def add(self, item: T, key: SortKey | None = None) -> None:
-        """Add ``item``; ``key``: its key, when the caller has it already."""
-        k = self._key(item) if key is None else key
+    def add(self, item: T) -> None:
+        if self._size is not None:
+            self.bytes += self._size(item)
+        if self._sorted is not None:
+            self._sorted.add(item)
+            return
+        k = self._key(item)
         if not self._keys or k > self._keys[-1]:  # the usual case: the newest
             self._keys.append(k)
             self._items.append(item)
@@ -136,25 +158,33 @@ class Listing(Generic[T]):
             i = bisect.bisect_left(self._keys, k)
             self._keys.insert(i, k)
             self._items.insert(i, item)
-        if self._size is not None:
-            self.bytes += self._size(item)
+        if len(self._items) > self._flat_max:
+            self._sorted = SortedKeyList(self._items, key=self._key)
+            self._keys, self._items = [], []
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._sorted) if self._sorted is not None else len(self._items)
 
     def __iter__(self) -> Iterator[T]:
         """Oldest first."""
-        return iter(self._items)
+        return iter(self._sorted if self._sorted is not None else self._items)
 
     def page(
         self, kind: str, limit: int | None = None, cursor: str | None = None
     ) -> tuple[list[T], str | None, int]:
         """What :func:`page_of` returns for these items."""
         size = DEFAULT_LIMIT if limit is None else check_limit(limit)
-        end = len(self._keys)
-        if cursor is not None:
-            end = bisect.bisect_left(self._keys, decode_cursor(kind, cursor))
-        start = max(0, end - size)
-        chosen = self._items[start:end][::-1]
-        next_cursor = encode_cursor(kind, self._keys[start]) if start > 0 else None
-        return chosen, next_cursor, len(self._keys)
+        after = decode_cursor(kind, cursor) if cursor is not None else None
+        total = len(self)
+        if self._sorted is not None:
+            end = total if after is None else self._sorted.bisect_key_left(after)
+            start = max(0, end - size)
+            chosen = list(self._sorted.islice(start, end, reverse=True))
+            first = self._key(self._sorted[start]) if start > 0 else None
+        else:
+            end = total if after is None else bisect.bisect_left(self._keys, after)
+            start = max(0, end - size)
+            chosen = self._items[start:end][::-1]
+            first = self._keys[start] if start > 0 else None
+        next_cursor = encode_cursor(kind, first) if first is not None else None
+        return chosen, next_cursor, total

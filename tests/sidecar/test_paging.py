@@ -70,16 +70,18 @@ def test_pages_are_newest_first_and_stable_under_inserts() -> None:
     assert [x.ident for x in newest] == ["new4", "new3", "new2"]
 
 
-def test_a_listing_gives_page_ofs_pages_as_items_arrive_in_any_order() -> None:
+@pytest.mark.parametrize("flat_max", [1000, 10, 0])
+def test_a_listing_gives_page_ofs_pages_as_items_arrive_in_any_order(flat_max: int) -> None:
     """The coordinator's kept listings (sessions, traces by rank) page as page_of pages the
     same items, whatever order they came in (restored ones out of order), with every
-    match's count and size; bad limits and cursors are refused the same way."""
+    match's count and size; bad limits and cursors are refused the same way. Flat, grown
+    past ``flat_max`` on the way (into sorted sublists), or sorted from the first item."""
     import random
 
     rng = random.Random(7)
     items = [Item(float(rng.randrange(40)), f"id{i:03d}") for i in range(120)]  # ties
     rng.shuffle(items)
-    listing: Listing[Item] = Listing(key, size=lambda x: int(x.created_at))
+    listing: Listing[Item] = Listing(key, size=lambda x: int(x.created_at), flat_max=flat_max)
     seen: list[Item] = []
     for n, item in enumerate(items):
         listing.add(item)
