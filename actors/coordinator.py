@@ -147,7 +147,11 @@ class ProfileCoordinator:
             self._store,
         )
         self._stacks = StackDesk(self._registry, self._plans, self._runner, settings, clock)
-        self._relays = RelayDesk(self._plans, lambda aid: self._registry.get(aid) is not None)
+        self._relays = RelayDesk(
+            self._plans,
+            lambda aid: self._registry.get(aid) is not None,
+            forward_min=settings.relay_forward_min,
+        )
         self._agents = AgentDesk(
             relays=self._relays,
             poll_timeout_s=settings.poll_timeout_s,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from profd.actors.planbook import release
+from profd.actors.relay_forward import Forward, push_on
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, Packed, PollReply
 from profd.core.relay_wire import RelayHello
 
@@ -338,6 +339,17 @@ class NodeRelay:
             self._refresh.set()
         wanted = {a: r.plan.version for a, r in replies.items() if r.plan is not None}
         return await self._confirmed(wanted)
+
+    async def push_on(
+        self,
+        key: str,
+        replies: dict[str, PollReply],
+        refresh: bool | list[str],
+        forwards: list[Forward],
+    ) -> tuple[dict[str, int], dict[str, Any]]:
+        """:meth:`push`, and the coordinator's pushes to other relays, made from here at
+        the same time (:mod:`profd.actors.relay_forward`)."""
+        return await push_on(self.push(key, replies, refresh), forwards)
 
     async def _confirmed(self, wanted: dict[str, int]) -> dict[str, int]:
         """The agents of ``wanted`` that hold (at least) their version, waiting up to

@@ -15,6 +15,8 @@ the coordinator no longer knows the relay.
 
 A push that fails (the relay died) forgets the relay; its agents are then served by its
 next incarnation's sync, or go to the coordinator directly (:mod:`profd.agent.relay_link`).
+With many relays to push to in one pass, the pushes go through relays
+(:mod:`profd.actors.relay_forward`): about ``sqrt(n)`` Ray calls here instead of ``n``.
 
 A Ray actor handle held as an object costs about 22 KB (Ray keeps metadata for each of its
 actor's methods): 28 MB for 1,250 relays, more than the agents themselves. Each is kept as
@@ -26,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from profd.actors.relay_forward import TREE_MIN, Forward
 from profd.core.protocol import Packed, PollReply
 
 if TYPE_CHECKING:
@@ -82,15 +86,33 @@ class _Relay:
     #: agents whose current steps the coordinator wants (a wake-up), sent with the push
     refresh: set[str] = field(default_factory=set)
     in_flight: int = 0
+    #: it forwards pushes to other relays (``push_on``; a relay of an older profd does not)
+    forwards: bool = True
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    """One pass's push to one relay: its agents' new plans, and whose steps to refresh."""
+
+    relay: _Relay
+    replies: dict[str, PollReply]
+    refresh: list[str]
 
 
 class RelayDesk:
     def __init__(
-        self, plans: PlanBook, known: Callable[[str], bool], timeout_s: float = PUSH_TIMEOUT_S
+        self,
+        plans: PlanBook,
+        known: Callable[[str], bool],
+        timeout_s: float = PUSH_TIMEOUT_S,
+        forward_min: int = TREE_MIN,
     ) -> None:
+        """``forward_min``: with at least this many relays to push to in one pass, pushes go
+        through relays (0: never)."""
         self._plans = plans
         self._known = known  # whether the coordinator knows the agent (else: register again)
         self._timeout_s = timeout_s
+        self._forward_min = forward_min
         self._relays: dict[str, _Relay] = {}
         self._live: OrderedDict[str, Any] = OrderedDict()  # name -> live handle, newest last
         self._by_agent: dict[str, _Relay] = {}
@@ -99,6 +121,7 @@ class RelayDesk:
         self._tasks: set[asyncio.Task[None]] = set()
         self.pushes = 0
         self.push_failures = 0
+        self.calls = 0  # Ray calls made to push (fewer than pushes when relays forward)
         plans.on_change = self.changed
 
     def sync(self, name: str, target: Any, key: str, known: dict[str, int]) -> None:
@@ -147,10 +170,12 @@ class RelayDesk:
         return True
 
     def flush(self) -> None:
-        """One push to each marked relay: its agents' plans that differ from what it holds."""
+        """One push to each marked relay: its agents' plans that differ from what it holds
+        (through other relays when there are many: :mod:`profd.actors.relay_forward`)."""
         self._scheduled = False
         pending, self._pending = self._pending, set()
-        for name in pending:
+        jobs: list[_Job] = []
+        for name in sorted(pending):  # groups by name: the same heads pass after pass
             relay = self._relays.get(name)
             if relay is None or not relay.dirty:
                 continue
@@ -166,14 +191,61 @@ class RelayDesk:
                     relay.held[aid] = plan.version  # sent (a failed push forgets the relay)
             refresh, relay.refresh = sorted(relay.refresh), set()
             if replies or refresh:
-                try:  # submitted here, in this turn: every relay's push leaves at once
-                    call = self._handle(relay).push.remote(relay.key, Packed(replies), refresh)
-                except Exception as exc:
-                    self._failed(relay, exc)
-                    continue
-                task = asyncio.ensure_future(self._push(relay, call, replies))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                jobs.append(_Job(relay, replies, refresh))
+        # submitted here, in this turn: every push leaves at once
+        via = [j for j in jobs if isinstance(j.relay.target, _Stored) and j.relay.forwards]
+        if not self._forward_min or len(via) < max(2, self._forward_min):
+            via = []
+        forwarded = {id(j) for j in via}
+        for job in jobs:
+            if id(job) not in forwarded:
+                self._send(job)
+        size = math.isqrt(len(via) - 1) + 1 if via else 1  # about sqrt(n) a group
+        for i in range(0, len(via), size):
+            self._send_group(via[i : i + size])
+
+    def _send(self, job: _Job) -> None:
+        """A push of its own to the relay of ``job``."""
+        relay = job.relay
+        try:
+            call = self._handle(relay).push.remote(relay.key, Packed(job.replies), job.refresh)
+        except Exception as exc:
+            self._failed(relay, exc)
+            return
+        self.calls += 1
+        self._track(self._push(job, call))
+
+    def _send_group(self, group: list[_Job]) -> None:
+        """One push to the group's first relay, which pushes to the others."""
+        head, rest = group[0], group[1:]
+        if not rest:
+            self._send(head)
+            return
+        fwd = [
+            Forward(j.relay.name, j.relay.target.blob, j.relay.key, j.replies, j.refresh)
+            for j in rest
+        ]
+        try:
+            push_on = self._handle(head.relay).push_on
+        except AttributeError:  # a relay of an older profd: no forwarding
+            head.relay.forwards = False
+            for job in group:
+                self._send(job)
+            return
+        try:
+            call = push_on.remote(head.relay.key, Packed(head.replies), head.refresh, Packed(fwd))
+        except Exception as exc:  # its handle is no good: the head is gone
+            self._failed(head.relay, exc)
+            for job in rest:
+                self._send(job)
+            return
+        self.calls += 1
+        self._track(self._push_group(head, rest, call))
+
+    def _track(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _handle(self, relay: _Relay) -> Any:
         """The relay's handle, live (see the module docstring)."""
@@ -194,21 +266,45 @@ class RelayDesk:
             log.warning("relay %s: push failed (%s); forgotten", relay.name, exc)
             self._drop(relay)
 
-    async def _push(self, relay: _Relay, call: Any, replies: dict[str, PollReply]) -> None:
-        relay.in_flight += 1
+    async def _push(self, job: _Job, call: Any) -> None:
+        job.relay.in_flight += 1
         try:
             held = await asyncio.wait_for(call, self._timeout_s)
         except Exception as exc:  # the relay died or does not answer: forget it
-            self._failed(relay, exc)
+            self._failed(job.relay, exc)
             return
         finally:
-            relay.in_flight -= 1
+            job.relay.in_flight -= 1
+        self._answered(job, held)
+
+    async def _push_group(self, head: _Job, rest: list[_Job], call: Any) -> None:
+        for j in (head, *rest):
+            j.relay.in_flight += 1
+        try:
+            held, answers = await asyncio.wait_for(call, self._timeout_s)
+        except Exception as exc:  # the head died or does not answer: the others directly
+            self._failed(head.relay, exc)
+            for job in rest:
+                self._send(job)
+            return
+        finally:
+            for j in (head, *rest):
+                j.relay.in_flight -= 1
+        self._answered(head, held)
+        for job in rest:
+            got = answers.get(job.relay.name) if isinstance(answers, dict) else None
+            if isinstance(got, dict):
+                self._answered(job, got)
+            else:  # that relay died or did not answer in time: forget it
+                self._failed(job.relay, RuntimeError(f"forwarded: {got}"))
+
+    def _answered(self, job: _Job, held: Any) -> None:
         self.pushes += 1
         if isinstance(held, dict):  # the versions its agents hold now (they polled again)
             for aid, version in held.items():
                 self._plans.ack(aid, version)
             return
-        for aid, reply in replies.items():  # an older relay: delivered to the relay
+        for aid, reply in job.replies.items():  # an older relay: delivered to the relay
             if reply.plan is not None:
                 self._plans.ack(aid, reply.plan.version)
 

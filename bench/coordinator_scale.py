@@ -75,13 +75,21 @@ Measured:
 CPU seconds each kind of process spent during fan-out and events, and its share of a core
 while every agent polls, are printed (the machine is shared: the load average is in RESULT).
 
+``coordinator_fanout_cpu_s``: the coordinator's CPU seconds during fan-out (on a fleet the
+relays' and agents' share runs on their own nodes; the coordinator's is one event loop's).
+With ``--relay-forward-min`` relays or more to push to (profd's default, 64), the coordinator
+pushes to one relay of each group of about sqrt(n), which pushes to the others
+(:mod:`profd.actors.relay_forward`); here those relays are hosted several to a process, so
+their forwarding shares the same 2 cores.
+
 ``--py-spy DIR`` records the coordinator and one relay host with py-spy during fan-out and
 events (collapsed stacks in ``DIR``): where each phase's CPU went.
 
     python bench/coordinator_scale.py [--agents 10000] [--nodes 1250] [--mode relay|direct]
 
-Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=rpc delivery=push fanout_ms=...
-relay_fanout_ms=... events_per_s=... bytes_per_agent=... marginal_bytes_per_agent=...
+Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=socket delivery=push
+relay_forward_min=64 fanout_ms=... relay_fanout_ms=... coordinator_fanout_cpu_s=...
+events_per_s=... bytes_per_agent=... marginal_bytes_per_agent=...
 relay_host_bytes_per_agent=... plans_delivered=10000 real_agents=16 register_s=...
 create_ms=... report_retries=... duplicates_dropped=... targets=met|missed:<which>
 load_start=... load=...``
@@ -239,6 +247,11 @@ class RelayHost:
 
     async def push(self, node: str, replies: dict[str, Any], refresh: bool) -> bool:
         return await self.relays[node].push(node, replies, refresh)
+
+    async def push_on(
+        self, node: str, replies: dict[str, Any], refresh: bool, forwards: list[Any]
+    ) -> Any:
+        return await self.relays[node].push_on(node, replies, refresh, forwards)
 
     async def register(self, node: str, info: Any, step: int | None) -> Any:
         return await self.relays[node].register(info, step)
@@ -557,7 +570,9 @@ class Fleet:
         self.state_dir = tempfile.mkdtemp(prefix="profd-bench-state-")  # as `profd up` does
         # what `profd up` reads from PROFD_POLL_TIMEOUT_S / PROFD_HEARTBEAT_TIMEOUT_S
         settings = ProfdSettings(
-            poll_timeout_s=args.poll_timeout_s, heartbeat_timeout_s=args.heartbeat_timeout_s
+            poll_timeout_s=args.poll_timeout_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            relay_forward_min=args.relay_forward_min,
         ).coordinator()
         self.coord, _ = get_or_create_coordinator(
             settings.model_copy(update={"state_dir": self.state_dir}), detached=False
@@ -871,13 +886,18 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
         if bad
     ]
     hop_part = (
-        f"agent_hop={args.agent_hop} delivery={args.delivery} " if args.mode == "relay" else ""
+        f"agent_hop={args.agent_hop} delivery={args.delivery} "
+        f"relay_forward_min={args.relay_forward_min} "
+        if args.mode == "relay"
+        else ""
     )
+    fanout_cpu = cpu1["coordinator"] - cpu0["coordinator"]
     relay_part = "" if relay_fanout_ms is None else f"relay_fanout_ms={relay_fanout_ms:.0f} "
     rh_part = "" if rh_per_agent is None else f"relay_host_bytes_per_agent={rh_per_agent:.0f} "
     print(
         f"RESULT agents={args.agents} nodes={args.nodes} mode={args.mode} {hop_part}"
-        f"fanout_ms={fanout_ms:.0f} {relay_part}events_per_s={events_per_s:.0f} "
+        f"fanout_ms={fanout_ms:.0f} {relay_part}coordinator_fanout_cpu_s={fanout_cpu:.1f} "
+        f"events_per_s={events_per_s:.0f} "
         f"bytes_per_agent={bytes_per_agent:.0f} marginal_bytes_per_agent={marginal:.0f} "
         f"{rh_part}plans_delivered={got} real_agents={args.real_agents} "
         f"register_s={register_s:.1f} create_ms={create_ms:.0f} report_retries={retries} "
@@ -919,6 +939,11 @@ def main() -> int:
     parser.add_argument(
         "--heartbeat-timeout-s", type=float, default=120.0,
         help="the coordinator's heartbeat_timeout_s (profd's default: 30)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--relay-forward-min", type=int, default=64,
+        help="the coordinator's relay_forward_min (PROFD_RELAY_FORWARD_MIN; profd's default "
+        "64): with this many relays to push to, pushes go through relays; 0: every push direct",
     )  # fmt: skip
     parser.add_argument(
         "--py-spy", metavar="DIR",

@@ -50,6 +50,13 @@ class CoordinatorSettings(BaseModel):
         description="profd stacks may run py-spy on a node to read its processes (it attaches "
         "with ptrace for a moment); False: only the agents' own threads read stacks.",
     )
+    relay_forward_min: int = Field(
+        64,
+        ge=0,
+        description="With at least this many node relays to push plans to at once, the "
+        "coordinator pushes to one relay of each group of about sqrt(n), which pushes to the "
+        "others (profd.actors.relay_forward); 0 turns forwarding off.",
+    )
 
 
 class ProfdSettings(BaseSettings):
@@ -68,6 +75,7 @@ class ProfdSettings(BaseSettings):
     align_lead_s: float = 0.6
     session_timeout_s: float = 86_400.0
     stacks_py_spy: bool = True
+    relay_forward_min: int = 64
 
     def coordinator(self, cwd: Path | None = None) -> CoordinatorSettings:
         base = (cwd or Path.cwd()).resolve()
@@ -84,6 +92,7 @@ class ProfdSettings(BaseSettings):
             session_timeout_s=self.session_timeout_s,
             state_dir=str(self.state_dir),
             stacks_py_spy=self.stacks_py_spy,
+            relay_forward_min=self.relay_forward_min,
         )
 
 

@@ -36,6 +36,26 @@ class Handle:
         return answer()
 
 
+class Remote:
+    """What a forward's handle bytes unpickle into on the head relay (``push.remote``), in
+    this process: records the pushes it is sent."""
+
+    got: list[tuple[str, str, list[str]]] = []
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.push = self
+
+    def remote(self, key: str, replies: dict[str, PollReply], refresh: Any) -> Any:
+        key, replies, refresh = pickle.loads(pickle.dumps((key, replies, refresh)))  # Ray's way
+        Remote.got.append((self.name, key, sorted(replies)))
+
+        async def answer() -> dict[str, int]:
+            return {a: r.plan.version for a, r in replies.items() if r.plan is not None}
+
+        return answer()
+
+
 async def turns(until: Any = None, n: int = 50) -> None:
     """Let the loop run: ``n`` turns, or until ``until()`` holds (at most ``n``)."""
     for _ in range(n):
@@ -163,3 +183,99 @@ def test_real_relay_handles_wait_as_bytes_and_every_relay_is_pushed_to(
     assert got == [[["a0"], ["a0"]], [["a1"], ["a1"]], [["a2"], ["a2"]]]
     for h in actors:
         ray.kill(h)
+
+
+def test_many_relays_are_pushed_to_through_relays_and_each_failure_stays_its_own(
+    ray_session: Any,
+) -> None:
+    """With many relays in one pass the desk pushes to one relay of each group of about
+    sqrt(n) (by name), which pushes to the others (relay_forward.push_on): every relay gets
+    its push once and its agent's plan is acknowledged, with fewer Ray calls than relays. A
+    relay of an older profd (no push_on) at a group's head: the group is pushed directly, and
+    that relay never heads one again. A dead relay in a group is forgotten alone; a dead head
+    has the rest of its group pushed directly."""
+    import ray
+
+    from profd.actors.relay_forward import Forward, push_on
+
+    class Relay:
+        def __init__(self) -> None:
+            self.got: list[str] = []
+
+        async def push(self, key: str, replies: dict[str, PollReply], refresh: Any) -> Any:
+            self.got += [r.plan.windows[0].session_id for r in replies.values() if r.plan]
+            return {a: r.plan.version for a, r in replies.items() if r.plan is not None}
+
+        async def push_on(
+            self, key: str, replies: dict[str, PollReply], refresh: Any, fwd: list[Forward]
+        ) -> Any:
+            return await push_on(self.push(key, replies, refresh), fwd)
+
+        async def received(self) -> list[str]:
+            return self.got
+
+    old = type("OldRelay", (), {k: v for k, v in vars(Relay).items() if k != "push_on"})
+    n = 7
+    actors = [ray.remote(old if i == 0 else Relay).options(num_cpus=0).remote() for i in range(n)]
+    ray.get([h.received.remote() for h in actors], timeout=120)  # their processes started
+    plans = PlanBook()
+    desk = RelayDesk(plans, lambda aid: True, forward_min=2)
+    live = set(range(n))
+
+    async def round_(sid: str) -> tuple[int, int, int]:
+        """Every live relay's agent gets a window ``sid``; (pushes, Ray calls, failures)."""
+        before = (desk.pushes, desk.calls, desk.push_failures)
+        for i in range(n):
+            plans.set(f"a{i}", (window(sid),))
+        for _ in range(600):  # Ray calls to other processes: up to 60 s
+            await asyncio.sleep(0.1)
+            if not desk._tasks and not desk._pending:
+                break
+        versions = {f"a{i}": plans.plan(f"a{i}").version for i in live}
+        assert await plans.wait_delivered(versions, 1.0) == []  # every live one acknowledged
+        return desk.pushes - before[0], desk.calls - before[1], desk.push_failures - before[2]
+
+    async def go() -> None:
+        for i, h in enumerate(actors):
+            plans.ensure(f"a{i}")
+            desk.sync(f"relay-{i}", h, f"n{i}", {f"a{i}": 0})
+        # groups of 3 by name: [0 1 2] [3 4 5] [6]; relay-0 is old: its group goes directly
+        assert await round_("s1") == (7, 3 + 1 + 1, 0)
+        # relay-0 left out of the groups now: [1 2 3] [4 5 6]; relay-2 (forwarded to) dies
+        ray.kill(actors[2])
+        live.discard(2)
+        assert await round_("s2") == (6, 1 + 2, 1)
+        # relay-2 forgotten: [1 3 4] [5 6]; relay-5 (a head) dies: relay-6 pushed directly
+        ray.kill(actors[5])
+        live.discard(5)
+        assert await round_("s3") == (5, 1 + 2 + 1, 1)
+
+    asyncio.run(go())
+    got = ray.get([actors[i].received.remote() for i in sorted(live)], timeout=60)
+    assert got == [["s1", "s2", "s3"]] * len(live)
+    for h in actors:
+        ray.kill(h)
+
+
+def test_a_node_relay_pushes_on_for_the_coordinator_each_answer_its_own() -> None:
+    """NodeRelay.push_on: its own push and the forwarded ones at once; each forward's answer
+    by relay name, a forward that cannot be made (its handle's bytes no good) a string."""
+    from profd.actors.relay import NodeRelay
+    from profd.actors.relay_forward import Forward
+    from profd.core.protocol import AgentPlan
+
+    plan = AgentPlan(version=5, windows=(window("s1"),))
+
+    async def go() -> tuple[Any, Any]:
+        relay = NodeRelay("node-a", push_target=lambda: None, serve_socket=False, confirm_s=0.05)
+        fwd = [
+            Forward("relay-b", pickle.dumps(Remote("b")), "kb", {"b0": PollReply(plan)}, False),
+            Forward("relay-c", b"not a handle", "kc", {"c0": PollReply(plan)}, False),
+        ]
+        return await relay.push_on("node-a", {"a0": PollReply(plan)}, False, fwd)
+
+    Remote.got.clear()
+    own, answers = asyncio.run(go())
+    assert own == {}  # a0 is not one of its agents: nobody polled with the plan
+    assert answers["relay-b"] == {"b0": 5} and Remote.got == [("b", "kb", ["b0"])]
+    assert isinstance(answers["relay-c"], str)
