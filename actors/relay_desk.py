@@ -131,6 +131,7 @@ class RelayDesk:
             relay = self._relays[name] = _Relay(name, _stored(target), key)
         elif target is not relay.target:  # a relay Ray restarted syncs with its new handle
             relay.target, relay.key = _stored(target), key
+            relay.forwards = True  # (perhaps of a newer profd now)
             self._live.pop(name, None)
         for aid in list(relay.held):
             if aid not in known:
@@ -226,17 +227,19 @@ class RelayDesk:
             for j in rest
         ]
         try:
-            push_on = self._handle(head.relay).push_on
-        except AttributeError:  # a relay of an older profd: no forwarding
-            head.relay.forwards = False
-            for job in group:
-                self._send(job)
-            return
-        try:
-            call = push_on.remote(head.relay.key, Packed(head.replies), head.refresh, Packed(fwd))
+            push_on = getattr(self._handle(head.relay), "push_on", None)
+            if push_on is not None:
+                call = push_on.remote(
+                    head.relay.key, Packed(head.replies), head.refresh, Packed(fwd)
+                )
         except Exception as exc:  # its handle is no good: the head is gone
             self._failed(head.relay, exc)
             for job in rest:
+                self._send(job)
+            return
+        if push_on is None:  # a relay of an older profd: no forwarding
+            head.relay.forwards = False
+            for job in group:
                 self._send(job)
             return
         self.calls += 1
@@ -290,13 +293,16 @@ class RelayDesk:
         finally:
             for j in (head, *rest):
                 j.relay.in_flight -= 1
-        self._answered(head, held)
+        if isinstance(held, str):  # its own push failed (its forwards went on)
+            self._failed(head.relay, RuntimeError(f"push_on: {held}"))
+        else:
+            self._answered(head, held)
         for job in rest:
-            got = answers.get(job.relay.name) if isinstance(answers, dict) else None
-            if isinstance(got, dict):
-                self._answered(job, got)
-            else:  # that relay died or did not answer in time: forget it
+            got = answers.get(job.relay.name, "no answer") if isinstance(answers, dict) else None
+            if isinstance(got, str) or got is None:  # it died or did not answer: forget it
                 self._failed(job.relay, RuntimeError(f"forwarded: {got}"))
+            else:  # its held versions (or True: a relay of an older profd took them)
+                self._answered(job, got)
 
     def _answered(self, job: _Job, held: Any) -> None:
         self.pushes += 1

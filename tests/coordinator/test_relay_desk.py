@@ -7,6 +7,8 @@ import asyncio
 import pickle
 from typing import Any
 
+import pytest
+
 from profd.actors.planbook import PlanBook
 from profd.actors.relay_desk import RelayDesk
 from profd.core.protocol import PollReply, WindowPlan
@@ -190,10 +192,11 @@ def test_many_relays_are_pushed_to_through_relays_and_each_failure_stays_its_own
 ) -> None:
     """With many relays in one pass the desk pushes to one relay of each group of about
     sqrt(n) (by name), which pushes to the others (relay_forward.push_on): every relay gets
-    its push once and its agent's plan is acknowledged, with fewer Ray calls than relays. A
-    relay of an older profd (no push_on) at a group's head: the group is pushed directly, and
-    that relay never heads one again. A dead relay in a group is forgotten alone; a dead head
-    has the rest of its group pushed directly."""
+    its push once and its agent's plan is acknowledged, with fewer Ray calls than relays.
+    Relays of an older profd (no push_on; their push answers True): at a group's head, the
+    group is pushed directly and that relay heads none again; inside a group, its answer
+    counts. A dead relay in a group is forgotten alone; a dead head has the rest of its group
+    pushed directly."""
     import ray
 
     from profd.actors.relay_forward import Forward, push_on
@@ -214,13 +217,31 @@ def test_many_relays_are_pushed_to_through_relays_and_each_failure_stays_its_own
         async def received(self) -> list[str]:
             return self.got
 
-    old = type("OldRelay", (), {k: v for k, v in vars(Relay).items() if k != "push_on"})
-    n = 7
-    actors = [ray.remote(old if i == 0 else Relay).options(num_cpus=0).remote() for i in range(n)]
+    class OldRelay:  # before push_on, and before a push answered with the versions held
+        def __init__(self) -> None:
+            self.got: list[str] = []
+
+        async def push(self, key: str, replies: dict[str, PollReply], refresh: Any) -> bool:
+            self.got += [r.plan.windows[0].session_id for r in replies.values() if r.plan]
+            return True
+
+        async def received(self) -> list[str]:
+            return self.got
+
+    n, old = 7, {0, 4}
+    actors = [
+        ray.remote(OldRelay if i in old else Relay).options(num_cpus=0).remote() for i in range(n)
+    ]
     ray.get([h.received.remote() for h in actors], timeout=120)  # their processes started
     plans = PlanBook()
     desk = RelayDesk(plans, lambda aid: True, forward_min=2)
     live = set(range(n))
+
+    def kill(i: int) -> None:
+        ray.kill(actors[i])
+        live.discard(i)
+        with pytest.raises(ray.exceptions.RayActorError):  # dead before the next push
+            ray.get(actors[i].received.remote(), timeout=60)
 
     async def round_(sid: str) -> tuple[int, int, int]:
         """Every live relay's agent gets a window ``sid``; (pushes, Ray calls, failures)."""
@@ -239,16 +260,16 @@ def test_many_relays_are_pushed_to_through_relays_and_each_failure_stays_its_own
         for i, h in enumerate(actors):
             plans.ensure(f"a{i}")
             desk.sync(f"relay-{i}", h, f"n{i}", {f"a{i}": 0})
-        # groups of 3 by name: [0 1 2] [3 4 5] [6]; relay-0 is old: its group goes directly
+        # groups of 3 by name: [0 1 2] [3 4 5] [6]; old relay-0 heads the first: pushed
+        # directly; old relay-4 is forwarded to by relay-3 and answers True
         assert await round_("s1") == (7, 3 + 1 + 1, 0)
-        # relay-0 left out of the groups now: [1 2 3] [4 5 6]; relay-2 (forwarded to) dies
-        ray.kill(actors[2])
-        live.discard(2)
-        assert await round_("s2") == (6, 1 + 2, 1)
-        # relay-2 forgotten: [1 3 4] [5 6]; relay-5 (a head) dies: relay-6 pushed directly
-        ray.kill(actors[5])
-        live.discard(5)
-        assert await round_("s3") == (5, 1 + 2 + 1, 1)
+        # relay-0 heads no group now: it, then [1 2 3] [4 5 6]; old relay-4 heads the second
+        # (directly, 3 calls); relay-2, forwarded to by relay-1, is dead: forgotten alone
+        await asyncio.to_thread(kill, 2)
+        assert await round_("s2") == (6, 1 + 1 + 3, 1)
+        # relay-0 and relay-4 directly; [1 3] [5 6]; relay-5 (a head) is dead: relay-6 directly
+        await asyncio.to_thread(kill, 5)
+        assert await round_("s3") == (5, 2 + 1 + 1 + 1, 1)
 
     asyncio.run(go())
     got = ray.get([actors[i].received.remote() for i in sorted(live)], timeout=60)
@@ -279,3 +300,67 @@ def test_a_node_relay_pushes_on_for_the_coordinator_each_answer_its_own() -> Non
     assert own == {}  # a0 is not one of its agents: nobody polled with the plan
     assert answers["relay-b"] == {"b0": 5} and Remote.got == [("b", "kb", ["b0"])]
     assert isinstance(answers["relay-c"], str)
+
+
+def test_a_heads_own_failure_is_its_answer_and_its_forwards_still_count() -> None:
+    """relay_forward.push_on: the head's own push failing is a string in its place; the
+    pushes it forwarded are answered as they went."""
+    from profd.actors.relay_forward import Forward, push_on
+    from profd.core.protocol import AgentPlan
+
+    async def broken() -> dict[str, int]:
+        raise RuntimeError("its loop is gone")
+
+    plan = AgentPlan(version=9, windows=(window("s1"),))
+    fwd = [Forward("relay-b", pickle.dumps(Remote("b")), "kb", {"b0": PollReply(plan)}, False)]
+    Remote.got.clear()
+    own, answers = asyncio.run(push_on(broken(), fwd))
+    assert isinstance(own, str) and "its loop is gone" in own
+    assert answers == {"relay-b": {"b0": 9}}
+
+
+class Head(Remote):
+    """A relay that forwards (``push_on.remote``) but whose own push fails."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.push_on = _PushOn()
+
+
+class _PushOn:
+    def remote(self, key: str, replies: Any, refresh: Any, fwd: Any) -> Any:
+        from profd.actors.relay_forward import push_on
+
+        key, replies, refresh, fwd = pickle.loads(pickle.dumps((key, replies, refresh, fwd)))
+
+        async def broken() -> dict[str, int]:
+            raise RuntimeError("its own push failed")
+
+        return push_on(broken(), fwd)
+
+
+def test_a_head_whose_own_push_failed_is_forgotten_and_its_forwards_are_acknowledged() -> None:
+    """Groups of 2 of 3 relays: [0 1] [2]. relay-0's own push fails but it forwarded relay-1's:
+    relay-0 is forgotten, relay-1's agent acknowledged; relay-2 is pushed on its own."""
+    from profd.actors import relay_desk
+
+    plans = PlanBook()
+    desk = RelayDesk(plans, lambda aid: True, forward_min=2)
+
+    async def go() -> None:
+        for i in range(3):
+            plans.ensure(f"a{i}")
+            desk.sync(f"relay-{i}", object(), f"n{i}", {f"a{i}": 0})
+            stand_in = Head("h") if i == 0 else Remote(f"r{i}")
+            desk._relays[f"relay-{i}"].target = relay_desk._Stored(stand_in)  # as Ray's are
+        for i in range(3):
+            plans.set(f"a{i}", (window("s1"),))
+        await turns(lambda: desk.pushes + desk.push_failures >= 3 and not desk._tasks)
+        versions = {f"a{i}": plans.plan(f"a{i}").version for i in (1, 2)}
+        assert await plans.wait_delivered(versions, 1.0) == []
+
+    Remote.got.clear()
+    asyncio.run(go())
+    assert (desk.calls, desk.pushes, desk.push_failures) == (2, 2, 1)
+    assert sorted(Remote.got) == [("r1", "n1", ["a1"]), ("r2", "n2", ["a2"])]
+    assert sorted(desk._relays) == ["relay-1", "relay-2"]  # the head forgotten
