@@ -63,7 +63,9 @@ def test_inert_agent_without_a_coordinator_lets_training_finish() -> None:
 
 def test_continuous_session_records_one_trace_per_step_with_contents(local_coordinator) -> None:
     owner = local_coordinator
-    agents = start_agents(owner, 2)
+    # untimed marks: a step's time, if its report came before the POST, would lead the window
+    # by the loop's pace (a microsecond step: the most lead steps), not by one step
+    agents = start_agents(owner, 2, mark_times=False)
     for a in agents:
         train_step(a, 0)
     view = owner.call("create_session", {"next_steps": 2, "roles": {"actor": {"all_ranks": True}}})
