@@ -85,7 +85,6 @@ class _Relay:
     dirty: bool = False
     #: agents whose current steps the coordinator wants (a wake-up), sent with the push
     refresh: set[str] = field(default_factory=set)
-    in_flight: int = 0
     #: it forwards pushes to other relays (``push_on``; a relay of an older profd does not)
     forwards: bool = True
 
@@ -270,19 +269,14 @@ class RelayDesk:
             self._drop(relay)
 
     async def _push(self, job: _Job, call: Any) -> None:
-        job.relay.in_flight += 1
         try:
             held = await asyncio.wait_for(call, self._timeout_s)
         except Exception as exc:  # the relay died or does not answer: forget it
             self._failed(job.relay, exc)
             return
-        finally:
-            job.relay.in_flight -= 1
         self._answered(job, held)
 
     async def _push_group(self, head: _Job, rest: list[_Job], call: Any) -> None:
-        for j in (head, *rest):
-            j.relay.in_flight += 1
         try:
             held, answers = await asyncio.wait_for(call, self._timeout_s)
         except Exception as exc:  # the head died or does not answer: the others directly
@@ -290,9 +284,6 @@ class RelayDesk:
             for job in rest:
                 self._send(job)
             return
-        finally:
-            for j in (head, *rest):
-                j.relay.in_flight -= 1
         if isinstance(held, str):  # its own push failed (its forwards went on)
             self._failed(head.relay, RuntimeError(f"push_on: {held}"))
         else:
