@@ -191,7 +191,7 @@ class ProfileCoordinator:
         saved = self._store.load()
         n_traces = self._traces.restore(saved["traces"])
         n_live = self._book.restore(saved["sessions"])
-        n_triggers = self._triggers.restore(saved.get("triggers", ()))
+        n_triggers = self._triggers.restore(saved.get("triggers", ()), self._book.all())
         if n_triggers:
             log.info("coordinator restored %d trigger(s)", n_triggers)
         if saved["sessions"]:

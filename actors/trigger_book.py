@@ -38,7 +38,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
 
@@ -417,6 +417,32 @@ class TriggerBook:
         log.warning("trigger %s: its session was refused: %s", t.request.name, error)
         return self._settle(t, replace(firing, state=FiringState.FAILED, error=error))
 
+    def recall(self, trigger_id: str, fired: list[tuple[float, str, dict[str, Any]]]) -> None:
+        """A restored trigger's sessions, oldest first, as ``(created_at, session_id,
+        origin)``: its firings again, so cooldown and the hourly cap hold across a
+        coordinator restart. A firing keeps the id its origin names (new firings are
+        numbered after the highest); an origin without one gets a new number."""
+        t = self.get(trigger_id)
+        now = self._clock()
+        for at, session_id, origin in fired:
+            firing_id = origin.get("firing_id")
+            if not isinstance(firing_id, str):
+                firing_id = f"{trigger_id}.{next(self._seq)}"
+            self._seq_past(firing_id)
+            evidence = _evidence(origin.get("evidence") or {})
+            t.firings.append(
+                Firing(firing_id, trigger_id, at, evidence, FiringState.FIRED, session_id)
+            )
+            if now - at <= HOUR_S:
+                t.fired_at.append(at)
+
+    def _seq_past(self, firing_id: str) -> None:
+        """Number new firings after ``firing_id``'s (``<trigger_id>.<n>``)."""
+        n = firing_id.rpartition(".")[2]
+        if n.isdigit():
+            nxt = next(self._seq)
+            self._seq = itertools.count(max(nxt, int(n) + 1))
+
     def add_disk(self, trigger_id: str, nbytes: int) -> None:
         """A trace of one of its sessions was written (for the disk budget)."""
         t = self._triggers.get(trigger_id)
@@ -429,6 +455,20 @@ class TriggerBook:
             if f.firing_id == firing.firing_id:
                 t.firings[i] = firing
         return firing
+
+
+_EVIDENCE_FIELDS = frozenset(f.name for f in fields(Evidence))
+
+
+def _evidence(d: dict[str, Any]) -> Evidence:
+    """An :class:`Evidence` from its ``as_dict`` (a restored session's origin); what this
+    version does not know is left out, what is missing is zero."""
+    known = {k: v for k, v in d.items() if k in _EVIDENCE_FIELDS}
+    base: dict[str, Any] = dict(
+        role="", rank=-1, agent_id="", mark="step", observed_s=0.0, baseline_s=0.0,
+        factor=None, baseline_samples=0,
+    )  # fmt: skip
+    return Evidence(**{**base, **known})
 
 
 def _new_durations(times: MarkDurations, mark: str | None) -> tuple[float, ...]:

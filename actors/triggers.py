@@ -85,9 +85,16 @@ class TriggerDesk:
         self._sync_spans()
         return self.view(t)
 
-    def restore(self, saved: Iterable[dict[str, Any]]) -> int:
-        """The triggers a previous incarnation persisted (their firings and counts start
-        again from zero); the number restored. A row this version cannot read is skipped."""
+    def restore(self, saved: Iterable[dict[str, Any]], sessions: Iterable[Session] = ()) -> int:
+        """The triggers a previous incarnation persisted; the number restored. A row this
+        version cannot read is skipped. ``sessions``: the restored sessions; those a trigger
+        started are its firings again (cooldown, the hourly cap and the disk budget count
+        them); only its suppressed counts start again from zero."""
+        started: dict[str, list[Session]] = {}
+        for s in sessions:
+            tid = (s.origin or {}).get("trigger_id")
+            if isinstance(tid, str):
+                started.setdefault(tid, []).append(s)
         n = 0
         for row in saved:
             try:
@@ -98,7 +105,12 @@ class TriggerDesk:
                 log.warning("a saved trigger could not be restored (%s): %r", exc, row)
                 continue
             t.created_at = created_at
-            self._sessions[t.trigger_id] = []
+            own = sorted(started.get(t.trigger_id, ()), key=lambda s: s.created_at)
+            self._sessions[t.trigger_id] = [s.session_id for s in own]
+            self.book.recall(
+                t.trigger_id,
+                [(s.created_at, s.session_id, s.origin or {}) for s in own],
+            )
             n += 1
         self._sync_spans()
         return n
@@ -254,7 +266,11 @@ class TriggerDesk:
         for firing in self.book.due():
             t = self.book.get(firing.trigger_id)
             ranks = self._ranks(firing, t)
-            origin = {"trigger_id": t.trigger_id, "evidence": firing.evidence.as_dict()}
+            origin = {
+                "trigger_id": t.trigger_id,
+                "firing_id": firing.firing_id,
+                "evidence": firing.evidence.as_dict(),
+            }
             try:
                 s = await self._admission.admit(t.request.session_for(ranks), origin)
             except ConflictError:

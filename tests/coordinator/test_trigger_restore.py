@@ -1,7 +1,8 @@
 """Triggers are part of the coordinator's state: a coordinator restarted from its state
 directory (Ray restarting it, or `profd up` after the coordinator was killed) watches the
-same triggers, with the same ids and requests; a deleted one stays deleted, and a straggler
-trigger's role is timed with its ends again (its agents' plans say so)."""
+same triggers, with the same ids and requests; a deleted one stays deleted, a straggler
+trigger's role is timed with its ends again (its agents' plans say so), and the sessions a
+trigger started are its firings again (cooldown and the hourly cap count them)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_a_restarted_coordinator_watches_the_same_triggers(tmp_path: Path) -> No
         (back,) = again.call("list_triggers")
         assert back.trigger_id == late.trigger_id and back.name == "late-update"
         assert back.request == late.request and back.created_at == late.created_at
-        assert back.fired == 0 and back.firings == []  # its counts start again
+        assert back.fired == 0 and back.firings == []  # it started no session
         (agent,) = start_agents(again, 1, "actor")
         assert agent._timings.spans  # the straggler trigger's role keeps its marks' ends
         again.call("delete_trigger", late.trigger_id)
@@ -75,3 +76,83 @@ def test_a_times_event_moves_the_step_on_only_forward_and_only_for_numbers() -> 
 
     assert _fresher(None, 4) == 4 and _fresher(3, 4) == 4 and _fresher(5, 4) == 5
     assert _fresher(3, None) == 3 and _fresher(3, "warmup") == 3 and _fresher("a", 2) == "a"
+
+
+def _oom(owner: Any, agent: Any, step: int) -> None:
+    from profd.core.protocol import AgentEvent, EventKind, OutOfMemory
+
+    event = AgentEvent(EventKind.OOM, step=step, payload=OutOfMemory("OutOfMemoryError: x"))
+    assert owner.call("report", agent.agent_id, [event])
+
+
+def test_a_restarted_coordinator_keeps_a_triggers_firings_cooldown_and_cap(
+    tmp_path: Path,
+) -> None:
+    """A coordinator that crash-loops must not start a trigger's sessions again each time:
+    the sessions a trigger started are its firings after a restart (same ids, same
+    sessions), its cooldown holds, and new firings are numbered after them."""
+    from helpers import wait_until
+
+    request = {**OOM, "session": {"next_steps": 1}, "cooldown_s": 600, "max_per_hour": 2}
+    first = _owner(tmp_path)
+    try:
+        agents = start_agents(first, 2, "actor")
+        tid = first.call("add_trigger", request).trigger_id
+        _oom(first, agents[0], 3)
+        view = wait_until(
+            lambda: (v := first.call("get_trigger", tid)).fired == 1 and v, 10, what="fired"
+        )
+        (firing,) = view.firings
+        for step in range(4, 400):  # the loop goes on: its session records the next step
+            for a in agents:
+                with a.step(step):
+                    pass
+            if first.call("get_session", firing.session_id).state.is_terminal:
+                break
+        # over (its steps went by before its plan: missed), so no live session holds the ranks
+        assert first.call("get_session", firing.session_id).state.is_terminal
+        assert first.call("flush_state", 5.0)
+        for a in agents:
+            a.close(5)
+    finally:
+        first.close()
+
+    again = _owner(tmp_path)
+    try:
+        back = again.call("get_trigger", tid)
+        assert back.fired == 1
+        (kept,) = back.firings
+        assert (kept.firing_id, kept.session_id, kept.state) == (
+            firing.firing_id, firing.session_id, "fired",
+        )  # fmt: skip
+        assert kept.evidence["rank"] == 0 and kept.evidence["kind"] == "oom"
+        session = again.call("get_session", firing.session_id)
+        assert session.trigger_id == tid
+        agents = start_agents(again, 2, "actor")
+        _oom(again, agents[1], 9)  # within the cooldown the first incarnation started
+        after = wait_until(
+            lambda: (v := again.call("get_trigger", tid)).suppressed and v, 10, what="suppressed"
+        )
+        assert after.suppressed == {"cooldown": 1} and after.fired == 1
+        assert len(again.call("list_sessions")) == 1  # no second session
+        # a firing made now (the cooldown lifted) is numbered after the restored one
+        book = again.coordinator._triggers.book
+        book.get(tid).request = book.get(tid).request.model_copy(update={"cooldown_s": 0})
+        _oom(again, agents[1], 10)
+        later = wait_until(
+            lambda: (v := again.call("get_trigger", tid)).fired == 2 and v, 10, what="refired"
+        )
+        newest, oldest = later.firings
+        assert oldest.firing_id == firing.firing_id
+        assert int(newest.firing_id.rpartition(".")[2]) > int(firing.firing_id.rpartition(".")[2])
+        _oom(again, agents[0], 11)  # the hourly cap (2) counts the restored firing
+        capped = wait_until(
+            lambda: (v := again.call("get_trigger", tid)).suppressed.get("max_per_hour") and v,
+            10,
+            what="capped",
+        )
+        assert capped.fired == 2
+        for a in agents:
+            a.close(5)
+    finally:
+        again.close()
