@@ -164,7 +164,10 @@ class PlanBook:
             self._ack(entry, known_version)
 
     def _ack(self, entry: _Entry, known_version: int) -> None:
-        if known_version != entry.delivered:
+        # Only forward: an answer that comes late (a relay's sync or push made before the
+        # agent took a newer plan) must not count a delivered plan as undelivered again. An
+        # agent that loses its plan registers again, as a new agent or with the plan it gets.
+        if known_version > entry.delivered:
             entry.delivered = known_version
             _signal(entry.acked)
 

@@ -168,3 +168,18 @@ def test_wait_delivered_names_the_agents_that_did_not_confirm() -> None:
         assert await book.wait_delivered(versions, 0.02) == ["b"]
 
     run(go)
+
+
+def test_a_late_ack_of_an_older_version_does_not_undo_a_delivery() -> None:
+    """A relay's sync or push answered late names the version its agent held before: the
+    plan delivered since stays delivered (a wait for it ends, and is not made again)."""
+
+    async def go() -> None:
+        book = PlanBook()
+        old = book.set_controller_step("a", 3)
+        new = book.set_controller_step("a", 4)
+        book.ack("a", new)
+        book.ack("a", old)  # the late answer
+        assert await book.wait_delivered({"a": new}, 0.02) == []
+
+    run(go)
