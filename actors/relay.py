@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from profd.actors.planbook import release
 from profd.actors.relay_forward import Forward, push_on
+from profd.actors.relay_reports import ReportBatches
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, Packed, PollReply
 from profd.core.relay_wire import RelayHello
 
@@ -59,11 +60,6 @@ SHARED_POLL_S = 30.0
 #: After a shared poll came back empty (a wake-up, or its time was up), how long the relay
 #: waits for its released agents to poll again with their current steps.
 REPOLL_WAIT_S = 0.5
-#: A ``report_many`` carries about this many events at most (whole agents' lists, so at
-#: least one agent's): a node's burst is sent in calls the coordinator answers in time.
-MAX_BATCH_EVENTS = 2000
-#: How long the relay waits for the coordinator to take a batch.
-REPORT_TIMEOUT_S = 30.0
 #: How long a push waits for its agents to poll again with their new plans before it
 #: answers: the coordinator counts a plan delivered only once the agent holds it (a driver's
 #: step announcement returns then, and the agent must know the step before the step's first
@@ -214,13 +210,9 @@ class NodeRelay:
         self._poll_s = SHARED_POLL_S
         self._loop_task: asyncio.Task[None] | None = None
         self._joined = asyncio.Event()
-        self._pending: dict[str, list[AgentEvent]] = {}
-        self._waiters: dict[str, list[asyncio.Future[bool]]] = {}
-        self._flush_task: asyncio.Task[None] | None = None
+        self._reports = ReportBatches(self._caller)
         self._parked = 0
         self._shared_polls = 0
-        self._reports = 0
-        self._events = 0
         self._errors = 0
         self._serve_socket = serve_socket
         self._socket: Any = None  # its RelaySocketServer once started
@@ -278,12 +270,7 @@ class NodeRelay:
     async def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
         """Queue the events for the node's next batch; answers once the coordinator took
         them (False: it does not know the agent, which registers again)."""
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending.setdefault(agent_id, []).extend(events)
-        self._waiters.setdefault(agent_id, []).append(fut)
-        if self._flush_task is None or self._flush_task.done():
-            self._flush_task = asyncio.create_task(self._flush())
-        return await fut
+        return await self._reports.report(agent_id, events)
 
     async def clock_ns(self) -> int:
         return await self._caller.call("clock_ns", timeout=5.0)
@@ -311,9 +298,9 @@ class NodeRelay:
             parked_polls=self._parked,
             shared_polls=self._shared_polls,
             pushes=self._pushes,
-            reports_sent=self._reports,
-            events_sent=self._events,
-            coordinator_errors=self._errors,
+            reports_sent=self._reports.reports,
+            events_sent=self._reports.events,
+            coordinator_errors=self._errors + self._reports.errors,
             socket_connections=self._socket.connections if self._socket is not None else 0,
         )
 
@@ -513,39 +500,3 @@ class NodeRelay:
         for slot in slots.values():
             slot.unknown = True
             slot.wake()
-
-    # -- batched events ---------------------------------------------------------------------
-    def _take_batch(
-        self,
-    ) -> tuple[dict[str, list[AgentEvent]], dict[str, list[asyncio.Future[bool]]]]:
-        """The next batch: whole agents' events, oldest first, up to :data:`MAX_BATCH_EVENTS`
-        (an agent's events stay in order: its later ones go in a later batch)."""
-        batch: dict[str, list[AgentEvent]] = {}
-        waiters: dict[str, list[asyncio.Future[bool]]] = {}
-        n = 0
-        for aid in list(self._pending):
-            if n and n + len(self._pending[aid]) > MAX_BATCH_EVENTS:
-                break
-            batch[aid] = self._pending.pop(aid)
-            waiters[aid] = self._waiters.pop(aid, [])
-            n += len(batch[aid])
-        return batch, waiters
-
-    async def _flush(self) -> None:
-        while self._pending:
-            batch, waiters = self._take_batch()
-            try:
-                known = await self._caller.call("report_many", batch, timeout=REPORT_TIMEOUT_S)
-            except ConnectionError as exc:
-                self._errors += 1
-                for futs in waiters.values():
-                    for f in futs:
-                        if not f.done():
-                            f.set_exception(ConnectionError(str(exc)))
-                continue
-            self._reports += 1
-            self._events += sum(len(v) for v in batch.values())
-            for aid, futs in waiters.items():
-                for f in futs:
-                    if not f.done():
-                        f.set_result(bool(known.get(aid, False)))

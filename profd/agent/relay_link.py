@@ -61,7 +61,7 @@ RELAY_FIRST_CHECK_S = 0.5
 #: The shortest long-poll a direct link sends while it waits for the relay.
 MIN_POLL_S = 0.05
 #: How long an agent waits for the relay to answer a report: two of the relay's own
-#: ``report_many`` waits (``profd.actors.relay.REPORT_TIMEOUT_S``), and a little more.
+#: ``report_many`` waits (``profd.actors.relay_reports.REPORT_TIMEOUT_S``), and a little more.
 RELAY_REPORT_WAIT_S = 65.0
 
 

@@ -289,7 +289,7 @@ def test_a_nodes_burst_of_events_goes_up_in_bounded_batches_each_agents_in_order
     coordinator cannot answer in time; every event arrives once, each agent's in order."""
     import dataclasses
 
-    from profd.actors import relay as relay_mod
+    from profd.actors import relay_reports as relay_mod
     from profd.core.protocol import AgentEvent, EventKind, StepsMissed
 
     monkeypatch.setattr(relay_mod, "MAX_BATCH_EVENTS", 10)
