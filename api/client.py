@@ -160,9 +160,11 @@ class SharedReads:
             "get_session",
             "metrics",
             "read_json",
+            # /healthz: liveness probes polling together share one ping
+            "ping",
         }
     )
-    #: Calls that change what the reads return (others, like ping or get_trace, do not).
+    #: Calls that change what the reads return (others, like get_trace, do not).
     CHANGES = frozenset({"create_session", "cancel_session"})
     _MAX_ENTRIES = 256
 

@@ -268,8 +268,11 @@ def test_shared_reads_collapse_polling_and_changes_clear_them() -> None:
         assert await shared.call("list_traces", "s1", None, None) != first[0]  # other key
         now[0] = 0.05
         assert await shared.call("status") is first[0]  # still fresh
-        await shared.call("ping")  # not a change: what is held stays
+        await shared.call("get_trace", "t1")  # not a change: what is held stays
         assert await shared.call("status") is first[0]
+        probes = await asyncio.gather(*[shared.call("ping") for _ in range(20)])
+        assert [c[0] for c in inner.calls].count("ping") == 1  # liveness probes share one
+        assert all(p is probes[0] for p in probes)
         await shared.call("cancel_session", "s1")  # a change clears what is held
         assert await shared.call("status") is not first[0]
         now[0] = 1.0
