@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -118,6 +119,17 @@ class Part:
     #: so the window leaving its plan need not wake it (not persisted).
     ended_by_agent: bool = field(default=False, compare=False)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Its session counts its parts by state (``Session.advance`` asks the counts, not
+        # 10,000 parts, after every report): every change of ``state`` moves the count.
+        if name == "state":
+            tally = self.__dict__.get("_tally")
+            old = self.__dict__.get("state")
+            if tally is not None and old is not value:
+                tally[old] -= 1
+                tally[value] += 1
+        object.__setattr__(self, name, value)
+
     def finish(self, state: PartState, reason: str = "") -> None:
         if not self.state.is_terminal:
             self.state = state
@@ -198,6 +210,17 @@ class Session:
     def __post_init__(self) -> None:
         self.dirty_parts.update(self.targets)
         self._request_dump: dict[str, Any] | None = None
+        self._recount()
+
+    def _recount(self) -> None:
+        """Count the parts by state (each part keeps the count up to date as it changes)
+        and note whether any recorded a step."""
+        tally: Counter[PartState] = Counter()
+        for p in self.targets.values():
+            p.__dict__["_tally"] = tally
+            tally[p.state] += 1
+        self._tally = tally
+        self._recorded_any = any(p.recorded for p in self.targets.values())
 
     def _request_json(self) -> dict[str, Any]:
         if self._request_dump is None:  # the request is frozen: dump it once
@@ -205,7 +228,13 @@ class Session:
         return self._request_dump
 
     def add_part(self, part: Part) -> None:
+        if part.agent_id in self.targets:
+            self.targets[part.agent_id].__dict__.pop("_tally", None)
+            self._tally[self.targets[part.agent_id].state] -= 1
         self.targets[part.agent_id] = part
+        part.__dict__["_tally"] = self._tally
+        self._tally[part.state] += 1
+        self._recorded_any = self._recorded_any or bool(part.recorded)
         self.dirty_parts.add(part.agent_id)
 
     def take_dirty_parts(self) -> dict[str, dict[str, Any]]:
@@ -327,11 +356,13 @@ class Session:
             who = f"{part.role} rank {part.rank} {name}"
             self.warnings.extend(f"{who}: {w}" for w in trace.warnings)
         part.recorded.update(trace.steps)
+        self._recorded_any = self._recorded_any or bool(part.recorded)
         if trace.trace_id not in part.traces:
             part.traces.append(trace.trace_id)
 
     def _on_part_done(self, part: Part, done: PartDone) -> None:
         part.recorded.update(done.recorded)
+        self._recorded_any = self._recorded_any or bool(part.recorded)
         part.missed.update(done.missed)
         part.missed -= part.recorded
         who = f"{part.role} replica {done.replica if done.replica is not None else part.rank}"
@@ -373,7 +404,10 @@ class Session:
         """Take at most one transition; return the new state, or ``None`` if unchanged."""
         if self.state.is_terminal:
             return None
-        parts = list(self.targets.values())
+        parts = self.targets.values()
+        if sum(self._tally.values()) != len(self.targets):  # parts set by hand (tests)
+            self._recount()
+        tally = self._tally
         if self.cancel_reason is not None:
             for p in parts:
                 p.finish(PartState.CANCELLED, self.cancel_reason)
@@ -398,21 +432,19 @@ class Session:
             if self.state is SessionState.ARMED and "agents" not in self.reason:
                 self.reason = "waiting for agents to register"
             return None
-        if all(p.state.is_terminal for p in parts):
+        # From the counts by state: O(states), not O(parts), on every pass.
+        if sum(n for st, n in tally.items() if st.is_terminal) == len(self.targets):
             if self.finish_pending():
                 if self.state is SessionState.COLLECTING:
                     return None
                 return self._to(SessionState.COLLECTING, "uploading traces / running hooks", now)
-            return self._finish(parts, now)
-        started = any(
-            p.recorded or p.state not in (PartState.PENDING, PartState.ARMED) for p in parts
-        )
+            return self._finish(list(parts), now)
+        waiting = tally[PartState.PENDING] + tally[PartState.ARMED]
+        started = self._recorded_any or waiting < len(self.targets)
         if self.state is SessionState.ARMED and started:
             self.open_targeting = False  # the window began: late agents cannot join any more
             return self._to(SessionState.RECORDING, "recording", now)
-        still_recording = any(
-            p.state in (PartState.PENDING, PartState.ARMED, PartState.RECORDING) for p in parts
-        )
+        still_recording = waiting + tally[PartState.RECORDING] > 0
         if self.state is SessionState.RECORDING and not still_recording:
             return self._to(SessionState.COLLECTING, "writing trace files", now)
         return None

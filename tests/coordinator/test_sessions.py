@@ -143,3 +143,69 @@ def test_progress_counts_recorded_steps_and_stays_short_when_cancelled() -> None
     s.cancel("cancelled by user")
     run(s)
     assert s.state is SessionState.CANCELLED and progress_of(s).fraction == 0.5  # not a full bar
+
+
+def _scanned(s: Session) -> tuple[bool, bool, bool]:
+    """What advance asks, found by looking at every part (the rule its counts stand for)."""
+    parts = list(s.targets.values())
+    return (
+        all(p.state.is_terminal for p in parts),
+        any(p.recorded or p.state not in (PartState.PENDING, PartState.ARMED) for p in parts),
+        any(p.state in (PartState.PENDING, PartState.ARMED, PartState.RECORDING) for p in parts),
+    )
+
+
+def _counted(s: Session) -> tuple[bool, bool, bool]:
+    t, n = s._tally, len(s.targets)
+    waiting = t[PartState.PENDING] + t[PartState.ARMED]
+    return (
+        sum(c for st, c in t.items() if st.is_terminal) == n,
+        s._recorded_any or waiting < n,
+        waiting + t[PartState.RECORDING] > 0,
+    )
+
+
+def test_advance_counts_parts_by_state_through_every_change() -> None:
+    """advance reads counts by state, kept as parts change (a fleet's 10,000 parts are not
+    scanned after every report): they agree with a scan of every part after events in any
+    order, a lost agent, a part added late or replaced, a restore and a cancel; and a
+    session of 300 parts finishing one by one ends exactly when the last one does."""
+    import random
+
+    rng = random.Random(7)
+    agents = [f"a{i}" for i in range(300)]
+    s = make(tuple(agents), steps=(3,))
+    s.resolve_steps((3,))
+    assert run(s) == [SessionState.ARMED]
+    kinds = [EventKind.ARMED, EventKind.RECORDING, EventKind.COLLECTING]
+    for i, a in enumerate(rng.sample(agents, len(agents))):
+        for k in kinds[: rng.randrange(4)]:
+            s.apply(a, ev(k, step=3))
+        if i % 50 == 0:
+            s.apply(a, trace(f"t-{a}", [3]))  # a trace before any progress event
+        assert _counted(s) == _scanned(s)
+        s.advance(1.0)
+    s.mark_lost("a1", "gone")
+    s.add_part(Part("late", "actor", 999, "*"))  # a late agent of an open session
+    s.add_part(Part("a2", "actor", 2, "*", state=PartState.RECORDING))  # replaced
+    assert _counted(s) == _scanned(s)
+    again = Session.from_dict(s.to_dict())  # restored: counted from its parts
+    assert _counted(again) == _scanned(again) and again._tally == s._tally
+    order = rng.sample(list(s.targets), len(s.targets))
+    for i, a in enumerate(order):
+        if s.targets[a].state.is_terminal:
+            continue
+        s.apply(a, trace(f"t2-{a}", [3]))
+        s.apply(a, ev(EventKind.PART_DONE, payload=PartDone()))
+        assert _counted(s) == _scanned(s)
+        ended = s.advance(1.0)
+        while ended is not None and not s.state.is_terminal:
+            ended = s.advance(1.0)
+        assert s.state.is_terminal == all(p.state.is_terminal for p in s.targets.values())
+    assert s.state is SessionState.PARTIAL  # a1 lost
+    c = make(("x", "y"))
+    c.resolve_steps((3, 4))
+    c.targets["z"] = Part("z", "actor", 2, "*")  # set by hand: counted again at the next pass
+    c.cancel("stop")
+    assert run(c) == [SessionState.CANCELLED]
+    assert _counted(c) == _scanned(c) and c._tally[PartState.CANCELLED] == 3
