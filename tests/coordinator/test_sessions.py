@@ -192,7 +192,7 @@ def test_advance_counts_parts_by_state_through_every_change() -> None:
     again = Session.from_dict(s.to_dict())  # restored: counted from its parts
     assert _counted(again) == _scanned(again) and again._tally == s._tally
     order = rng.sample(list(s.targets), len(s.targets))
-    for i, a in enumerate(order):
+    for a in order:
         if s.targets[a].state.is_terminal:
             continue
         s.apply(a, trace(f"t2-{a}", [3]))
