@@ -164,10 +164,12 @@ class PlanBook:
             self._ack(entry, known_version)
 
     def _ack(self, entry: _Entry, known_version: int) -> None:
-        # Only forward: an answer that comes late (a relay's sync or push made before the
-        # agent took a newer plan) must not count a delivered plan as undelivered again. An
-        # agent that loses its plan registers again, as a new agent or with the plan it gets.
-        if known_version > entry.delivered:
+        # Only forward, and never past the plan it has: an answer that comes late (a relay's
+        # sync or push made before the agent took a newer plan) must not count a delivered
+        # plan as undelivered again, and a version of an earlier incarnation above this
+        # one's (its counter may run ahead of the clock it starts from) must not count every
+        # later plan as delivered. An agent that loses its plan registers again.
+        if entry.delivered < known_version <= entry.plan.version:
             entry.delivered = known_version
             _signal(entry.acked)
 

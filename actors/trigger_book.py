@@ -37,7 +37,7 @@ import secrets
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
@@ -213,6 +213,7 @@ class Trigger:
     created_at: float
     firings: deque[Firing] = field(default_factory=lambda: deque(maxlen=KEPT_FIRINGS))
     fired_at: deque[float] = field(default_factory=deque)  # sessions started, last hour
+    last_fired_at: float | None = None  # the newest session it started (its cooldown)
     suppressed: dict[Suppressed, int] = field(default_factory=dict)
     disk_bytes: int = 0  # traces of its sessions so far
     due: Firing | None = None
@@ -392,7 +393,8 @@ class TriggerBook:
         if t.due is not None:
             return None  # one firing at a time: the due one still waits for its ranks
         reason = None
-        if t.fired_at and now - t.fired_at[-1] < t.request.cooldown_s:
+        # (a cooldown may be longer than the hour fired_at keeps)
+        if t.last_fired_at is not None and now - t.last_fired_at < t.request.cooldown_s:
             reason = Suppressed.COOLDOWN
         elif len(t.fired_at) >= t.request.max_per_hour:
             reason = Suppressed.HOURLY_CAP
@@ -409,7 +411,8 @@ class TriggerBook:
     # -- outcomes ------------------------------------------------------------------------
     def fired(self, firing: Firing, session_id: str) -> Firing:
         t = self.get(firing.trigger_id)
-        t.fired_at.append(self._clock())
+        t.last_fired_at = self._clock()
+        t.fired_at.append(t.last_fired_at)
         return self._settle(t, replace(firing, state=FiringState.FIRED, session_id=session_id))
 
     def failed(self, firing: Firing, error: str) -> Firing:
@@ -417,31 +420,32 @@ class TriggerBook:
         log.warning("trigger %s: its session was refused: %s", t.request.name, error)
         return self._settle(t, replace(firing, state=FiringState.FAILED, error=error))
 
+    def number_after(self, firing_ids: Iterable[str]) -> None:
+        """Number new firings after every one of ``firing_ids`` (``<trigger_id>.<n>``: the
+        firings a restored coordinator's sessions name), whichever trigger they belong to."""
+        highest = [int(n) for f in firing_ids if (n := f.rpartition(".")[2]).isdigit()]
+        if highest:
+            self._seq = itertools.count(max(next(self._seq), max(highest) + 1))
+
     def recall(self, trigger_id: str, fired: list[tuple[float, str, dict[str, Any]]]) -> None:
         """A restored trigger's sessions, oldest first, as ``(created_at, session_id,
         origin)``: its firings again, so cooldown and the hourly cap hold across a
-        coordinator restart. A firing keeps the id its origin names (new firings are
-        numbered after the highest); an origin without one gets a new number."""
+        coordinator restart. A firing keeps the id its origin names (call
+        :meth:`number_after` with every restored id first); an origin without one (an older
+        profd's) gets a new number."""
         t = self.get(trigger_id)
         now = self._clock()
         for at, session_id, origin in fired:
             firing_id = origin.get("firing_id")
             if not isinstance(firing_id, str):
                 firing_id = f"{trigger_id}.{next(self._seq)}"
-            self._seq_past(firing_id)
             evidence = _evidence(origin.get("evidence") or {})
             t.firings.append(
                 Firing(firing_id, trigger_id, at, evidence, FiringState.FIRED, session_id)
             )
+            t.last_fired_at = at if t.last_fired_at is None else max(t.last_fired_at, at)
             if now - at <= HOUR_S:
                 t.fired_at.append(at)
-
-    def _seq_past(self, firing_id: str) -> None:
-        """Number new firings after ``firing_id``'s (``<trigger_id>.<n>``)."""
-        n = firing_id.rpartition(".")[2]
-        if n.isdigit():
-            nxt = next(self._seq)
-            self._seq = itertools.count(max(nxt, int(n) + 1))
 
     def add_disk(self, trigger_id: str, nbytes: int) -> None:
         """A trace of one of its sessions was written (for the disk budget)."""

@@ -95,6 +95,12 @@ class TriggerDesk:
             tid = (s.origin or {}).get("trigger_id")
             if isinstance(tid, str):
                 started.setdefault(tid, []).append(s)
+        self.book.number_after(
+            str(s.origin["firing_id"])
+            for own in started.values()
+            for s in own
+            if s.origin and isinstance(s.origin.get("firing_id"), str)
+        )
         n = 0
         for row in saved:
             try:

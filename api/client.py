@@ -160,10 +160,13 @@ class SharedReads:
             "get_session",
             "metrics",
             "read_json",
-            # /healthz: liveness probes polling together share one ping
             "ping",
         }
     )
+    #: Reads shared only while in flight, never answered from a finished call: /healthz
+    #: probes polling together make one ping, and a coordinator that just died is not
+    #: reported up (``profd up`` asks it before starting one).
+    IN_FLIGHT_ONLY = frozenset({"ping"})
     #: Calls that change what the reads return (others, like get_trace, do not).
     CHANGES = frozenset({"create_session", "cancel_session"})
     _MAX_ENTRIES = 256
@@ -194,9 +197,14 @@ class SharedReads:
                 self._held = {k: v for k, v in self._held.items() if now - v[0] < self.ttl_s}
             held = (now, asyncio.ensure_future(self.inner.call(method, *args)))
             self._held[key] = held
+            if method in self.IN_FLIGHT_ONLY:
+                held[1].add_done_callback(lambda _f, k=key, h=held: self._forget(k, h))
         try:
             return await asyncio.shield(held[1])
         except Exception:
-            if self._held.get(key) is held:
-                del self._held[key]
+            self._forget(key, held)
             raise
+
+    def _forget(self, key: tuple[Any, ...], held: tuple[float, asyncio.Future[Any]]) -> None:
+        if self._held.get(key) is held:
+            del self._held[key]

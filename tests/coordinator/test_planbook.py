@@ -183,3 +183,18 @@ def test_a_late_ack_of_an_older_version_does_not_undo_a_delivery() -> None:
         assert await book.wait_delivered({"a": new}, 0.02) == []
 
     run(go)
+
+
+def test_an_ack_above_the_plan_an_agent_can_hold_is_ignored() -> None:
+    """A version of an earlier incarnation above this one's (its counter ran ahead of the
+    clock this one starts from) must not count every later plan as delivered."""
+
+    async def go() -> None:
+        book = PlanBook()
+        v = book.set_controller_step("a", 3)
+        book.ack("a", v + 50_000)  # a relay's snapshot from before the restart
+        assert await book.wait_delivered({"a": v}, 0.02) == ["a"]
+        book.ack("a", v)
+        assert await book.wait_delivered({"a": v}, 0.02) == []
+
+    run(go)

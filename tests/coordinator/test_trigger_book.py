@@ -300,3 +300,41 @@ def test_an_out_of_memory_error_fires_on_its_rank_then_cooldown() -> None:
     assert book.out_of_memory("a1", "actor", 1, oom, 8) == []
     assert t.suppressed == {Suppressed.COOLDOWN: 1}
     assert book.observe("a1", "actor", 1, step(9.0), history_of({1: [9.0] * 8})) == []
+
+
+def test_a_cooldown_longer_than_an_hour_holds_and_recalled_firings_keep_their_ids() -> None:
+    """A cooldown of two hours is held past the hour the cap counts; a restored book's
+    firings hold it too, keep the ids their sessions name, and an older session's firing
+    (no id stored) gets a number after every stored one, whichever trigger it is of."""
+    clock = Clock()
+    book = TriggerBook(clock)
+    t = book.add(request(cooldown_s=7200, max_per_hour=4))
+    samples = {r: [0.10] * 8 for r in range(4)}
+    samples[2].append(0.5)  # rank 2's newest step: 5x the median
+    [firing] = book.observe("a2", "actor", 2, step(0.5), history_of(samples))
+    book.fired(firing, "s-1")
+    clock.now += 5400  # 90 minutes: out of the hour, still in the cooldown
+    assert book.observe("a2", "actor", 2, step(0.5), history_of(samples)) == []
+    assert t.suppressed == {Suppressed.COOLDOWN: 1}
+    clock.now += 1801
+    assert len(book.observe("a2", "actor", 2, step(0.5), history_of(samples))) == 1
+
+    again = TriggerBook(clock)
+    a = again.add(request(cooldown_s=7200), trigger_id="trgA")
+    c = again.add(request(cooldown_s=7200), trigger_id="trgC")
+    ev = {"role": "actor", "rank": 2, "agent_id": "a2", "kind": "step_time", "unknown": 1}
+    again.number_after(["trgA.4", "trgC.3"])
+    old_c = (clock.now - 5400, "s-c0", {"evidence": ev})  # an older profd's: no id
+    again.recall("trgC", [old_c, (clock.now - 10, "s-c3", {"firing_id": "trgC.3", "evidence": ev})])
+    again.recall(
+        "trgA", [(clock.now - 20, "s-a0", {}), (clock.now - 5, "s-a4", {"firing_id": "trgA.4"})]
+    )
+    ids = [f.firing_id for f in (*a.firings, *c.firings)]
+    assert len(set(ids)) == 4 and {"trgA.4", "trgC.3"} <= set(ids)
+    assert all(int(i.rpartition(".")[2]) > 4 for i in ids if i not in ("trgA.4", "trgC.3"))
+    assert c.fired == 2 and len(c.fired_at) == 1  # the older one is out of the hour
+    assert c.firings[0].evidence.rank == 2 and c.firings[1].session_id == "s-c3"
+    assert again.observe("a2", "actor", 2, step(0.5), history_of(samples)) == []
+    assert a.suppressed == c.suppressed == {Suppressed.COOLDOWN: 1}
+    [new] = book.due()
+    assert new.firing_id.startswith(t.trigger_id)

@@ -273,6 +273,8 @@ def test_shared_reads_collapse_polling_and_changes_clear_them() -> None:
         probes = await asyncio.gather(*[shared.call("ping") for _ in range(20)])
         assert [c[0] for c in inner.calls].count("ping") == 1  # liveness probes share one
         assert all(p is probes[0] for p in probes)
+        await shared.call("ping")  # within ttl, but the last ping ended: asked again
+        assert [c[0] for c in inner.calls].count("ping") == 2
         await shared.call("cancel_session", "s1")  # a change clears what is held
         assert await shared.call("status") is not first[0]
         now[0] = 1.0
