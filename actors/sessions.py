@@ -228,9 +228,10 @@ class Session:
         return self._request_dump
 
     def add_part(self, part: Part) -> None:
-        if part.agent_id in self.targets:
-            self.targets[part.agent_id].__dict__.pop("_tally", None)
-            self._tally[self.targets[part.agent_id].state] -= 1
+        old = self.targets.get(part.agent_id)
+        if old is not None:  # replaced: no longer counted here
+            self._tally[old.state] -= 1
+            old.__dict__.pop("_tally", None)
         self.targets[part.agent_id] = part
         part.__dict__["_tally"] = self._tally
         self._tally[part.state] += 1
@@ -330,6 +331,8 @@ class Session:
                 self._on_part_done(part, done)
             case None:
                 self._on_progress(part, event)
+        if part.recorded:  # (only a trace or part_done adds recorded steps)
+            self._recorded_any = True
 
     def _on_progress(self, part: Part, event: AgentEvent) -> None:
         """The events without a payload: the part's progress, errors, the agent's end."""
@@ -356,13 +359,11 @@ class Session:
             who = f"{part.role} rank {part.rank} {name}"
             self.warnings.extend(f"{who}: {w}" for w in trace.warnings)
         part.recorded.update(trace.steps)
-        self._recorded_any = self._recorded_any or bool(part.recorded)
         if trace.trace_id not in part.traces:
             part.traces.append(trace.trace_id)
 
     def _on_part_done(self, part: Part, done: PartDone) -> None:
         part.recorded.update(done.recorded)
-        self._recorded_any = self._recorded_any or bool(part.recorded)
         part.missed.update(done.missed)
         part.missed -= part.recorded
         who = f"{part.role} replica {done.replica if done.replica is not None else part.rank}"
@@ -405,8 +406,6 @@ class Session:
         if self.state.is_terminal:
             return None
         parts = self.targets.values()
-        if sum(self._tally.values()) != len(self.targets):  # parts set by hand (tests)
-            self._recount()
         tally = self._tally
         if self.cancel_reason is not None:
             for p in parts:

@@ -205,7 +205,7 @@ def test_advance_counts_parts_by_state_through_every_change() -> None:
     assert s.state is SessionState.PARTIAL  # a1 lost
     c = make(("x", "y"))
     c.resolve_steps((3, 4))
-    c.targets["z"] = Part("z", "actor", 2, "*")  # set by hand: counted again at the next pass
+    c.add_part(Part("z", "actor", 2, "*"))
     c.cancel("stop")
     assert run(c) == [SessionState.CANCELLED]
     assert _counted(c) == _scanned(c) and c._tally[PartState.CANCELLED] == 3
