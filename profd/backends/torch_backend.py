@@ -43,7 +43,7 @@ from profd.backends.base import (
     PendingOutput,
     WrittenFile,
 )
-from profd.core.files import TRACE_EXT, gzip_file, publish_unique, temp_path
+from profd.core.files import TRACE_EXT, free_name, gzip_file, link_new, temp_path
 from profd.core.request import ToolKind, TorchToolConfig
 from profd.core.schedule import window_suffix
 
@@ -225,13 +225,23 @@ class _TorchOutput(PendingOutput):
         return self._pack()
 
     def _pack(self) -> list[WrittenFile]:
+        """gzip and publish; the trace's ``traceName`` (Kineto wrote the temporary file's
+        name) becomes the published name, so a second writer of the name means packing again."""
         spec = self._spec
         packed = temp_path(spec.save_dir, spec.stem, TRACE_EXT)
+        index = 0
         try:
-            has_device = gzip_file(
-                self._raw, packed, find=DEVICE_EVENTS if self._expect_device else None
-            )
-            final = publish_unique(packed, spec.save_dir, spec.stem, self._suffix)
+            while True:
+                final, index = free_name(spec.save_dir, spec.stem, self._suffix, TRACE_EXT, index)
+                has_device = gzip_file(
+                    self._raw,
+                    packed,
+                    find=DEVICE_EVENTS if self._expect_device else None,
+                    replace=(_trace_name(self._raw), _trace_name(final)),
+                )
+                if link_new(packed, final):
+                    break
+                index += 1
         finally:
             self._raw.unlink(missing_ok=True)
             packed.unlink(missing_ok=True)
@@ -240,6 +250,11 @@ class _TorchOutput(PendingOutput):
         if self._expect_device and not has_device:
             warnings = (*warnings, NO_DEVICE_EVENTS)
         return [WrittenFile(final, final.stat().st_size, suffix, warnings)]
+
+
+def _trace_name(path: Path) -> bytes:
+    """Kineto's ``"traceName": "<path>"`` entry for a file at ``path``."""
+    return b'"traceName": ' + json.dumps(str(path)).encode()
 
 
 class _OneProfilerPerProcess:

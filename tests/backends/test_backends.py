@@ -320,6 +320,20 @@ def test_device_event_scan_finds_kernels_across_chunks(tmp_path) -> None:
     assert gzip_file(raw, tmp_path / "u.json.gz", find=DEVICE_EVENTS) is False
 
 
+@pytest.mark.parametrize("at", [0, (1 << 20) - 5, (1 << 20) - 1, 1 << 20, (2 << 20) - 3])
+def test_gzip_replaces_across_chunk_boundaries(tmp_path, at) -> None:
+    import gzip
+
+    from profd.core.files import gzip_file
+
+    old, new = b'"traceName": "/d/.x.json.tmp"', b'"traceName": "/d/x_step1.json.gz"'
+    body = b"a" * at + old + b"b" * 100 + old + b"c" * ((1 << 20) + 7)
+    raw = tmp_path / "t.json"
+    raw.write_bytes(body)
+    gzip_file(raw, tmp_path / "t.json.gz", replace=(old, new))
+    assert gzip.decompress((tmp_path / "t.json.gz").read_bytes()) == body.replace(old, new)
+
+
 def test_device_warning_reaches_the_session(monkeypatch, local_coordinator) -> None:
     real_open = TorchBackend.open
 

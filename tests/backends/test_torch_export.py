@@ -42,6 +42,19 @@ def test_the_window_end_registers_its_export_until_it_is_written(tmp_path) -> No
     assert "step1" in user_ranges(read_trace(written.path))
 
 
+def test_the_trace_names_its_published_file_not_the_temporary_one(tmp_path) -> None:
+    """Kineto writes ``traceName`` as the file it exports to (profd's hidden temporary);
+    the published trace names itself, ``_part1`` included when the name was taken."""
+    (first,) = record(tmp_path)[0].write()
+    (second,) = record(tmp_path)[0].write()  # same stem: the next free name
+    assert second.path.name.endswith("_part1.json.gz")
+    for written in (first, second):
+        assert read_trace(written.path)["traceName"] == str(written.path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        w.path.name for w in (first, second)
+    )  # no temporary left behind
+
+
 def test_a_failed_or_dropped_export_lets_the_next_window_start(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(KINETO_GATE, "wait_s", 0.5)
     blocker = tmp_path / "not-a-dir"
