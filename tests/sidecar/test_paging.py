@@ -70,12 +70,16 @@ def test_pages_are_newest_first_and_stable_under_inserts() -> None:
     assert [x.ident for x in newest] == ["new4", "new3", "new2"]
 
 
+@pytest.mark.parametrize("bursts", [False, True])
 @pytest.mark.parametrize("flat_max", [1000, 10, 0])
-def test_a_listing_gives_page_ofs_pages_as_items_arrive_in_any_order(flat_max: int) -> None:
+def test_a_listing_gives_page_ofs_pages_as_items_arrive_in_any_order(
+    flat_max: int, bursts: bool
+) -> None:
     """The coordinator's kept listings (sessions, traces by rank) page as page_of pages the
     same items, whatever order they came in (restored ones out of order), with every
     match's count and size; bad limits and cursors are refused the same way. Flat, grown
-    past ``flat_max`` on the way (into sorted sublists), or sorted from the first item."""
+    past ``flat_max`` on the way (into sorted sublists), or sorted from the first item;
+    added one by one, or in bursts of any size (``extend``, as the trace index lists)."""
     import random
 
     rng = random.Random(7)
@@ -83,10 +87,19 @@ def test_a_listing_gives_page_ofs_pages_as_items_arrive_in_any_order(flat_max: i
     rng.shuffle(items)
     listing: Listing[Item] = Listing(key, size=lambda x: int(x.created_at), flat_max=flat_max)
     seen: list[Item] = []
+    burst: list[Item] = []
     for n, item in enumerate(items):
-        listing.add(item)
-        seen.append(item)
-        if n % 17:
+        if bursts:
+            burst.append(item)
+            if rng.random() < 0.7 and n != len(items) - 1:
+                continue
+            listing.extend(burst)
+            seen += burst
+            burst = []
+        else:
+            listing.add(item)
+            seen.append(item)
+        if not bursts and n % 17 and n != len(items) - 1:
             continue
         for limit in (1, 7, 50, None):  # walk every page of what is there now
             cursor = None
