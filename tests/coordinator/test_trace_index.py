@@ -47,11 +47,7 @@ def test_listings_follow_traces_arriving_between_reads() -> None:
         if rng.random() < 0.1:  # a read between bursts
             for role_q, rank_q in ((None, None), ("actor", None), (None, 2), ("critic", 1)):
                 want = sorted(
-                    (
-                        v
-                        for v in kept
-                        if role_q in (None, v.role) and rank_q in (None, v.rank)
-                    ),
+                    (v for v in kept if role_q in (None, v.role) and rank_q in (None, v.rank)),
                     key=lambda v: (v.created_at, v.trace_id),
                     reverse=True,
                 )
