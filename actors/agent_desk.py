@@ -239,7 +239,8 @@ class AgentDesk:
         session as a window ends), before anyone is told the events arrived. Whether each
         agent is known (an unknown one registers again)."""
         touched: dict[str, Session] = {}
-        known = {aid: self._apply(aid, events, touched) for aid, events in batches.items()}
+        with self._traces.batch():
+            known = {aid: self._apply(aid, events, touched) for aid, events in batches.items()}
         for s in touched.values():
             self._book.persist(s)  # saved before the agents are told their events arrived
         self._book.advance_soon(touched.values())

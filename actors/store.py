@@ -92,6 +92,10 @@ class Store(Protocol):
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None: ...
 
+    def save_traces(self, rows: list[tuple[str, str, bytes]]) -> None:
+        """Many traces at once: ``(trace id, session id, its JSON)`` each."""
+        ...
+
     def save_trigger(self, trigger_id: str, data: dict[str, Any] | None) -> None: ...
 
     def flush(self, timeout_s: float) -> bool: ...
@@ -114,6 +118,9 @@ class MemoryStore:
         return True
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
+        pass
+
+    def save_traces(self, rows: list[tuple[str, str, bytes]]) -> None:
         pass
 
     def save_trigger(self, trigger_id: str, data: dict[str, Any] | None) -> None:
@@ -269,6 +276,14 @@ class SqliteStore:
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
         self._enqueue(trace_id, (("traces", trace_id), _TRACE_SQL, (trace_id, session_id), data))
 
+    def save_traces(self, rows: list[tuple[str, str, bytes]]) -> None:
+        """Queue many traces, their JSON encoded already (one hand-over for a relay's batch)."""
+        if rows:
+            self._enqueue(
+                rows[0][0],
+                *((("traces", tid), _TRACE_SQL, (tid, sid), data) for tid, sid, data in rows),
+            )
+
     def save_trigger(self, trigger_id: str, data: dict[str, Any] | None) -> None:
         """Queue a trigger's request (``None``: it was deleted, kept as a tombstone row)."""
         row = data if data is not None else {"trigger_id": trigger_id, "deleted": True}
@@ -317,12 +332,16 @@ class SqliteStore:
 
     # -- the caller's side -----------------------------------------------------------------
     def _enqueue(
-        self, key: str, *rows: tuple[_RowKey, str, tuple[Any, ...], dict[str, Any]]
+        self, key: str, *rows: tuple[_RowKey, str, tuple[Any, ...], dict[str, Any] | bytes]
     ) -> bool:
         """Encode ``rows`` here (a value JSON cannot hold fails the save now; the caller's
-        objects may change once this returns) and queue them for the writer."""
+        objects may change once this returns) and queue them for the writer. Data given as
+        bytes is JSON already."""
         try:
-            encoded = {rk: (sql, (*args, orjson.dumps(data))) for rk, sql, args, data in rows}
+            encoded = {
+                rk: (sql, (*args, data if isinstance(data, bytes) else orjson.dumps(data)))
+                for rk, sql, args, data in rows
+            }
         except (TypeError, ValueError) as exc:
             with self._cond:
                 self._failed(key, exc)

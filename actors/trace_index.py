@@ -7,10 +7,11 @@ coordinator still serves the traces of earlier sessions.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -69,6 +70,8 @@ class TraceIndex:
         self._by_tool: dict[str, list[int]] = {}  # tool -> [files, bytes]
         self._stalls: dict[str, StallStats] = {}  # tool -> its export stalls
         self._encoded: dict[str, bytes] = {}  # trace id -> its view's JSON, once read
+        #: Rows to persist at the end of the open :meth:`batch` (None: none is open).
+        self._unsaved: list[tuple[str, str, bytes]] | None = None
 
     def restore(self, rows: Iterable[dict[str, Any]]) -> int:
         """Take the traces a previous incarnation persisted; return how many."""
@@ -115,8 +118,26 @@ class TraceIndex:
         )
         self._put(view)
         self._stalls.setdefault(view.tool, StallStats()).add(float(p.stall_s or 0.0))
-        self._store.save_trace(view.trace_id, view.session_id, view.model_dump(mode="json"))
+        row = (view.trace_id, view.session_id, view.__pydantic_serializer__.to_json(view))
+        if self._unsaved is not None:
+            self._unsaved.append(row)
+        else:
+            self._store.save_traces([row])
         return view
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Traces indexed inside are handed to the store together when it ends (one
+        hand-over for a relay's batch of a node's window ends, not one per trace)."""
+        outer = self._unsaved is not None
+        if not outer:
+            self._unsaved = []
+        try:
+            yield
+        finally:
+            if not outer:
+                rows, self._unsaved = self._unsaved or [], None
+                self._store.save_traces(rows)
 
     def _put(self, view: TraceView) -> None:
         if view.trace_id in self._traces:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from profd.actors.coordinator import ProfileCoordinator, Registration
@@ -62,6 +63,10 @@ class KeepingStore(MemoryStore):
 
     def save_trace(self, trace_id: str, session_id: str, data: dict[str, Any]) -> None:
         self.traces[trace_id] = data
+
+    def save_traces(self, rows: list[tuple[str, str, bytes]]) -> None:
+        for trace_id, _, data in rows:
+            self.traces[trace_id] = orjson.loads(data)
 
 
 def settings(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:

@@ -58,3 +58,45 @@ def test_listings_follow_traces_arriving_between_reads() -> None:
     for query in ((None, None), ("actor", 3)):
         assert every_page(restored, *query) == every_page(index, *query)
     assert restored.total_bytes == index.total_bytes
+
+
+class Recorder(MemoryStore):
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def save_traces(self, rows: list[tuple[str, str, bytes]]) -> None:
+        self.calls.append([tid for tid, _, _ in rows])
+
+
+def test_a_batch_hands_its_traces_to_the_store_once_and_they_restore(tmp_path) -> None:
+    """A relay's batch of window ends is one hand-over to the store, at the batch's end
+    (nested batches: at the outer end); outside a batch each trace is handed at once. What
+    was handed is what a restarted coordinator's index restores, views and pages alike."""
+    rec = Recorder()
+    index = TraceIndex(rec)
+    with index.batch():
+        for n in range(3):
+            index.index(info(n, "actor"), event(n, n, 1000.0 + n), None)
+            with index.batch():
+                index.index(info(n, "critic"), event(10 + n, n, 1100.0 + n), None)
+        assert rec.calls == []
+    assert rec.calls == [["t0000-0", "t0010-0", "t0001-1", "t0011-1", "t0002-2", "t0012-2"]]
+    index.index(info(0, "actor"), event(20, 0, 1200.0), None)
+    assert rec.calls[1:] == [["t0020-0"]]
+
+    from profd.actors.store import SqliteStore
+
+    store = SqliteStore(tmp_path / "state.sqlite3")
+    first = TraceIndex(store)
+    with first.batch():
+        for n in range(5):
+            first.index(info(n % 2, "actor"), event(n, n % 2, 1000.0 + n), None)
+    store.close()
+    store = SqliteStore(tmp_path / "state.sqlite3")
+    try:
+        again = TraceIndex(store)
+        assert again.restore(store.load()["traces"]) == 5
+        assert [again.get(t.trace_id) for t in first.all()] == list(first.all())
+        assert every_page(again, "actor", 1) == every_page(first, "actor", 1)
+    finally:
+        store.close()
