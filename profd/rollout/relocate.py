@@ -3,10 +3,11 @@
 An engine writes one file per GPU worker (plus, for some versions, a front-end file) into its
 own directory, named its own way. After a window:
 
-1. :func:`wait_for_files` waits until the files that appeared since the window started are
-   complete: size and mtime unchanged for a settle interval and, for ``.gz``, a finished gzip
-   stream. Engines flush slowly (minutes for large runs), so the wait has an overall timeout;
-   what is still being written then is *reported*, never dropped or moved half-written.
+1. :func:`wait_for_files` (in ``flush_wait.py``) waits until the files that appeared since
+   the window started are complete: size and mtime unchanged for a settle interval and, for
+   ``.gz``, a finished gzip stream. Engines flush slowly (minutes for large runs), so the
+   wait has an overall timeout; what is still being written then is *reported*, never
+   dropped or moved half-written.
 2. :func:`relocate_files` names each complete file by replica and, when the engine's per-GPU
    rank can be read unambiguously from the name, by global GPU rank:
    ``rollout-replica<n>-globalrank<g>_<engine file>``, else ``rollout-replica<n>_<engine file>``.
@@ -31,14 +32,22 @@ import os
 import re
 import shutil
 import time
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
-
 from profd.core.protocol import IncompleteFile
+from profd.rollout.flush_wait import (
+    FlushWait,
+    WaitResult,
+    gzip_complete,
+    is_chrome_trace,
+    is_side_file,
+    is_trace_file,
+    snapshot_dir,
+    snapshot_stats,
+    wait_for_files,
+)
 from profd.rollout.replicas import ReplicaParallelism
 
 __all__ = [
@@ -87,41 +96,7 @@ _EXTS = (
     ".txt",
     ".gz",
 )
-_TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp")
-#: What an engine writes that is a trace: Chrome traces and (SGLang) memory snapshots.
-_TRACE_SUFFIXES = (".json", ".json.gz", ".pickle")
 _CHUNK = 1 << 20
-
-
-class FlushWait(BaseModel):
-    """How long to wait for an engine's files after ``/stop_profile``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    settle_s: float = Field(2.0, gt=0, description="A file is stable after this long unchanged.")
-    poll_s: float = Field(0.25, gt=0, description="Interval between directory scans.")
-    timeout_s: float = Field(
-        1800.0, gt=0, description="Give up after this long; unfinished files are reported."
-    )
-    first_file_timeout_s: float = Field(
-        120.0, gt=0, description="Stop waiting when no file at all has appeared by then."
-    )
-    peer_grace_s: float = Field(
-        60.0,
-        gt=0,
-        description="Once the files seen are complete, how long to wait for missing peers.",
-    )
-    check_gzip: StrictBool = Field(True, description="A .gz file must end its gzip stream.")
-
-    @model_validator(mode="after")
-    def _order(self) -> FlushWait:
-        if self.poll_s > self.settle_s:
-            raise ValueError(f"poll_s: must be <= settle_s ({self.settle_s}), got {self.poll_s}")
-        if self.timeout_s < self.settle_s:
-            raise ValueError(
-                f"timeout_s: must be >= settle_s ({self.settle_s}), got {self.timeout_s}"
-            )
-        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,16 +121,6 @@ class RelocatedFile:
     surfaced: bool
     #: Why no global rank was read (empty when it was).
     rank_note: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class WaitResult:
-    complete: tuple[Path, ...]
-    incomplete: tuple[IncompleteFile, ...]
-    waited_s: float
-    timed_out: bool
-    #: Why the wait ended (for the session's reason / warnings).
-    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,211 +203,6 @@ def _split_ext(name: str) -> tuple[str, str]:
             return name[: -len(ext)], name[-len(ext) :]
     stem, dot, ext = name.rpartition(".")
     return (stem, dot + ext) if stem else (name, "")
-
-
-def is_trace_file(name: str) -> bool:
-    """Whether an engine file is a trace (else a side file such as ``*.profiler_out.txt``)."""
-    return name.lower().endswith(_TRACE_SUFFIXES)
-
-
-def is_chrome_trace(name: str) -> bool:
-    """A timeline, one per GPU worker (what the wait expects and ranks are found by); SGLang's
-    ``-memory.pickle`` snapshots are traces too, but extra ones."""
-    return name.lower().endswith((".json", ".json.gz"))
-
-
-def is_side_file(name: str) -> bool:
-    """Neither a trace nor an engine's temporary file (a trace still being written)."""
-    return not is_trace_file(name) and not _is_temp(name)
-
-
-def _is_temp(name: str) -> bool:
-    return name.startswith(".") or name.lower().endswith(_TEMP_SUFFIXES)
-
-
-# -- waiting --------------------------------------------------------------------------------
-
-
-Baseline = frozenset[str] | Mapping[str, tuple[int, int]]
-
-
-def snapshot_stats(directory: str | Path) -> dict[str, tuple[int, int]]:
-    """Name → (size, mtime ns) of the files in ``directory`` now: a window's baseline. A side
-    file the engine rewrites in place under the same name (vLLM's ``*.profiler_out.txt``)
-    counts as new once it changed; a trace (named anew by every export) never does."""
-    out: dict[str, tuple[int, int]] = {}
-    try:
-        with os.scandir(directory) as it:
-            for e in it:
-                try:
-                    if e.is_file(follow_symlinks=False):
-                        st = e.stat(follow_symlinks=False)
-                        out[e.name] = (st.st_size, st.st_mtime_ns)
-                except FileNotFoundError:
-                    continue
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    return out
-
-
-def snapshot_dir(directory: str | Path) -> frozenset[str]:
-    """Names of the files in ``directory`` now (empty when it does not exist)."""
-    try:
-        with os.scandir(directory) as it:
-            return frozenset(e.name for e in it if e.is_file(follow_symlinks=False))
-    except (FileNotFoundError, NotADirectoryError):
-        return frozenset()
-
-
-def gzip_complete(path: str | Path) -> bool:
-    """Whether ``path`` holds a gzip stream that reaches its end (decompresses in chunks)."""
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                d.decompress(chunk)
-                if d.eof:
-                    return True
-    except (OSError, zlib.error):
-        return False
-    return d.eof
-
-
-@dataclass
-class _Seen:
-    size: int
-    mtime_ns: int
-    changed_at: float
-    gzip_ok: bool | None = None
-
-
-class _Watcher:
-    """Tracks the new files of one directory between scans."""
-
-    def __init__(self, directory: Path, baseline: Baseline, check_gzip: bool) -> None:
-        self.directory = directory
-        self.baseline = baseline
-        self._stats = baseline if isinstance(baseline, Mapping) else {}
-        self.check_gzip = check_gzip
-        self.seen: dict[str, _Seen] = {}
-        self.last_new_at: float | None = None
-
-    def _is_new(self, name: str, st: os.stat_result) -> bool:
-        if name not in self.baseline:
-            return True
-        before = self._stats.get(name)
-        return (
-            before is not None
-            and not is_trace_file(name)
-            and before != (st.st_size, st.st_mtime_ns)
-        )
-
-    def scan(self, now: float) -> None:
-        current: dict[str, os.stat_result] = {}
-        try:
-            with os.scandir(self.directory) as it:
-                for e in it:
-                    if not e.is_file(follow_symlinks=False):
-                        continue
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if self._is_new(e.name, st):
-                        current[e.name] = st
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        for name in list(self.seen):
-            if name not in current:
-                del self.seen[name]  # renamed or removed by the engine (a temporary file)
-        for name, st in current.items():
-            old = self.seen.get(name)
-            if old is None:
-                self.seen[name] = _Seen(st.st_size, st.st_mtime_ns, now)
-                self.last_new_at = now
-            elif (old.size, old.mtime_ns) != (st.st_size, st.st_mtime_ns):
-                self.seen[name] = _Seen(st.st_size, st.st_mtime_ns, now)
-
-    def status(self, name: str, now: float, settle_s: float) -> str:
-        """``""`` when complete, else why not."""
-        s = self.seen[name]
-        if _is_temp(name):
-            return "the engine's temporary file (still being written)"
-        quiet = now - s.changed_at
-        if quiet < settle_s:
-            return f"still changing ({s.size} bytes, last change {quiet:.1f}s before the end)"
-        if self.check_gzip and name.lower().endswith(".gz"):
-            if s.gzip_ok is None:
-                s.gzip_ok = gzip_complete(self.directory / name)
-            if not s.gzip_ok:
-                return f"gzip stream not finished ({s.size} bytes)"
-        return ""
-
-
-def wait_for_files(
-    directory: str | Path,
-    baseline: Iterable[str] | Mapping[str, tuple[int, int]],
-    policy: FlushWait,
-    expected: int | None = None,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> WaitResult:
-    """Wait until the files new in ``directory`` (not in ``baseline``, or side files changed
-    since a :func:`snapshot_stats` baseline) are complete.
-
-    Ends when every file seen is complete and either ``expected`` traces exist (side files
-    are waited for but not counted) or no new file
-    appeared for ``peer_grace_s``; or when no file at all appeared within
-    ``first_file_timeout_s``; or at ``timeout_s``, returning what is complete and reporting
-    the rest.
-    """
-    base = baseline if isinstance(baseline, Mapping) else frozenset(baseline)
-    w = _Watcher(Path(directory), base, policy.check_gzip)
-    start = clock()
-    while True:
-        now = clock()
-        w.scan(now)
-        status = {n: w.status(n, now, policy.settle_s) for n in sorted(w.seen)}
-        complete = [n for n, why in status.items() if not why]
-        elapsed = now - start
-        note = ""
-        traces = sum(is_chrome_trace(n) for n in status)
-        if status and len(complete) == len(status):
-            if expected is None or traces >= expected:
-                return _result(w, complete, status, elapsed, False, note)
-            if now - (w.last_new_at or start) >= policy.peer_grace_s:
-                note = f"{traces} of {expected} expected trace file(s) appeared"
-                return _result(w, complete, status, elapsed, False, note)
-        elif not status and elapsed >= policy.first_file_timeout_s:
-            note = f"no file appeared within {policy.first_file_timeout_s:g}s"
-            return _result(w, [], status, elapsed, False, note)
-        if elapsed >= policy.timeout_s:
-            note = f"files still incomplete after {policy.timeout_s:g}s"
-            return _result(w, complete, status, elapsed, True, note)
-        sleep(policy.poll_s)
-
-
-def _result(
-    w: _Watcher,
-    complete: list[str],
-    status: dict[str, str],
-    elapsed: float,
-    timed_out: bool,
-    note: str,
-) -> WaitResult:
-    incomplete = tuple(
-        IncompleteFile(str(w.directory / n), why, w.seen[n].size)
-        for n, why in status.items()
-        if why
-    )
-    return WaitResult(
-        complete=tuple(w.directory / n for n in complete),
-        incomplete=incomplete,
-        waited_s=round(elapsed, 3),
-        timed_out=timed_out,
-        note=note,
-    )
 
 
 # -- moving ---------------------------------------------------------------------------------
