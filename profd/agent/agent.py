@@ -13,7 +13,8 @@ it keeps looking for the coordinator in the background, so ``profd up`` can come
 A CUDA out-of-memory error leaving a step or stage mark (a ``torch.cuda.OutOfMemoryError``,
 told by its class name or its "CUDA out of memory" message: torch is not imported for it)
 becomes one ``oom`` event, with the ``torch_memory`` snapshot when such a window records;
-the mark re-raises it either way, and a failure to report it is only logged.
+the mark re-raises it either way, and a failure to report it is only logged
+(:mod:`profd.agent.oom`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 from profd.agent.channel import Channel, CoordinatorLink
 from profd.agent.clock_sync import ClockEstimate
+from profd.agent.oom import OutOfMemoryReports, is_out_of_memory
 from profd.agent.recorder import Recorder
 from profd.agent.step_marks import ADOPT, StepMark, TimedStepMark
 from profd.agent.timed import TimedWindows
@@ -46,7 +47,6 @@ from profd.core.protocol import (
     AgentPlan,
     EventKind,
     MarkDurations,
-    OutOfMemory,
 )
 from profd.core.ray_env import process_start, ray_context, ray_up
 
@@ -54,22 +54,9 @@ __all__ = ["ProfilerAgent", "is_out_of_memory"]
 
 log = logging.getLogger(__name__)
 
-#: What an ``oom`` event keeps of the error's message.
-OOM_MESSAGE_CHARS = 2000
 #: How long ``close`` waits for an agent that is between two links (moving to its node's
 #: relay, or registering again) before it gives up on sending its last events.
 RELINK_WAIT_S = 5.0
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """A CUDA out-of-memory error: ``torch.cuda.OutOfMemoryError`` (or a subclass, by class
-    name: torch is not imported here) or any error saying "CUDA out of memory"."""
-    if any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__):
-        return True
-    try:
-        return "CUDA out of memory" in str(exc)
-    except Exception:  # a __str__ that fails: not ours to judge
-        return False
 
 
 class ProfilerAgent:
@@ -92,31 +79,7 @@ class ProfilerAgent:
         skewed one to check that offsets to the coordinator's clock are applied).
         ``mark_times=False``: marks do not record their durations (live step and stage
         times, :mod:`profd.agent.timings`); for loops whose marks are microseconds apart."""
-        if not isinstance(role, str) or not role.strip():
-            raise ValueError(f"role: must be a non-empty string, got {role!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank: must be an int >= 0, got {rank!r}")
-        if world_size is not None and (
-            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= rank
-        ):
-            raise ValueError(f"world_size: must be an int > rank ({rank}), got {world_size!r}")
-        topo = {str(k): int(v) for k, v in (topology or {}).items()}
-        ray = ray_context()
-        self.info = AgentInfo(
-            agent_id=f"{sanitize(role)}-{rank}-{uuid.uuid4().hex[:8]}",
-            role=role,
-            rank=rank,
-            world_size=world_size,
-            topology=topo,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            node_id=ray.node_id,
-            node_ip=ray.node_ip,
-            capabilities=capabilities(),
-            pid_start=process_start(os.getpid()),
-            job_id=ray.job_id,
-            thread_id=threading.get_native_id(),
-        )
+        self.info = new_agent_info(role, rank, world_size, topology)
         self._next_step: int | None = None
         self._current_step: int | None = None
         self._armed: ArmedPlan = IDLE
@@ -125,7 +88,12 @@ class ProfilerAgent:
             self.step = self._untimed_step  # type: ignore[method-assign]
             self.stage = self._untimed_stage  # type: ignore[method-assign]
         self._timings = Timings(enabled=mark_times, on_error=self._mark_error)
-        self._oom_snapshots: set[Path] = set()  # torch_memory snapshots already reported
+        self._oom = OutOfMemoryReports(
+            lambda event: self._emit(event),  # read when it reports (tests replace _emit)
+            armed=lambda: self._armed,
+            active=lambda: self._recorder.active,
+            step=lambda: self._current_step,
+        )
         #: The training thread's lookups of stage timers (replaced when roles change).
         self._stage_timers = self._timings.plain
         self._role_timers = self._timings.by_role
@@ -366,53 +334,9 @@ class ProfilerAgent:
             base = (self._now_ns() + estimate.offset_ns) / 1e9 - mark_clock()
         return self._timings.take(self._step_mark, base)
 
-    # -- out of memory --------------------------------------------------------------------
     def _mark_error(self, exc: BaseException, stage: str | None) -> None:
-        """Training thread: an exception is leaving a mark (which re-raises it). A CUDA
-        out-of-memory error is reported once, at the innermost mark it leaves."""
-        try:
-            if not is_out_of_memory(exc) or getattr(exc, "_profd_oom_reported", False):
-                return
-            try:
-                exc._profd_oom_reported = True  # type: ignore[attr-defined]
-            except Exception:  # an error type without attributes: reported by every mark
-                pass
-            error = f"{type(exc).__name__}: {exc}"[:OOM_MESSAGE_CHARS]
-            path = self._oom_snapshot()
-            log.warning("profd: out of memory in %s: %s", stage or "a step", error)
-            payload = OutOfMemory(error=error, stage=stage, snapshot_path=path)
-            self._emit(
-                AgentEvent(EventKind.OOM, None, self._current_step, message=error, payload=payload)
-            )
-        except Exception:
-            log.exception("profd: reporting an out-of-memory error failed")
-
-    def _oom_snapshot(self) -> str | None:
-        """The ``torch_memory`` snapshot of this out-of-memory error, when such a window is
-        armed: the one its OOM observer wrote (on CUDA, before the error is raised), else one
-        the recording collection dumps now; None without one."""
-        windows = [w for w in self._armed.plan.windows if w.tool == "torch_memory"]
-        scope = self._recorder.active
-        dump = None
-        if scope is not None and scope.ws.window.tool == "torch_memory":
-            dump = getattr(scope.current, "dump_oom", None)
-            windows.append(scope.ws.window)
-        if not windows:
-            return None
-        dirs = {Path(w.save_dir) for w in windows}
-        pattern = f"*_pid{os.getpid()}_*_oom*.pickle"
-
-        def fresh() -> set[Path]:
-            return {p for d in dirs if d.is_dir() for p in d.glob(pattern)} - self._oom_snapshots
-
-        new = fresh()
-        if not new and dump is not None:
-            dump()  # writes <stem>_oom<n>.pickle now (the job may not survive the error)
-            new = fresh()
-        if not new:
-            return None
-        self._oom_snapshots |= new
-        return str(max(new, key=lambda p: p.stat().st_mtime_ns))
+        """Training thread: an exception is leaving a mark (which re-raises it)."""
+        self._oom.mark_error(exc, stage)
 
     def _emit(self, event: AgentEvent) -> None:
         if self._channel is not None:
@@ -507,3 +431,35 @@ def _default_find_link() -> Callable[[], CoordinatorLink | None] | None:
     from profd.agent.relay_link import default_link_finder
 
     return default_link_finder()
+
+
+def new_agent_info(
+    role: str, rank: int, world_size: int | None, topology: Mapping[str, int] | None
+) -> AgentInfo:
+    """This process's description of a new agent of ``role`` / ``rank``; bad values are a
+    ``ValueError`` naming the argument."""
+    if not isinstance(role, str) or not role.strip():
+        raise ValueError(f"role: must be a non-empty string, got {role!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank: must be an int >= 0, got {rank!r}")
+    if world_size is not None and (
+        isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= rank
+    ):
+        raise ValueError(f"world_size: must be an int > rank ({rank}), got {world_size!r}")
+    topo = {str(k): int(v) for k, v in (topology or {}).items()}
+    ray = ray_context()
+    return AgentInfo(
+        agent_id=f"{sanitize(role)}-{rank}-{uuid.uuid4().hex[:8]}",
+        role=role,
+        rank=rank,
+        world_size=world_size,
+        topology=topo,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        node_id=ray.node_id,
+        node_ip=ray.node_ip,
+        capabilities=capabilities(),
+        pid_start=process_start(os.getpid()),
+        job_id=ray.job_id,
+        thread_id=threading.get_native_id(),
+    )
