@@ -2,8 +2,9 @@
 
 It knows its replica (index, ``tp × dp × pp`` layout, global GPU ranks), drives the engine
 through an adapter (:mod:`profd.rollout.engines`) and brings the engine's files into the
-session directory (:mod:`profd.rollout.relocate`). The training side decides when a window
-ends, so a window is two calls:
+session directory (:mod:`profd.rollout.relocate`; a window's end is
+:mod:`profd.rollout.window_end`). The training side decides when a window ends, so a window is
+two calls:
 
 * :meth:`RolloutAgent.start_window` — start the engine's profiler for a session;
 * :meth:`RolloutAgent.finish_window` — stop it, wait for complete files, relocate them and
@@ -25,15 +26,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from profd.core.clock_hints import record_window_files
 from profd.core.request import ToolKind
-from profd.core.states import PartState
 from profd.rollout.engine_args import (
-    VLLM_START_BODY_SINCE,
     EngineProfileOptions,
     VllmLaunchSettings,
     parse_vllm_version,
@@ -43,15 +40,11 @@ from profd.rollout.engine_args import (
 from profd.rollout.engines import EngineError, EngineErrorKind, EngineWindow, ProfilingEngine
 from profd.rollout.relocate import (
     FlushWait,
-    IncompleteFile,
-    RelocatedFile,
-    collect_engine_files,
-    is_chrome_trace,
-    is_side_file,
     replica_subdir_name,
     snapshot_stats,
 )
 from profd.rollout.replicas import ReplicaParallelism
+from profd.rollout.window_end import OpenWindow, finish_open_window, window_outcome
 from profd.rollout.windows import RolloutAgentInfo, WindowMode, WindowOutcome, WindowStart
 
 __all__ = [
@@ -79,25 +72,6 @@ def engine_trace_dir(save_root: str | Path, replica: int) -> Path:
     """Where a vLLM replica launched by profd writes (fixed for the server's lifetime); files
     are moved out of it into each session's directory."""
     return Path(save_root) / f"rollout-engine-replica{replica}"
-
-
-@dataclass
-class _Window:
-    session_id: str
-    session_dir: Path
-    window_dir: Path
-    baseline: dict[str, tuple[int, int]]
-    keep: frozenset[int] | None
-    mode: WindowMode
-    relocate: bool
-    started_at: float
-    warnings: list[str] = field(default_factory=list)
-    start_error: str | None = None
-    #: The start timed out: the engine may have started anyway.
-    start_uncertain: bool = False
-    #: Wall clock just before and just after the engine's start call (for relative traces).
-    start_call: tuple[float, float] | None = None
-    finishing: bool = False
 
 
 class RolloutAgent:
@@ -133,9 +107,9 @@ class RolloutAgent:
         self.vllm_launch = vllm_launch
         self._tell_engine_launch_version(vllm_launch)
         self.flush = flush or FlushWait()
-        self._clock = clock
+        self.clock = clock  # the wall clock of window times (tests give their own)
         self._lock = threading.Lock()
-        self._window: _Window | None = None
+        self._window: OpenWindow | None = None
         self.windows_finished = 0
 
     # -- identity --------------------------------------------------------------------------
@@ -231,12 +205,12 @@ class RolloutAgent:
                 version = getattr(self.engine, "server_version", None)
                 if version is not None:
                     version()  # read first, so the clock bracket holds the start call alone
-                before = self._clock()
+                before = self.clock()
                 window.warnings.extend(self.engine.start(engine_window))
                 if options.window.start is None:
                     # recording begins with the call; with a delay (vLLM iterations, SGLang
                     # start_step) it begins later, at a moment profd does not see
-                    window.start_call = (before, self._clock())
+                    window.start_call = (before, self.clock())
             except EngineError as exc:
                 window.start_error = f"start failed: {exc.reason}"
                 window.start_uncertain = exc.kind is EngineErrorKind.TIMEOUT
@@ -264,7 +238,7 @@ class RolloutAgent:
         keep: Iterable[int] | None,
         mode: WindowMode,
         relocate: bool,
-    ) -> _Window:
+    ) -> OpenWindow:
         warnings: list[str] = []
         error = None
         if self.engine.output_dir_per_window:
@@ -283,7 +257,7 @@ class RolloutAgent:
             window_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             error = error or f"start failed: cannot create {window_dir}: {exc}"
-        return _Window(
+        return OpenWindow(
             session_id=session_id,
             session_dir=session_dir,
             window_dir=window_dir,
@@ -292,7 +266,7 @@ class RolloutAgent:
             keep=None if keep is None else frozenset(int(g) for g in keep),
             mode=mode,
             relocate=relocate,
-            started_at=self._clock(),
+            started_at=self.clock(),
             warnings=warnings,
             start_error=error,
         )
@@ -345,140 +319,8 @@ class RolloutAgent:
         return self.finish_window(session_id)
 
     # -- internals -------------------------------------------------------------------------
-    def _finish(self, w: _Window) -> WindowOutcome:
-        problems: list[str] = []
-        warnings = list(w.warnings)
-        if w.start_error:
-            if w.start_uncertain:
-                warnings.append(self._stop_quietly())
-            return self._outcome(w.session_id, w.mode, [w.start_error], warnings, w.started_at)
-        policy = self.flush
-        stopped = False
-        try:
-            warnings.extend(self.engine.stop())
-            stopped = True
-        except EngineError as exc:
-            problems.append(f"stop failed: {exc.reason}")
-            if exc.kind is EngineErrorKind.UNREACHABLE:
-                # The engine is gone: take what is on disk without waiting for more.
-                policy = policy.model_copy(update={"first_file_timeout_s": policy.settle_s})
-        except Exception as exc:
-            log.exception("replica %d: engine stop raised", self.replica_index)
-            problems.append(f"stop failed: {type(exc).__name__}: {exc}")
-        waited, reloc = collect_engine_files(
-            w.window_dir,
-            w.baseline,
-            replica=self.replica_index,
-            parallelism=self.parallelism,
-            session_dir=w.session_dir,
-            keep_global_ranks=w.keep,
-            policy=policy,
-            expected=self._expected_files(),
-            move=w.relocate,
-        )
-        warnings.extend(reloc.warnings)
-        warnings.extend(self._record_start(w, reloc.files))
-        unfinished = [i for i in reloc.incomplete if not is_side_file(Path(i.path).name)]
-        if not reloc.files and not unfinished:
-            problems.append(self._no_files_reason(w, policy, stopped))
-        if unfinished:
-            problems.append(
-                f"{len(unfinished)} file(s) still being written after {waited.waited_s:g}s; "
-                f"left in {w.window_dir}"
-            )
-        warnings.extend(
-            f"side file {Path(i.path).name} was still being written; left in {w.window_dir}"
-            for i in reloc.incomplete
-            if i not in unfinished
-        )
-        problems.extend(self._missing_ranks(w, reloc.files, warnings))
-        return self._outcome(
-            w.session_id,
-            w.mode,
-            problems,
-            warnings,
-            w.started_at,
-            reloc.moved,
-            reloc.kept_in_subdir,
-            tuple(unfinished),
-            reloc.side_files,
-        )
-
-    def _record_start(self, w: _Window, files: Sequence[RelocatedFile]) -> list[str]:
-        """Note beside the files when their recording started, so a trace without a wall
-        clock of its own can still be placed on the session's timeline."""
-        if w.start_call is None or not files:
-            return []
-        by_dir: dict[Path, list[str]] = {}
-        for f in files:
-            by_dir.setdefault(Path(f.path).parent, []).append(Path(f.path).name)
-        source = f"start of replica {self.replica_index}'s profiling window"
-        try:
-            for directory, names in by_dir.items():
-                record_window_files(directory, names, *w.start_call, source)
-        except (OSError, ValueError) as exc:
-            log.warning("replica %d: cannot record the window start: %s", self.replica_index, exc)
-            return [f"the window's start time was not recorded beside the traces: {exc}"]
-        return []
-
-    def _stop_quietly(self) -> str:
-        """Stop an engine whose start timed out, so it does not record until the next
-        session; its files, if any, stay in the engine's directory."""
-        try:
-            self.engine.stop()
-        except Exception as exc:
-            return f"stop after the timed-out start also failed: {exc}"
-        return "sent a stop after the timed-out start, in case the engine started anyway"
-
-    def _expected_files(self) -> int:
-        extra = 1 if self.vllm_launch is not None and self.vllm_launch.frontend_trace else 0
-        return self.world_size + extra
-
-    def _no_files_reason(self, w: _Window, policy: FlushWait, stopped: bool) -> str:
-        if not stopped:  # the stop's own failure says why; what is on disk was looked at
-            return f"no trace file in {w.window_dir}"
-        reason = (
-            f"no trace file appeared in {w.window_dir} within "
-            f"{policy.first_file_timeout_s:g}s after stop"
-        )
-        if self.engine.flavor == "vllm":
-            reason += (
-                " (vLLM writes nothing when the window ended before delay_iterations engine "
-                "iterations ran"
-            )
-            if not self._vllm_writes_every_window():
-                reason += (
-                    ", and before 0.32 is known to write nothing after a repeated start/stop "
-                    "in one server process"
-                )
-            reason += ")"
-        return reason
-
-    def _vllm_writes_every_window(self) -> bool:
-        """vLLM 0.32 (verified) writes files on every window of one server process."""
-        version = getattr(self.engine, "server_version", lambda: None)()
-        if version is None and self.vllm_launch is not None and self.vllm_launch.version:
-            version = parse_vllm_version(self.vllm_launch.version)
-        return version is not None and version >= VLLM_START_BODY_SINCE
-
-    def _missing_ranks(
-        self, w: _Window, files: Sequence[RelocatedFile], warnings: list[str]
-    ) -> list[str]:
-        """Requested global ranks of this replica that no file was identified for."""
-        if w.keep is None or not files:
-            return []  # without files the reason already says so
-        # a rank is found by its timeline; a memory snapshot alone does not count
-        found = {f.global_rank for f in files if is_chrome_trace(Path(f.path).name)}
-        missing = [g for g in sorted(w.keep) if g in self.global_ranks and g not in found]
-        if not missing:
-            return []
-        if None in found:
-            warnings.append(
-                f"global rank(s) {missing} cannot be told apart in the engine's file names; "
-                f"replica {self.replica_index}'s files are named by replica only"
-            )
-            return []
-        return [f"no trace for requested global rank(s) {missing}"]
+    def _finish(self, w: OpenWindow) -> WindowOutcome:
+        return finish_open_window(self, w)
 
     def _outcome(
         self,
@@ -487,23 +329,5 @@ class RolloutAgent:
         problems: list[str],
         warnings: list[str],
         started_at: float | None,
-        traces: tuple[RelocatedFile, ...] = (),
-        kept: tuple[RelocatedFile, ...] = (),
-        incomplete: tuple[IncompleteFile, ...] = (),
-        side_files: tuple[str, ...] = (),
     ) -> WindowOutcome:
-        reason = "; ".join(dict.fromkeys(problems))
-        return WindowOutcome(
-            session_id=session_id,
-            replica_index=self.replica_index,
-            state=PartState.PARTIAL if problems else PartState.DONE,
-            reason=f"replica {self.replica_index}: {reason}" if reason else "",
-            mode=mode,
-            traces=traces,
-            kept_in_subdir=kept,
-            incomplete=incomplete,
-            side_files=side_files,
-            warnings=tuple(dict.fromkeys(warnings)),
-            started_at=started_at,
-            finished_at=self._clock(),
-        )
+        return window_outcome(self, session_id, mode, problems, warnings, started_at)
