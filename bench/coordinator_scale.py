@@ -103,8 +103,9 @@ import os
 import sys
 import time
 
-from _fleet import Fleet, PySpy, _wait, rss_bytes
-from _fleet_hosts import EVENTS_PER_REPORT, FIRST_STEP, ROLE, WINDOW_STEPS
+from _fleet import Fleet, rss_bytes
+from _fleet_hosts import EVENTS_PER_REPORT, WINDOW_STEPS
+from _fleet_phases import Events, Failed, Fanout, Memory, fan_out, register_and_weigh, send_events
 
 TARGET_FANOUT_MS = 1000.0
 TARGET_EVENTS_PER_S = 20_000.0
@@ -124,168 +125,85 @@ def run(args: argparse.Namespace, load_start: float) -> int:
 
 
 def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
-    import ray
-
-    coord = f.coord
     time.sleep(2.0)
-    base = rss_bytes(f.cpid)
-    base_rh = sum(rss_bytes(p) for p in f.rh_pids)
+    base = (rss_bytes(f.cpid), sum(rss_bytes(p) for p in f.rh_pids))
     if not f.start_real():
         return 1
     relay_pids = f.relay_pids() if args.mode == "relay" else []
-
-    def parked() -> int:
-        return sum(s["parked"] for s in ray.get([h.stats.remote() for h in f.relay_hosts]))
-
-    # Half the nodes, then the rest: the growth between them is what one more agent costs.
-    t0 = time.perf_counter()
-    ray.get([h.start_agents.remote(0, 2) for h in f.agent_hosts])
-    register_s = time.perf_counter() - t0
-    time.sleep(args.settle_s)
-    half = rss_bytes(f.cpid)
-    half_rh = sum(rss_bytes(p) for p in f.rh_pids)
-    half_sim = sum(len(nodes[0::2]) for nodes in f.ah_nodes) * f.per_node
-    t1 = time.perf_counter()
-    ray.get([h.start_agents.remote(1, 2) for h in f.agent_hosts])
-    register_s += time.perf_counter() - t1
-    registered = ray.get(coord.status.remote()).agents
-    if registered != args.agents:
-        print(f"FAILED: {registered}/{args.agents} agents registered", file=sys.stderr)
+    try:
+        mem = register_and_weigh(f, args, relay_pids, base)
+    except Failed as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    idle0 = f.cpu(relay_pids)
-    t_idle = time.perf_counter()
-    time.sleep(args.settle_s)
-    idle1 = f.cpu(relay_pids)
-    idle_s = time.perf_counter() - t_idle
-    # Parked polls come and go (each relay releases its agents every poll period, so they
-    # poll again with fresh steps): read the memory 5 times, keep the highest.
-    want = 0.9 * f.sim
-    if f.relay_hosts and not _wait(
-        "90 % of the agents parked at their relay", lambda: parked() >= want, 60
-    ):
-        return 1
-    full = full_rh = 0
-    parked_min = f.sim
-    for _ in range(5):
-        full = max(full, rss_bytes(f.cpid))
-        full_rh = max(full_rh, sum(rss_bytes(p) for p in f.rh_pids))
-        if f.relay_hosts:
-            parked_min = min(parked_min, parked())
-        time.sleep(1.0)
-    bytes_per_agent = (full - base) / args.agents
-    marginal = (full - half) / (f.sim - half_sim)
-    rh_per_agent = (full_rh - base_rh) / f.sim if f.rh_pids else None
-    rh_marginal = (full_rh - half_rh) / (f.sim - half_sim) if f.rh_pids else None
-
-    # Fan-out: every agent targeted.
-    steps = [FIRST_STEP + i for i in range(WINDOW_STEPS)]
-    request = {"steps": steps, "roles": {ROLE: {"all_ranks": True}}}
-    spy = PySpy(args.py_spy, "fanout", {"coordinator": f.cpid, "relay_host": f.rh_pids[:1]})
-    cpu0 = f.cpu(relay_pids)
-    t_create = time.time()
-    view = ray.get(coord.create_session.remote(request))
-    create_ms = (time.time() - t_create) * 1000
-    deadline = time.monotonic() + args.fanout_timeout_s
-    while True:
-        counts = ray.get([h.received_times.remote() for h in f.agent_hosts])
-        armed = sum(ray.get([r.armed.remote() for r in f.real]))
-        got = sum(c[0] for c in counts) + armed
-        if got >= args.agents or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    cpu1 = f.cpu(relay_pids)
-    spy.stop()
-    sid = view.session_id
-    real_ids = {a for r in f.real for a in ray.get(r.ids.remote())}
-
-    def real_armed_at() -> list[float]:
-        parts = ray.get(coord.get_session.remote(sid)).targets
-        return [p.armed_at for p in parts if p.agent_id in real_ids and p.armed_at]
-
-    # the real agents' own stamp, sent back as their `armed` event (through their relay)
-    if got >= args.agents:
-        _wait("the real agents' armed events", lambda: len(real_armed_at()) == len(real_ids), 30)
-    links: dict[str, int] = {}
-    for a in ray.get(coord.list_agents.remote()):
-        if a.agent_id in real_ids:
-            key = a.link.value if a.link is not None else "none"
-            links[key] = links.get(key, 0) + 1
-    unknown = sum(c[2] for c in counts)
-    poll_errors = sum(c[3] for c in counts)
+    fan = fan_out(f, args, relay_pids)
+    view = fan.view
     print(
         f"agents: {args.agents} on {args.nodes} nodes x {f.per_node} ({args.mode}); "
-        f"{args.real_agents} real agents on {f.real_nodes} nodes (links {links}); "
+        f"{args.real_agents} real agents on {f.real_nodes} nodes (links {fan.links}); "
         f"{len(view.targets)} targeted; load at start {load_start:.2f}"
     )
-    if got < args.agents or len(view.targets) < args.agents:
+    if fan.got < args.agents or len(view.targets) < args.agents:
         print(
-            f"FAILED: {got}/{args.agents} agents got their plan within "
-            f"{args.fanout_timeout_s:.0f} s ({len(view.targets)} targeted; {unknown} polls "
-            f"unknown, {poll_errors} failed)",
+            f"FAILED: {fan.got}/{args.agents} agents got their plan within "
+            f"{args.fanout_timeout_s:.0f} s ({len(view.targets)} targeted; {fan.unknown} polls "
+            f"unknown, {fan.poll_errors} failed)",
             file=sys.stderr,
         )
         return 1
-    fanout_ms = (max([c[1] for c in counts] + real_armed_at()) - t_create) * 1000
-    relay_fanout_ms = None
-    if f.relay_hosts:
-        d = ray.get([h.delivered_times.remote() for h in f.relay_hosts])
-        relay_fanout_ms = (max(t for _, t in d) - t_create) * 1000
+    print_memory_and_fanout(f, mem, fan)
+    ev = send_events(f, args, relay_pids, view)
+    print_events(f, args, ev, fan)
+    if (
+        ev.states.get("partial", 0) != f.sim
+        or ev.traces != f.sim * (WINDOW_STEPS - 1)
+        or ev.not_known
+    ):
+        print("FAILED: not every window's events were applied", file=sys.stderr)
+        return 1
+    print(result_line(f, args, mem, fan, ev, load_start))
+    return 0
 
-    print(f"registration       : {register_s:7.2f} s")
-    print(
-        f"plan fan-out       : {fanout_ms:7.0f} ms  (every agent's own poll; target <= 1000; "
-        f"create_session answered in {create_ms:.0f} ms)"
-    )
-    if relay_fanout_ms is not None:
-        print(
-            f"  relays answered  : {relay_fanout_ms:7.0f} ms  (the last agent's poll at its relay)"
-        )
-    print(f"  CPU s            : {_cpu_line(cpu0, cpu1)}")
-    idle = {k: (idle1[k] - idle0[k]) / idle_s * 100 for k in idle0}
-    print(f"idle polling, CPU %: {', '.join(f'{k} {v:.0f}' for k, v in idle.items())}")
-    print(
-        f"coordinator memory : {bytes_per_agent:7.0f} B per agent, every agent polling "
-        f"(RSS {base / 2**20:.0f} -> {half / 2**20:.0f} -> {full / 2**20:.0f} MiB; "
-        f"target <= 2048); {marginal:.0f} B per agent added from half the nodes polling"
-    )
-    if rh_per_agent is not None:
-        print(
-            f"relay host memory  : {rh_per_agent:7.0f} B per agent ({len(f.rh_pids)} hosts, RSS "
-            f"{base_rh / 2**20:.0f} -> {half_rh / 2**20:.0f} -> {full_rh / 2**20:.0f} MiB); "
-            f"{rh_marginal:.0f} B per agent added; at least {parked_min} of {f.sim} polls "
-            "parked at their relay as memory was read"
-        )
-    # Events: every simulated agent's window, 10 events in one report, all at once.
-    ray.get([h.prepare_window.remote(sid, view.save_dir) for h in f.agent_hosts])
-    spy = PySpy(args.py_spy, "events", {"coordinator": f.cpid, "relay_host": f.rh_pids[:1]})
-    cpu2 = f.cpu(relay_pids)
-    t_ev = time.perf_counter()
-    sent = ray.get([h.send_window.remote() for h in f.agent_hosts])
-    ev_s = time.perf_counter() - t_ev
-    spy.stop()
-    cpu3 = f.cpu(relay_pids)
-    total = sum(n for n, _, _ in sent)
-    not_known = sum(u for _, u, _ in sent)
-    retries = sum(r for _, _, r in sent)
-    events_per_s = total / ev_s
-    final = ray.get(coord.get_session.remote(sid))
-    states: dict[str, int] = {}
-    for p in final.targets:
-        states[p.state.value] = states.get(p.state.value, 0) + 1
-    traces = len(final.traces)
-    status = ray.get(coord.status.remote())
-    copies = int(ray.get(coord.metrics.remote()).get("duplicate_events_total", 0))
-    rstats = ray.get([h.stats.remote() for h in f.relay_hosts])
 
+def print_memory_and_fanout(f: Fleet, mem: Memory, fan: Fanout) -> None:
+    print(f"registration       : {mem.register_s:7.2f} s")
     print(
-        f"events             : {events_per_s:9.0f} /s  ({total} in {ev_s:.2f} s, "
-        f"{EVENTS_PER_REPORT} per report; target >= 20000); {not_known} reports not known, "
-        f"{retries} sent again after a failure (the relay's report_many timing out), "
-        f"{copies} events dropped by the coordinator as copies"
+        f"plan fan-out       : {fan.fanout_ms:7.0f} ms  (every agent's own poll; target <= 1000; "
+        f"create_session answered in {fan.create_ms:.0f} ms)"
     )
-    print(f"  CPU s            : {_cpu_line(cpu2, cpu3)}")
-    print(f"parts              : {states}; {traces} traces indexed")
-    if rh_per_agent is not None:
+    if fan.relay_fanout_ms is not None:
+        print(
+            f"  relays answered  : {fan.relay_fanout_ms:7.0f} ms  (the last agent's poll at its "
+            "relay)"
+        )
+    print(f"  CPU s            : {_cpu_line(*fan.cpu)}")
+    print(f"idle polling, CPU %: {', '.join(f'{k} {v:.0f}' for k, v in mem.idle_pct.items())}")
+    print(
+        f"coordinator memory : {mem.per_agent(f.args.agents):7.0f} B per agent, every agent "
+        f"polling (RSS {mem.base / 2**20:.0f} -> {mem.half / 2**20:.0f} -> "
+        f"{mem.full / 2**20:.0f} MiB; target <= 2048); {mem.marginal(f.sim):.0f} B per agent "
+        "added from half the nodes polling"
+    )
+    if f.rh_pids:
+        print(
+            f"relay host memory  : {(mem.full_rh - mem.base_rh) / f.sim:7.0f} B per agent "
+            f"({len(f.rh_pids)} hosts, RSS {mem.base_rh / 2**20:.0f} -> "
+            f"{mem.half_rh / 2**20:.0f} -> {mem.full_rh / 2**20:.0f} MiB); "
+            f"{(mem.full_rh - mem.half_rh) / (f.sim - mem.half_sim):.0f} B per agent added; at "
+            f"least {mem.parked_min} of {f.sim} polls parked at their relay as memory was read"
+        )
+
+
+def print_events(f: Fleet, args: argparse.Namespace, ev: Events, fan: Fanout) -> None:
+    print(
+        f"events             : {ev.per_s:9.0f} /s  ({ev.total} in {ev.seconds:.2f} s, "
+        f"{EVENTS_PER_REPORT} per report; target >= 20000); {ev.not_known} reports not known, "
+        f"{ev.retries} sent again after a failure (the relay's report_many timing out), "
+        f"{ev.copies} events dropped by the coordinator as copies"
+    )
+    print(f"  CPU s            : {_cpu_line(*ev.cpu)}")
+    print(f"parts              : {ev.states}; {ev.traces} traces indexed")
+    if f.rh_pids:
+        rstats = ev.relay_stats
         print(
             f"relays             : {args.delivery}: shared polls (or syncs) "
             f"{sum(s['shared_polls'] for s in rstats)}, pushes "
@@ -294,17 +212,20 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
             f"{sum(s['errors'] for s in rstats)}"
         )
     print(
-        f"polls unknown {unknown}, failed {poll_errors}; state writes failed: "
-        f"{status.state_write_failures} (SQLite in {f.state_dir})"
+        f"polls unknown {fan.unknown}, failed {fan.poll_errors}; state writes failed: "
+        f"{ev.state_write_failures} (SQLite in {f.state_dir})"
     )
-    if states.get("partial", 0) != f.sim or traces != f.sim * (WINDOW_STEPS - 1) or not_known:
-        print("FAILED: not every window's events were applied", file=sys.stderr)
-        return 1
+
+
+def result_line(
+    f: Fleet, args: argparse.Namespace, mem: Memory, fan: Fanout, ev: Events, load_start: float
+) -> str:
+    bytes_per_agent = mem.per_agent(args.agents)
     missed = [
         name
         for name, bad in (
-            ("fanout", fanout_ms > TARGET_FANOUT_MS),
-            ("events", events_per_s < TARGET_EVENTS_PER_S),
+            ("fanout", fan.fanout_ms > TARGET_FANOUT_MS),
+            ("events", ev.per_s < TARGET_EVENTS_PER_S),
             ("memory", bytes_per_agent > TARGET_BYTES_PER_AGENT),
         )
         if bad
@@ -315,21 +236,27 @@ def measure(f: Fleet, args: argparse.Namespace, load_start: float) -> int:
         if args.mode == "relay"
         else ""
     )
-    fanout_cpu = cpu1["coordinator"] - cpu0["coordinator"]
-    relay_part = "" if relay_fanout_ms is None else f"relay_fanout_ms={relay_fanout_ms:.0f} "
-    rh_part = "" if rh_per_agent is None else f"relay_host_bytes_per_agent={rh_per_agent:.0f} "
-    print(
+    fanout_cpu = fan.cpu[1]["coordinator"] - fan.cpu[0]["coordinator"]
+    relay_part = (
+        "" if fan.relay_fanout_ms is None else f"relay_fanout_ms={fan.relay_fanout_ms:.0f} "
+    )
+    rh_part = (
+        f"relay_host_bytes_per_agent={(mem.full_rh - mem.base_rh) / f.sim:.0f} "
+        if f.rh_pids
+        else ""
+    )
+    return (
         f"RESULT agents={args.agents} nodes={args.nodes} mode={args.mode} {hop_part}"
-        f"fanout_ms={fanout_ms:.0f} {relay_part}coordinator_fanout_cpu_s={fanout_cpu:.1f} "
-        f"events_per_s={events_per_s:.0f} "
-        f"bytes_per_agent={bytes_per_agent:.0f} marginal_bytes_per_agent={marginal:.0f} "
-        f"{rh_part}plans_delivered={got} real_agents={args.real_agents} "
-        f"register_s={register_s:.1f} create_ms={create_ms:.0f} report_retries={retries} "
-        f"duplicates_dropped={copies} "
+        f"fanout_ms={fan.fanout_ms:.0f} {relay_part}coordinator_fanout_cpu_s={fanout_cpu:.1f} "
+        f"events_per_s={ev.per_s:.0f} "
+        f"bytes_per_agent={bytes_per_agent:.0f} marginal_bytes_per_agent="
+        f"{mem.marginal(f.sim):.0f} "
+        f"{rh_part}plans_delivered={fan.got} real_agents={args.real_agents} "
+        f"register_s={mem.register_s:.1f} create_ms={fan.create_ms:.0f} "
+        f"report_retries={ev.retries} duplicates_dropped={ev.copies} "
         f"targets={'met' if not missed else 'missed:' + ','.join(missed)} "
         f"load_start={load_start:.2f} load={os.getloadavg()[0]:.2f}"
     )
-    return 0
 
 
 def main() -> int:
