@@ -8,7 +8,6 @@ process on a machine shares.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -19,13 +18,12 @@ from typing import Any
 
 from profd.analysis.clocks import ClockHint, hints_for, split_clocks
 from profd.analysis.digest import GPU_OP_CATEGORIES, FileDigest, digest_file
+from profd.analysis.file_rows import StageAcc, collect_rows
 from profd.analysis.gpu import gpu_breakdowns
 from profd.analysis.jsonscan import json_size_hint
 from profd.analysis.models import (
     AlignedFile,
     FileInfo,
-    IdleGap,
-    MiniBatchTime,
     OpStat,
     ProcessingStats,
     SessionSummary,
@@ -34,18 +32,14 @@ from profd.analysis.models import (
     StageOps,
     StageStat,
     StageTime,
-    StepTime,
     StragglerRule,
     TrackInfo,
 )
 from profd.analysis.parallel import MapStats, map_files, map_files_ray, resolve_workers
-from profd.analysis.ranges import Range, marker, step_ranges
 from profd.analysis.sources import TrackIdentity, discover, identify
 from profd.analysis.stragglers import detect_stragglers
 
 __all__ = ["digest_all", "summarize_digests", "summarize_dir", "summarize_files", "track_order"]
-
-_EPS_MS = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,46 +129,6 @@ def track_order(ident: TrackIdentity) -> tuple[Any, ...]:
     return (kind, "", 0, ident.key)
 
 
-class _Acc:
-    """Stage rows being accumulated: (track key, step, stage) -> [start, end, wall, calls]."""
-
-    def __init__(self) -> None:
-        self.rows: dict[tuple[str, int | None, str], list[float]] = {}
-
-    def add(self, key: tuple[str, int | None, str], start: float, end: float) -> None:
-        row = self.rows.get(key)
-        if row is None:
-            self.rows[key] = [start, end, end - start, 1]
-        else:
-            row[0], row[1] = min(row[0], start), max(row[1], end)
-            row[2] += end - start
-            row[3] += 1
-
-
-class _FileView:
-    """One digest on the shared clock."""
-
-    def __init__(self, d: FileDigest, ident: TrackIdentity, t0: float) -> None:
-        self.d = d
-        self.ident = ident
-        self.offset = d.base_us - t0
-        self.steps = step_ranges(d.ranges)
-
-    def ms(self, ts: float) -> float:
-        return (self.offset + ts) / 1000.0
-
-    def step_at(self, ts: float) -> int | None:
-        # the latest step that started: torch's ProfilerStep rows share their boundaries
-        inside = [(r.ts, n) for n, r in self.steps if r.ts <= ts <= r.end]
-        if inside:
-            return max(inside)[1]
-        return None if self.steps else self.ident.step
-
-    def stage_at(self, ts: float) -> Range | None:
-        inside = [s for s in self.d.stages if s.ts <= ts <= s.end]
-        return min(inside, key=lambda s: s.dur) if inside else None
-
-
 def summarize_digests(
     digests: Sequence[FileDigest],
     *,
@@ -188,26 +142,7 @@ def summarize_digests(
     """Build the summary from digests (see :func:`digest_all`). ``hints``: where relative
     files started (default: profd's record beside each file, :func:`.clocks.hints_for`)."""
     rule = rule or StragglerRule()
-    ok = [d for d in digests if d.error is None]
-    skipped = [
-        SkippedFile(name=Path(d.path).name, reason=d.error or "") for d in digests if d.error
-    ]
-    if hints is None:
-        hints = hints_for(d.path for d in ok)
-    clocks = split_clocks(
-        {d.path: d.base_us + d.first_ts for d in ok if d.first_ts is not None}, hints
-    )
-    skipped += [
-        SkippedFile(name=Path(p).name, reason=why, kind=SkipKind.CLOCK)
-        for p, why in clocks.apart.items()
-    ]
-    ok = [
-        replace(d, base_us=d.base_us + clocks.placed[d.path].start_us)
-        if d.path in clocks.placed
-        else d
-        for d in ok
-        if d.path not in clocks.apart
-    ]
+    ok, skipped, placed = _on_one_clock(digests, hints)
     idents = {d.path: identify(Path(d.path).name, d.header) for d in ok}
     by_key, file_count = _track_keys(ok, idents)
     ordered = sorted(by_key.values(), key=track_order)
@@ -216,15 +151,7 @@ def summarize_digests(
     ends = [d.base_us + d.last_end for d in ok if d.last_end is not None]
     t0 = min(starts) if starts else 0.0
 
-    acc = _Acc()
-    step_rows: list[StepTime] = []
-    gaps: list[IdleGap] = []
-    minis: list[MiniBatchTime] = []
-    for d in ok:
-        v = _FileView(d, idents[d.path], t0)
-        _collect_stages(v, acc)
-        _collect_steps(v, label[v.ident.key], step_rows, gaps)
-        _collect_minis(v, label[v.ident.key], minis)
+    acc, step_rows, gaps, minis = collect_rows(ok, idents, label, t0)
     stage_rows = _stage_rows(acc, by_key, label)
     order = _stage_order(stage_rows)
     pos = {i.label: n for n, i in enumerate(ordered)}
@@ -246,7 +173,7 @@ def summarize_digests(
                 uncertainty_ms=h.uncertainty_us / 1000.0,
                 source=h.source,
             )
-            for p, h in clocks.placed.items()
+            for p, h in placed.items()
         ],
         stage_times=stage_rows,
         step_times=sorted(step_rows, key=lambda r: (r.step, pos[r.track])),
@@ -261,6 +188,35 @@ def summarize_digests(
         straggler_rule=rule,
         processing=_processing(digests, stats, started),
     )
+
+
+def _on_one_clock(
+    digests: Sequence[FileDigest], hints: Mapping[str, ClockHint] | None
+) -> tuple[list[FileDigest], list[SkippedFile], Mapping[str, ClockHint]]:
+    """The readable digests on one clock (files without a wall clock of their own placed
+    by ``hints``), the files skipped (unreadable, or on a clock that cannot be placed), and
+    the placed files' hints."""
+    ok = [d for d in digests if d.error is None]
+    skipped = [
+        SkippedFile(name=Path(d.path).name, reason=d.error or "") for d in digests if d.error
+    ]
+    if hints is None:
+        hints = hints_for(d.path for d in ok)
+    clocks = split_clocks(
+        {d.path: d.base_us + d.first_ts for d in ok if d.first_ts is not None}, hints
+    )
+    skipped += [
+        SkippedFile(name=Path(p).name, reason=why, kind=SkipKind.CLOCK)
+        for p, why in clocks.apart.items()
+    ]
+    ok = [
+        replace(d, base_us=d.base_us + clocks.placed[d.path].start_us)
+        if d.path in clocks.placed
+        else d
+        for d in ok
+        if d.path not in clocks.apart
+    ]
+    return ok, skipped, clocks.placed
 
 
 def _track_keys(
@@ -291,94 +247,8 @@ def _processing(
     )
 
 
-def _collect_stages(v: _FileView, acc: _Acc) -> None:
-    for s in v.d.stages:
-        acc.add((v.ident.key, v.step_at(s.ts), s.name), v.ms(s.ts), v.ms(s.end))
-
-
-def _collect_steps(v: _FileView, track: str, out: list[StepTime], gaps: list[IdleGap]) -> None:
-    stages = sorted(v.d.stages, key=lambda s: s.ts)
-    by_step: dict[int | None, list[Range]] = defaultdict(list)
-    for s in stages:
-        by_step[v.step_at(s.ts)].append(s)
-    for n, r in v.steps:
-        inside = [(max(s.ts, r.ts), min(s.end, r.end)) for s in by_step.get(n, [])]
-        covered = _union([(a, b) for a, b in inside if b > a])
-        out.append(
-            StepTime(
-                step=n,
-                track=track,
-                start_ms=v.ms(r.ts),
-                wall_ms=r.dur / 1000.0,
-                stages_ms=covered / 1000.0,
-                idle_ms=max(0.0, r.dur - covered) / 1000.0,
-            )
-        )
-    ranges = {n: r for n, r in v.steps}
-    for n, members in by_step.items():
-        _gaps_of(v, track, n, members, ranges.get(n) if n is not None else None, gaps)
-
-
-def _gaps_of(
-    v: _FileView, track: str, step: int | None, stages: list[Range], rng: Range | None, out: list
-) -> None:
-    edges: list[tuple[str, float, float]] = []  # (label, start, end) in µs
-    if rng is not None:
-        edges.append(("(step start)", rng.ts, rng.ts))
-    edges += [(s.name, s.ts, s.end) for s in stages]
-    if rng is not None:
-        edges.append(("(step end)", rng.end, rng.end))
-    reach = None
-    after = None
-    for name, start, end in edges:
-        if reach is not None and start - reach > _EPS_MS * 1000:
-            out.append(
-                IdleGap(
-                    step=step,
-                    track=track,
-                    after=after or "",
-                    before=name,
-                    start_ms=v.ms(reach),
-                    gap_ms=(start - reach) / 1000.0,
-                )
-            )
-        if reach is None or end >= reach:
-            reach, after = end, name
-
-
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, reach = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= reach:
-            continue
-        total += b - max(a, reach)
-        reach = b
-    return total
-
-
-def _collect_minis(v: _FileView, track: str, out: list[MiniBatchTime]) -> None:
-    micro = sorted(r.ts for r in v.d.ranges if (m := marker(r.name)) and m[0] == "micro_batch")
-    for r in v.d.ranges:
-        m = marker(r.name)
-        if not m or m[0] != "mini_batch":
-            continue
-        stage = v.stage_at(r.ts)
-        inner = bisect.bisect_right(micro, r.end) - bisect.bisect_left(micro, r.ts)
-        out.append(
-            MiniBatchTime(
-                step=v.step_at(r.ts),
-                stage=stage.name if stage else None,
-                track=track,
-                index=m[1],
-                start_ms=v.ms(r.ts),
-                wall_ms=r.dur / 1000.0,
-                micro_batches=inner,
-            )
-        )
-
-
 def _stage_rows(
-    acc: _Acc, by_key: dict[str, TrackIdentity], label: dict[str, str]
+    acc: StageAcc, by_key: dict[str, TrackIdentity], label: dict[str, str]
 ) -> list[StageTime]:
     rows = []
     for (key, step, stage), (start, end, wall, calls) in acc.rows.items():
