@@ -26,10 +26,10 @@ priority, not the sidecar:
   A 409 (a target busy with another live session, or a cancel that came after the end) is
   the API's correct answer: counted as ``conflicts_409``, not as an error.
 * the others read, one request every ``--interval`` seconds each (random phase), drawn by
-  :data:`MIX`: a past session (any of ``--past``), a live one, pages of sessions and of traces
-  (following ``next_cursor`` half the time; traces also by session or by rank), a summary
-  (half of them of one of the 8 newest past sessions, half of any), the agents, the status,
-  ``/metrics`` and ``/healthz``.
+  :data:`MIX` (in ``_api_clients.py``): a past session (any of ``--past``), a live one,
+  pages of sessions and of traces (following ``next_cursor`` half the time; traces also by
+  session or by rank), a summary (half of them of one of the 8 newest past sessions, half of
+  any), the agents, the status, ``/metrics`` and ``/healthz``.
 
 Latency is measured per request in the client; an error is any other non-2xx answer, a
 timeout (10 s) or a connection failure. ``uncached_share`` is the share of requests the
@@ -58,39 +58,20 @@ import asyncio
 import gc
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
+from _api_clients import Reader, Shared, Tally, churner
+
 TARGET_P99_MS = 50.0
-#: Reader routes and their weights (percent of reads).
-MIX = {
-    "GET session (past)": 25,
-    "GET session (live)": 10,
-    "GET sessions page": 15,
-    "GET traces page": 15,
-    "GET summary": 4,
-    "GET agents": 10,
-    "GET status": 8,
-    "GET metrics": 6,
-    "GET healthz": 7,
-}
-#: The sidecar's caches, as its code has them (api/client.py, api/summaries.py).
-SUMMARY_CACHE_SIZE = 32
-HOT_SESSIONS = 8
 #: The niceness Ray gives its workers (``RAY_worker_niceness``), the sidecar's among them.
 RAY_WORKER_NICE = 15
 WINDOW_S = 10.0
-#: A request not answered in this long is an error.
-REQUEST_TIMEOUT_S = 10.0
-#: How often a churn writer looks at its session (as `profd profile --wait` does).
-FOLLOW_S = 0.5
 NOISE = (b"STAGE:", b"USDT:")  # torch.profiler's own lines on stderr, one per window
 
 
@@ -132,337 +113,6 @@ def _forward(stream: Any) -> None:
             sys.stderr.flush()
 
 
-# -- what the client can tell of the sidecar's caches -------------------------------------------
-class CacheModel:
-    """Replays ``SharedReads`` (a read held ``ttl_s`` from the request that asked for it, all
-    dropped by a change) and ``SummaryCache`` (the last 32 summaries of finished sessions) on
-    the requests sent, to count the ones the sidecar has to work for."""
-
-    def __init__(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self.held: dict[tuple[Any, ...], float] = {}
-        self.changed = 0.0
-        self.summaries: OrderedDict[str, None] = OrderedDict()
-
-    def read(self, key: tuple[Any, ...] | None) -> bool:
-        """Whether this read is answered from what is held; ``None``: never shared."""
-        if key is None:
-            return False
-        now = time.monotonic()
-        at = self.held.get(key)
-        if at is not None and now - at < self.ttl_s and at >= self.changed:
-            return True
-        self.held[key] = now
-        return False
-
-    def summary(self, session_id: str, finished: bool) -> bool:
-        if session_id in self.summaries:
-            self.summaries.move_to_end(session_id)
-            return True
-        if finished:
-            self.summaries[session_id] = None
-            while len(self.summaries) > SUMMARY_CACHE_SIZE:
-                self.summaries.popitem(last=False)
-        return False
-
-    def change(self) -> None:
-        self.changed = time.monotonic()
-
-
-class Tally:
-    """Latencies, errors, 409s and cache hits of requests that started after ``start``."""
-
-    def __init__(self, start: float, end: float) -> None:
-        self.start, self.end = start, end
-        self.latencies: dict[str, list[tuple[float, float]]] = {}
-        self.errors: dict[str, int] = {}
-        self.conflicts: dict[str, int] = {}
-        self.cached = 0
-        self.cached_by: dict[str, int] = {}
-        self.body_bytes: dict[str, int] = {}  # route -> bytes of the bodies it answered
-        self.lag: list[float] = []
-        self.sessions: dict[str, int] = {}  # churn sessions by how they ended
-        self.to_end: list[float] = []  # churn session: created to terminal, seconds
-        self.reasons: dict[str, int] = {}  # churn sessions that ended otherwise, why
-
-    def counts(self, t0: float) -> bool:
-        return self.start <= t0 < self.end
-
-    def add(
-        self, route: str, t0: float, seconds: float, status: str, cached: bool, size: int = 0
-    ) -> None:
-        if not self.counts(t0):
-            return
-        self.latencies.setdefault(route, []).append((t0, seconds))
-        self.body_bytes[route] = self.body_bytes.get(route, 0) + size
-        self.cached += cached
-        self.cached_by[route] = self.cached_by.get(route, 0) + cached
-        if status == "409":
-            self.conflicts[route] = self.conflicts.get(route, 0) + 1
-        elif status != "ok":
-            key = f"{route}: {status}"
-            self.errors[key] = self.errors.get(key, 0) + 1
-
-
-class Shared:
-    """What the clients share: the past sessions, the live ones, the cache model."""
-
-    def __init__(self, info: dict[str, Any], agents: int, ttl_s: float) -> None:
-        self.past: list[str] = info["past_ids"]
-        self.hot = self.past[-HOT_SESSIONS:]
-        self.live: deque[str] = deque(maxlen=32)
-        self.agents = agents
-        self.cache = CacheModel(ttl_s)
-        #: In one process the agents share torch.profiler (process-wide): one live churn
-        #: session at a time there, on one rank.
-        self.one_at_a_time = asyncio.Lock() if info["mode"] == "in-process" else None
-
-
-async def timed(
-    client: Any,
-    tally: Tally,
-    route: str,
-    path: str,
-    *,
-    method: str = "GET",
-    key: tuple[Any, ...] | None = None,
-    cached: bool | None = None,
-    shared: Shared,
-    body: bool | str = False,
-    **kw: Any,
-) -> Any:
-    """One request; when 2xx its JSON body (``body``: parsed; ``"page"``: a page's fields
-    only, which follow its ``data``; else ``{}``: the client does not pay for parsing what it
-    does not read, on the cores the server uses), ``409`` for a conflict, else ``None``. The
-    time is until the whole body was read."""
-    import aiohttp
-    import orjson
-
-    if cached is None:
-        cached = shared.cache.read(key) if method == "GET" else False
-    t0 = time.monotonic()
-    p0 = time.perf_counter()
-    try:
-        async with client.request(method, path, **kw) as r:
-            status, data = r.status, await r.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        tally.add(route, t0, time.perf_counter() - p0, type(exc).__name__, cached)
-        return None
-    seconds = time.perf_counter() - p0
-    if method != "GET":
-        shared.cache.change()
-    if status == 409:
-        tally.add(route, t0, seconds, "409", cached)
-        return 409
-    ok = 200 <= status < 300
-    why = "ok" if ok else f"HTTP {status} {data[:160]!r}"
-    tally.add(route, t0, seconds, why, cached, len(data))
-    if not ok:
-        return None
-    if body == "page":
-        return orjson.loads(b"{" + data[data.rindex(b'"count":') :])
-    return orjson.loads(data) if body else {}
-
-
-def client_session(url: str, headers: dict[str, str] | None = None) -> Any:
-    """One client's keep-alive connection. aiohttp, not httpx: on this 2-core machine the
-    clients share the cores with the server they measure, and httpx spent about 1.9 ms of CPU
-    a request here against aiohttp's 0.45 ms (measured on one small local route)."""
-    import aiohttp
-
-    return aiohttp.ClientSession(
-        base_url=url, headers=headers, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    )
-
-
-# -- readers ----------------------------------------------------------------------------------
-class Reader:
-    """One dashboard or script: one request per ``interval``, drawn from :data:`MIX`."""
-
-    def __init__(self, index: int, shared: Shared, tally: Tally) -> None:
-        self.rng = random.Random(index)
-        self.shared = shared
-        self.tally = tally
-        self.session_cursor: str | None = None
-        self.trace_walk: tuple[dict[str, Any], str] | None = None  # (filters, cursor)
-
-    async def one(self, client: Any, route: str) -> None:
-        rng, sh, tally = self.rng, self.shared, self.tally
-        if route == "GET session (live)" and not sh.live:
-            route = "GET session (past)"
-        if route == "GET session (past)":
-            sid = rng.choice(sh.past)
-            await timed(
-                client, tally, route, f"/api/v1/sessions/{sid}", key=("get_session", sid), shared=sh
-            )
-        elif route == "GET session (live)":
-            sid = rng.choice(sh.live)
-            await timed(
-                client, tally, route, f"/api/v1/sessions/{sid}", key=("get_session", sid), shared=sh
-            )
-        elif route == "GET sessions page":
-            await self.sessions_page(client, route)
-        elif route == "GET traces page":
-            await self.traces_page(client, route)
-        elif route == "GET summary":
-            sid = rng.choice(sh.hot) if rng.random() < 0.5 else rng.choice(sh.past)
-            cached = sh.cache.summary(sid, finished=True)
-            await timed(
-                client, tally, route, f"/api/v1/sessions/{sid}/summary", cached=cached, shared=sh
-            )
-        else:
-            path, key = {
-                "GET agents": ("/api/v1/agents", ("list_agents",)),
-                "GET status": ("/api/v1/status", ("status",)),
-                "GET metrics": ("/metrics", ("metrics",)),
-                "GET healthz": ("/healthz", None),  # pings are shared only while in flight
-            }[route]
-            await timed(client, tally, route, path, key=key, shared=sh)
-
-    async def sessions_page(self, client: Any, route: str) -> None:
-        cursor = self.session_cursor if self.rng.random() < 0.5 else None
-        params = {"limit": 50, **({"cursor": cursor} if cursor else {})}
-        body = await timed(
-            client,
-            self.tally,
-            route,
-            "/api/v1/sessions",
-            params=params,
-            key=("list_sessions", 50, cursor),
-            shared=self.shared,
-            body="page",
-        )
-        if isinstance(body, dict):
-            self.session_cursor = body.get("next_cursor")
-
-    async def traces_page(self, client: Any, route: str) -> None:
-        rng = self.rng
-        if self.trace_walk is not None and rng.random() < 0.5:
-            filters, cursor = self.trace_walk
-        else:
-            cursor = None
-            pick = rng.random()
-            if pick < 1 / 3:
-                filters = {}
-            elif pick < 2 / 3:
-                filters = {"session_id": rng.choice(self.shared.past)}
-            else:
-                filters = {"role": "actor", "rank": rng.randrange(self.shared.agents)}
-        params = {**filters, "limit": 50, **({"cursor": cursor} if cursor else {})}
-        key = (
-            "list_traces",
-            filters.get("session_id"),
-            filters.get("role"),
-            filters.get("rank"),
-            50,
-            cursor,
-        )
-        body = await timed(
-            client,
-            self.tally,
-            route,
-            "/api/v1/traces",
-            params=params,
-            key=key,
-            shared=self.shared,
-            body="page",
-        )
-        if isinstance(body, dict):
-            nxt = body.get("next_cursor")
-            self.trace_walk = (filters, nxt) if nxt else None
-
-    async def run(self, url: str, deadline: float, interval: float) -> None:
-        routes, weights = list(MIX), list(MIX.values())
-        async with client_session(url) as client:
-            await asyncio.sleep(self.rng.uniform(0, interval))
-            while time.monotonic() < deadline:
-                start = time.monotonic()
-                await self.one(client, self.rng.choices(routes, weights)[0])
-                await asyncio.sleep(max(0.0, interval - (time.monotonic() - start)))
-
-
-# -- churn ------------------------------------------------------------------------------------
-async def churner(
-    url: str, token: str, shared: Shared, tally: Tally, deadline: float, interval: float, i: int
-) -> None:
-    """Create a session on real agents, follow it to its end (cancel one in four once armed)."""
-    rng = random.Random(1000 + i)
-    headers = {"Authorization": f"Bearer {token}"}
-    async with client_session(url, headers) as client:
-        await asyncio.sleep(rng.uniform(0, interval))
-        n = 0
-        while time.monotonic() < deadline:
-            start = time.monotonic()
-            if shared.one_at_a_time is None:
-                await one_session(client, shared, tally, rng, n, deadline)
-            else:
-                async with shared.one_at_a_time:
-                    await one_session(client, shared, tally, rng, n, deadline)
-            n += 1
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - start)))
-
-
-async def one_session(
-    client: Any, shared: Shared, tally: Tally, rng: random.Random, n: int, deadline: float
-) -> None:
-    wide = shared.one_at_a_time is None and rng.random() < 0.2
-    ranks = rng.sample(range(shared.agents), 4 if wide else 1)
-    body = {"next_steps": 1, "roles": {"actor": {"ranks": sorted(ranks)}}}
-    view = await timed(
-        client,
-        tally,
-        "POST sessions",
-        "/api/v1/sessions",
-        method="POST",
-        json=body,
-        shared=shared,
-        body=True,
-    )
-    if isinstance(view, dict):
-        await follow(client, shared, tally, view["session_id"], n % 4 == 3, deadline)
-
-
-async def follow(
-    client: Any, shared: Shared, tally: Tally, sid: str, cancel: bool, deadline: float
-) -> None:
-    created = time.monotonic()
-    shared.live.append(sid)
-    route = "GET session (live)"
-    while time.monotonic() < deadline:
-        view = await timed(
-            client,
-            tally,
-            route,
-            f"/api/v1/sessions/{sid}",
-            key=("get_session", sid),
-            shared=shared,
-            body=True,
-        )
-        if isinstance(view, dict):
-            if view["state"] in ("done", "partial", "failed", "cancelled", "expired"):
-                if tally.counts(created):
-                    tally.sessions[view["state"]] = tally.sessions.get(view["state"], 0) + 1
-                    if view["state"] not in ("done", "cancelled"):
-                        why = f"{view['state']}: {view['reason'][:200]}"
-                        tally.reasons[why] = tally.reasons.get(why, 0) + 1
-                    tally.to_end.append(time.monotonic() - created)
-                return
-            if cancel and any(p["armed_at"] for p in view["targets"]):
-                cancel = False
-                await timed(
-                    client,
-                    tally,
-                    "POST cancel",
-                    f"/api/v1/sessions/{sid}/cancel",
-                    method="POST",
-                    shared=shared,
-                )
-        await asyncio.sleep(FOLLOW_S)
-    if tally.counts(created):
-        tally.sessions["live at the end"] = tally.sessions.get("live at the end", 0) + 1
-
-
-# -- the run ----------------------------------------------------------------------------------
 async def load(url: str, info: dict[str, Any], args: argparse.Namespace) -> Tally:
     shared = Shared(info, args.agents, info["read_cache_s"])
     tally = Tally(time.monotonic() + args.warmup, 0.0)
@@ -506,17 +156,7 @@ def pct(values: list[float], q: float) -> float:
 def report(tally: Tally, info: dict[str, Any], args: argparse.Namespace, load0: float) -> None:
     every = [(t, s) for vs in tally.latencies.values() for t, s in vs]
     secs = [s for _, s in every]
-    print(
-        f"{'route':20s} {'n':>6s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} {'cached':>7s}"
-        f" {'body KB':>8s}"
-    )
-    for route, vs in sorted(tally.latencies.items()):
-        s = [x for _, x in vs]
-        print(
-            f"{route:20s} {len(s):6d} {pct(s, 0.5):8.2f} {pct(s, 0.99):8.2f} "
-            f"{max(s) * 1000:8.2f} {tally.cached_by.get(route, 0) / len(s):7.0%}"
-            f" {tally.body_bytes.get(route, 0) / len(s) / 1024:8.1f}"
-        )
+    _print_routes(tally)
     windows = []
     for w in range(int(args.duration // WINDOW_S)):
         lo = tally.start + w * WINDOW_S
@@ -525,29 +165,8 @@ def report(tally: Tally, info: dict[str, Any], args: argparse.Namespace, load0: 
             windows.append(pct(chunk, 0.99))
     errors = sum(tally.errors.values())
     conflicts = sum(tally.conflicts.values())
-    for why, n in sorted(tally.errors.items()):
-        print(f"error x{n}: {why}")
-    for route, n in sorted(tally.conflicts.items()):
-        print(f"409 x{n}: {route} (busy target / already over: the API's correct answer)")
-    if tally.lag:
-        print(
-            f"client event-loop lag p50={pct(tally.lag, 0.5):.2f} ms "
-            f"p99={pct(tally.lag, 0.99):.2f} ms max={max(tally.lag) * 1000:.2f} ms"
-        )
     churned = sum(tally.sessions.values())
-    ends = ", ".join(f"{k} {v}" for k, v in sorted(tally.sessions.items()))
-    if tally.to_end:
-        print(
-            f"churn sessions: {churned} ({ends}); created to end p50 "
-            f"{pct(tally.to_end, 0.5):.0f} ms"
-        )
-    for why, n in sorted(tally.reasons.items()):
-        print(f"churn session x{n}: {why}")
-    print(
-        f"store: {len(info['past_ids'])} past sessions, {info['past_traces']} traces "
-        f"(recorded and copied in {info['seed_s']} s); coordinator start with them "
-        f"{info['restore_s']} s ({info['restored']} restored)"
-    )
+    _print_outcomes(tally, info)
     p99 = pct(secs, 0.99)
     others = [x for route, vs in tally.latencies.items() if route != "GET summary" for _, x in vs]
     met = errors == 0 and p99 <= TARGET_P99_MS
@@ -575,6 +194,58 @@ def report(tally: Tally, info: dict[str, Any], args: argparse.Namespace, load0: 
         "load": f"{os.getloadavg()[0]:.2f}",
     }
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+
+
+def _print_routes(tally: Tally) -> None:
+    print(
+        f"{'route':20s} {'n':>6s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} {'cached':>7s}"
+        f" {'body KB':>8s}"
+    )
+    for route, vs in sorted(tally.latencies.items()):
+        s = [x for _, x in vs]
+        print(
+            f"{route:20s} {len(s):6d} {pct(s, 0.5):8.2f} {pct(s, 0.99):8.2f} "
+            f"{max(s) * 1000:8.2f} {tally.cached_by.get(route, 0) / len(s):7.0%}"
+            f" {tally.body_bytes.get(route, 0) / len(s) / 1024:8.1f}"
+        )
+
+
+def _print_outcomes(tally: Tally, info: dict[str, Any]) -> None:
+    """Errors, conflicts, the clients' own lag, the churn sessions' ends and the store."""
+    for why, n in sorted(tally.errors.items()):
+        print(f"error x{n}: {why}")
+    for route, n in sorted(tally.conflicts.items()):
+        print(f"409 x{n}: {route} (busy target / already over: the API's correct answer)")
+    if tally.lag:
+        print(
+            f"client event-loop lag p50={pct(tally.lag, 0.5):.2f} ms "
+            f"p99={pct(tally.lag, 0.99):.2f} ms max={max(tally.lag) * 1000:.2f} ms"
+        )
+    churned = sum(tally.sessions.values())
+    ends = ", ".join(f"{k} {v}" for k, v in sorted(tally.sessions.items()))
+    if tally.to_end:
+        print(
+            f"churn sessions: {churned} ({ends}); created to end p50 "
+            f"{pct(tally.to_end, 0.5):.0f} ms"
+        )
+    for why, n in sorted(tally.reasons.items()):
+        print(f"churn session x{n}: {why}")
+    print(
+        f"store: {len(info['past_ids'])} past sessions, {info['past_traces']} traces "
+        f"(recorded and copied in {info['seed_s']} s); coordinator start with them "
+        f"{info['restore_s']} s ({info['restored']} restored)"
+    )
+
+
+def _start_server(args: argparse.Namespace, tmp: str, info_file: Path) -> subprocess.Popen:
+    """This script again as the server process (its stdin closed: it stops)."""
+    cmd = [sys.executable, __file__, "--serve", str(info_file), "--workdir", tmp]
+    cmd += ["--agents", str(args.agents), "--past", str(args.past)]
+    cmd += ["--in-process"] if args.in_process else []
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    server = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    threading.Thread(target=_forward, args=(server.stderr,), daemon=True).start()
+    return server
 
 
 def main() -> None:
@@ -611,22 +282,7 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="profd-api-load-") as tmp:
         info_file = Path(tmp) / "served.json"
-        cmd = [
-            sys.executable,
-            __file__,
-            "--serve",
-            str(info_file),
-            "--workdir",
-            tmp,
-            "--agents",
-            str(args.agents),
-            "--past",
-            str(args.past),
-        ]
-        cmd += ["--in-process"] if args.in_process else []
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-        server = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
-        threading.Thread(target=_forward, args=(server.stderr,), daemon=True).start()
+        server = _start_server(args, tmp, info_file)
         try:
             deadline = time.monotonic() + 600
             while not info_file.exists():
