@@ -138,13 +138,7 @@ def up(
     previous = load_state(settings.state_dir)
     health = _health(previous.url) if previous is not None else None
     if previous is not None and health is not None and health.get("coordinator"):
-        console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
-        if flags.given or save_root is not None:
-            err_console.print(
-                "  the flags given were not applied to the running profd: `profd down "
-                "--keep-ray`, then `profd up` with them"
-            )
-        _report_join(previous.ray_address)
+        _say_already_up(previous, flags.given or save_root is not None)
         return
     target, started_ray, temp_dir = _choose_cluster(previous, address, num_cpus)
     token, token_path = read_or_create_token(settings.state_dir)
@@ -163,6 +157,16 @@ def up(
     if trigger:
         _watch(services.address["url"], token, trigger)
     _report_join(state.ray_address)
+
+
+def _say_already_up(previous: Any, flags_given: bool) -> None:
+    console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
+    if flags_given:
+        err_console.print(
+            "  the flags given were not applied to the running profd: `profd down "
+            "--keep-ray`, then `profd up` with them"
+        )
+    _report_join(previous.ray_address)
 
 
 def _watch(url: str, token: str, files: list[Path]) -> None:

@@ -349,6 +349,35 @@ def _print_hints(console: Console) -> None:
     )
 
 
+def _profile_the_job(
+    api: ApiClient,
+    console: Console,
+    workers: list[Any],
+    fakes: Any,
+    steps: int,
+    min_step_s: float,
+) -> tuple[dict[str, Any], list[dict[str, Any]], Firing]:
+    """While the driver steps the job: one session over HTTP, then a trigger that fires;
+    the session, its traces and the firing."""
+    until, progress = threading.Event(), {}
+    driver = threading.Thread(
+        target=_drive,
+        args=(workers, fakes, steps, min_step_s, until, progress),
+        daemon=True,
+    )
+    driver.start()
+    try:
+        session = _profile(api, console, progress)
+        traces = _session_traces(api, session["session_id"])
+        _print_outcome(console, session, traces)
+        fired = _watch(api, console, progress)
+        _print_firing(console, fired)
+    finally:
+        until.set()
+        driver.join(300)
+    return session, traces, fired
+
+
 def run_demo(
     console: Console,
     *,
@@ -386,22 +415,9 @@ def run_demo(
                 "Job: 2 x actor_rollout_ref + 1 x critic (Ray workers), 2 rollout "
                 "replicas (fake vLLM), a single-controller driver"
             )
-            until, progress = threading.Event(), {}
-            driver = threading.Thread(
-                target=_drive,
-                args=(workers, fakes, steps, min_step_s, until, progress),
-                daemon=True,
+            session, traces, fired = _profile_the_job(
+                api, console, workers, fakes, steps, min_step_s
             )
-            driver.start()
-            try:
-                session = _profile(api, console, progress)
-                traces = _session_traces(api, session["session_id"])
-                _print_outcome(console, session, traces)
-                fired = _watch(api, console, progress)
-                _print_firing(console, fired)
-            finally:
-                until.set()
-                driver.join(300)
             results = ray.get([w.close.remote() for w in workers], timeout=120)
         _print_hints(console)
         return DemoResult(
