@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from profd.core.protocol import AgentEvent
 
 if TYPE_CHECKING:
-    from profd.actors.relay import CoordinatorCaller
+    from profd.actors.relay_caller import CoordinatorCaller
 
 __all__ = ["MAX_BATCH_EVENTS", "REPORT_TIMEOUT_S", "ReportBatches"]
 
