@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
 
-from profd.core.peer_rule import against_peers, late_cause_name, late_floor
+from profd.core.peer_rule import against_all, late_cause_name, late_floor
 from profd.core.protocol import MarkDurations, OutOfMemory
 from profd.core.trigger_request import TriggerKind, TriggerRequest
 
@@ -120,13 +120,13 @@ def late_against_peers(
     if len(ends) < 2:
         return []
     floor = late_floor(walls, rule.abs_floor_s, rule.rel_floor)
-    out = []
-    for i in range(len(ends)):
-        late, ref, thr = against_peers(ends, i, floor, rule.k)
-        start_late, _, start_thr = against_peers(starts, i, floor, rule.k)
-        extra, _, wall_thr = against_peers(walls, i, floor, rule.k)
-        out.append(Lateness(late, ref, thr, ends[i], start_late, extra, start_thr, wall_thr))
-    return out
+    by_end, by_start, by_wall = (against_all(v, floor, rule.k) for v in (ends, starts, walls))
+    return [
+        Lateness(late, ref, thr, end, start_late, extra, start_thr, wall_thr)
+        for (late, ref, thr), end, (start_late, _, start_thr), (extra, _, wall_thr) in zip(
+            by_end, ends, by_start, by_wall, strict=True
+        )
+    ]
 
 
 class FiringState(StrEnum):
@@ -273,28 +273,35 @@ class TriggerBook:
         step: int | None = None,
         spans: Spans | None = None,
         profiled: Callable[[str], bool] | None = None,
+        *,
+        shared: dict[Any, Any] | None = None,
     ) -> list[Firing]:
         """The firings that ``times`` (just added to the rolling windows) makes due
         (``step``: the agent's current step, for the evidence). ``spans``: the role's stage
         spans per rank (straggler triggers); ``profiled``: whether an agent's marks carry a
-        profiler's cost now (its durations are not held against it, nor is it called late)."""
+        profiler's cost now (its durations are not held against it, nor is it called late).
+
+        ``shared``: what one pass over many agents' reports reads once per trigger (the
+        role's baseline, its ranks' spans, the steps not complete yet), so a pass costs one
+        read of the role, not one per report; ``None``: read for this call alone."""
         out = []
         profiled = profiled or (lambda _aid: False)
+        shared = {} if shared is None else shared
         for t in self._triggers.values():
             cond = t.request.when
             if cond.role != role or cond.kind is TriggerKind.OOM:
                 continue
             if cond.kind is TriggerKind.STRAGGLER:
-                if spans is not None and (firing := self._straggler(t, times, spans, profiled)):
+                if spans is not None and (
+                    firing := self._straggler(t, times, spans, profiled, shared)
+                ):
                     out.append(firing)
                 continue
             if profiled(agent_id) or not _new_durations(times, cond.mark):
                 continue
-            per_rank = history(role, cond.mark, cond.baseline_steps)
-            pooled = [x for values in per_rank.values() for x in values[-cond.baseline_steps :]]
-            if len(pooled) < cond.baseline_steps:
+            per_rank, baseline, pooled = _baseline(t, history, shared)
+            if baseline is None:
                 continue  # not armed: too little history to call anything slow
-            baseline = statistics.median(pooled)
             newest = per_rank.get(rank, [])[-cond.for_steps :]
             if len(newest) < cond.for_steps:
                 continue
@@ -303,7 +310,7 @@ class TriggerBook:
                 continue
             evidence = Evidence(
                 role, rank, agent_id, cond.mark or "step", newest[-1], baseline, cond.factor,
-                len(pooled), step, kind=cond.kind.value,
+                pooled, step, kind=cond.kind.value,
             )  # fmt: skip
             firing = self._hold(t, evidence)
             if firing is not None:
@@ -311,7 +318,12 @@ class TriggerBook:
         return out
 
     def _straggler(
-        self, t: Trigger, times: MarkDurations, spans: Spans, profiled: Callable[[str], bool]
+        self,
+        t: Trigger,
+        times: MarkDurations,
+        spans: Spans,
+        profiled: Callable[[str], bool],
+        shared: dict[Any, Any],
     ) -> Firing | None:
         """Judge the steps of the watched stage that ``times`` completed (every rank that
         reports the stage has its end there), then whether a rank was late in the newest
@@ -321,10 +333,13 @@ class TriggerBook:
         new = sorted({sp[0] for d in times.stages if d.label == stage for sp in d.spans})
         if not new:
             return None
-        per_rank = spans(cond.role, stage)
+        key = (t.trigger_id, "spans")
+        if key not in shared:
+            per_rank = spans(cond.role, stage)
+            shared[key] = (per_rank, frozenset(aid for aid, _ in per_rank.values()), set())
+        per_rank, agents, incomplete = shared[key]
         if len(per_rank) < 2:
             return None
-        agents = frozenset(aid for aid, _ in per_rank.values())
         if agents != t.verdict_agents:
             t.verdicts.clear()
             t.verdict_agents = agents
@@ -332,7 +347,10 @@ class TriggerBook:
         for s in new:
             if t.verdicts and s < max(t.verdicts):  # the job went back (a resume): a new run
                 t.verdicts.clear()
-            if s in t.verdicts or any(s not in steps for _, steps in per_rank.values()):
+            if s in t.verdicts or s in incomplete:
+                continue
+            if any(s not in steps for _, steps in per_rank.values()):
+                incomplete.add(s)  # not again in this pass: its spans are read once per pass
                 continue
             ranks = sorted(per_rank)
             got = [per_rank[r][1][s] for r in ranks]
@@ -473,6 +491,21 @@ def _evidence(d: dict[str, Any]) -> Evidence:
         factor=None, baseline_samples=0,
     )  # fmt: skip
     return Evidence(**{**base, **known})
+
+
+def _baseline(
+    t: Trigger, history: History, shared: dict[Any, Any]
+) -> tuple[dict[int, list[float]], float | None, int]:
+    """The role's durations per rank, the pooled median of their newest ``baseline_steps``
+    (``None``: too few to call anything slow) and how many were pooled; read once a pass."""
+    key = (t.trigger_id, "baseline")
+    if key not in shared:
+        cond = t.request.when
+        per_rank = history(cond.role, cond.mark, cond.baseline_steps)
+        pooled = [x for values in per_rank.values() for x in values[-cond.baseline_steps :]]
+        armed = len(pooled) >= cond.baseline_steps
+        shared[key] = (per_rank, statistics.median(pooled) if armed else None, len(pooled))
+    return shared[key]
 
 
 def _new_durations(times: MarkDurations, mark: str | None) -> tuple[float, ...]:

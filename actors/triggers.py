@@ -16,6 +16,7 @@ watches the same ones (their firings and counts start again).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 PROFILED_GRACE_S = 3.0
 #: A rank that ran out of memory is not anyone's healthy peer for this long.
 OOM_UNHEALTHY_S = 3600.0
+#: Agents' durations arriving within this long of each other are judged in one pass: a
+#: trigger reads its role's history and spans once a pass, not once a report (a fleet's
+#: agents each report about once a second; reading the role per report is O(ranks^2)).
+OBSERVE_COALESCE_S = 0.1
 
 
 class TriggerDesk:
@@ -72,6 +77,10 @@ class TriggerDesk:
         self._sessions: dict[str, list[str]] = {}  # trigger id -> the sessions it started
         self._firing: asyncio.Task | None = None
         self.firings_total = 0
+        #: Durations waiting for the next pass: (agent id, durations, its step).
+        self._unjudged: list[tuple[str, MarkDurations, int | None]] = []
+        self._pass: asyncio.TimerHandle | None = None
+        self.passes = 0
 
     # -- the API -------------------------------------------------------------------------
     def add(self, request: TriggerRequest | dict) -> TriggerView:
@@ -201,16 +210,47 @@ class TriggerDesk:
 
     def on_times(self, agent_id: str, times: MarkDurations, step: int | None = None) -> None:
         """New durations of one agent (already in the rolling windows); ``step``: the step
-        it marked last when it sent them."""
-        rec = self._registry.get(agent_id)
-        if rec is None or not len(self.book.all()):
+        it marked last when it sent them. Judged in the next pass, :data:`OBSERVE_COALESCE_S`
+        later (at once without a running loop: a plain call in a test)."""
+        if not len(self.book.all()):
             return
+        self._unjudged.append((agent_id, times, step))
+        if self._pass is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.judge_pending()
+            return
+        self._pass = loop.call_later(OBSERVE_COALESCE_S, self.judge_pending)
+
+    def judge_pending(self) -> None:
+        """One pass over the durations that arrived since the last: each trigger reads its
+        role once (history, spans, who is profiled), then every report is judged."""
+        self._pass = None
+        pending, self._unjudged = self._unjudged, []
+        if not pending or not len(self.book.all()):
+            return
+        self.passes += 1
         self._count_disk()
-        info = rec.info
-        if self.book.observe(
-            agent_id, info.role, info.rank, times, self._history, step, self._spans,
-            self._profiling,
-        ):  # fmt: skip
+        profiled = functools.cache(self._profiling)
+        shared: dict[Any, Any] = {}  # each trigger's read of its role, for this pass
+        due = False
+        for agent_id, times, step in pending:
+            rec = self._registry.get(agent_id)
+            if rec is None:
+                continue
+            info = rec.info
+            try:
+                due |= bool(
+                    self.book.observe(
+                        agent_id, info.role, info.rank, times, self._history, step,
+                        self._spans, profiled, shared=shared,
+                    )
+                )  # fmt: skip
+            except Exception:  # one report must not keep the others from being judged
+                log.exception("judging the durations of agent %s failed", agent_id)
+        if due:
             self.fire_soon()
 
     def _count_disk(self) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from profd.analysis.models import LateCause, StageTime, Straggler, StragglerRule
-from profd.core.peer_rule import against_peers, late_cause_name, late_floor
+from profd.core.peer_rule import against_all, against_peers, late_cause_name, late_floor
 
 __all__ = ["Lateness", "detect_stragglers", "late_cause", "late_outliers"]
 
@@ -50,7 +50,7 @@ def late_outliers(
     if len(ends) < 2:
         return []
     floor = _floor(walls, rule)
-    hits = (_against_peers(ends, i, floor, rule.k) for i in range(len(ends)))
+    hits = (Lateness(i, *h) for i, h in enumerate(against_all(ends, floor, rule.k)))
     return [h for h in hits if h.late > h.threshold]
 
 

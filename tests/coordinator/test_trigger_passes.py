@@ -1,0 +1,104 @@
+"""Watch triggers judge agents' live durations in passes: every report arriving within
+``OBSERVE_COALESCE_S`` of the first is judged in one pass, in which each trigger reads its
+role's history and spans once (not once per report: a fleet's ranks each report about once
+a second, and reading the role per report is quadratic in ranks). On the real in-process
+coordinator with SQLite, 200 ranks reporting step times and ``update`` spans in relay-sized
+batches: one slow rank is found by both a step-time and a straggler trigger, each firing
+once on it (the straggler's waiting for the rank the first one's session holds); the role
+was read once a pass."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from profd.actors.coordinator import ProfileCoordinator
+from profd.core.protocol import AgentEvent, AgentInfo, EventKind, LabelDurations, MarkDurations
+from profd.core.request import ToolKind
+
+from helpers import coordinator_settings
+
+RANKS, SLOW, SLOW_FROM, STEPS = 200, 137, 8, 12
+STEP_S, UPDATE_S = 0.10, 0.04
+
+
+def times(rank: int, step: int, t0: float) -> MarkDurations:
+    slow = rank == SLOW and step >= SLOW_FROM
+    wall = UPDATE_S * (4 if slow else 1) + rank * 1e-6  # distinct, with one outlier
+    start = t0 + step * STEP_S * 5
+    return MarkDurations(
+        step=LabelDurations("step", (STEP_S * (4 if slow else 1),)),
+        stages=(LabelDurations("update", (wall,), spans=((step, start, start + wall),)),),
+    )
+
+
+async def scenario(tmp_path: Path) -> tuple[Any, dict[str, int], list[Any]]:
+    c = ProfileCoordinator(coordinator_settings(tmp_path, tick_s=3600.0))
+    await c.start()
+    try:
+        caps = {t.value: None for t in ToolKind}
+        ids = []
+        for r in range(RANKS):
+            info = AgentInfo(
+                f"actor-{r}", "actor", r, RANKS, {}, "host", os.getpid(), node_id=f"n{r // 8}",
+                capabilities=caps,
+            )  # fmt: skip
+            await c.register(info, 0)
+            ids.append(info.agent_id)
+        session = {"next_steps": 1, "tool": "py_spy"}
+        slow = await c.add_trigger({
+            "name": "slow-step", "when": {"kind": "step_time", "role": "actor", "factor": 2.0,
+            "baseline_steps": 3}, "session": session, "cooldown_s": 3600,
+        })  # fmt: skip
+        late = await c.add_trigger({
+            "name": "late-update", "when": {"kind": "straggler", "role": "actor",
+            "stage": "update"}, "session": session, "cooldown_s": 3600,
+        })  # fmt: skip
+        desk = c._triggers
+        reads = {"history": 0, "spans": 0}
+        for name in reads:
+            real = getattr(desk, f"_{name}")
+
+            def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+                reads[_name] += 1
+                return _real(*args)
+
+            setattr(desk, f"_{name}", counted)
+        t0 = time.time()
+        for step in range(STEPS):
+            before = desk.passes
+            for first in range(0, RANKS, 8):  # a relay's batch: one node's 8 ranks
+                batch = {
+                    ids[r]: [AgentEvent(EventKind.TIMES, None, step, payload=times(r, step, t0))]
+                    for r in range(first, first + 8)
+                }
+                assert all((await c.report_many(batch)).values())
+            deadline = time.monotonic() + 30
+            while desk.passes == before:  # poll the real state: the pass has run
+                assert time.monotonic() < deadline, "no pass judged the step's reports"
+                await asyncio.sleep(0.01)
+        for _ in range(300):
+            views = [await c.get_trigger(t.trigger_id) for t in (slow, late)]
+            if views[0].fired and views[1].firings:
+                break
+            await asyncio.sleep(0.02)
+        return desk, reads, views
+    finally:
+        c.close()
+
+
+def test_a_fleets_reports_are_judged_in_passes_reading_the_role_once(tmp_path) -> None:
+    desk, reads, views = asyncio.run(scenario(tmp_path))
+    reports = RANKS * STEPS
+    # one pass per step's 25 batches (two where a batch came after the pass began)
+    assert STEPS <= desk.passes <= 2 * STEPS, desk.passes
+    assert reads["history"] <= desk.passes and reads["spans"] <= desk.passes, (reads, reports)
+    for v in views:
+        (firing,) = v.firings  # once each: the cooldown holds the next
+        assert firing.evidence["rank"] == SLOW, firing
+    # the step-time trigger's session holds the slow rank: the straggler's waits for it
+    assert views[0].fired == 1 and views[0].firings[0].session_id
+    assert views[1].firings[0].state == "due" and views[1].firings[0].evidence["step"] == SLOW_FROM
