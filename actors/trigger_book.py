@@ -12,7 +12,7 @@ after :class:`~profd.actors.mark_stats.MarkStats` took it; each ``oom`` event to
 * ``straggler``: when the rank's stage ended late in each of the newest ``for_steps`` steps
   judged, by ``min_ms`` at least: a step is judged once every rank of the role that reports
   the stage has reported its end in that step, with the summary's straggler rule
-  (:func:`late_against_peers`, the same as ``profd.analysis.stragglers``: later than the
+  (:func:`judge_step`, the same as ``profd.analysis.stragglers``: later than the
   median end of the *other* ranks by more than ``max(k x MAD x 1.4826, 5 ms, 5 % of the
   stage's median wall time)``);
 * ``oom``: when a rank of the role reports a CUDA out-of-memory error.
@@ -51,10 +51,11 @@ __all__ = [
     "Firing",
     "FiringState",
     "Lateness",
+    "StepVerdict",
     "StragglerRule",
     "Trigger",
     "TriggerBook",
-    "late_against_peers",
+    "judge_step",
 ]
 
 log = logging.getLogger(__name__)
@@ -112,21 +113,39 @@ class Lateness:
         )
 
 
-def late_against_peers(
-    starts: list[float], ends: list[float], walls: list[float], rule: StragglerRule = RULE
-) -> list[Lateness]:
-    """Each member of one (role, step, stage) group against the others (at least two), by
-    the summary's rule (``profd.analysis.stragglers.late_outliers`` / ``late_cause``)."""
-    if len(ends) < 2:
-        return []
+@dataclass(frozen=True, slots=True)
+class StepVerdict:
+    """One step of a straggler trigger's stage, judged across the role's ranks: the ranks
+    late by the rule, and the healthy peer (the rank not late whose end is closest to the
+    others' median end). Only these are kept: a fleet's step is thousands of ranks."""
+
+    late: dict[int, Lateness]
+    peer: int | None
+    members: int
+
+
+def judge_step(
+    ranks: list[int],
+    starts: list[float],
+    ends: list[float],
+    walls: list[float],
+    rule: StragglerRule = RULE,
+) -> StepVerdict:
+    """Each rank of one (role, step, stage) group against the others (at least two), by the
+    summary's rule (``profd.analysis.stragglers.late_outliers`` / ``late_cause``). Starts and
+    wall times only explain why a rank is late: they are judged when one is."""
     floor = late_floor(walls, rule.abs_floor_s, rule.rel_floor)
-    by_end, by_start, by_wall = (against_all(v, floor, rule.k) for v in (ends, starts, walls))
-    return [
-        Lateness(late, ref, thr, end, start_late, extra, start_thr, wall_thr)
-        for (late, ref, thr), end, (start_late, _, start_thr), (extra, _, wall_thr) in zip(
-            by_end, ends, by_start, by_wall, strict=True
-        )
-    ]
+    by_end = against_all(ends, floor, rule.k)
+    late_at = [i for i, (late, _, thr) in enumerate(by_end) if late > thr]
+    late: dict[int, Lateness] = {}
+    if late_at:
+        by_start, by_wall = against_all(starts, floor, rule.k), against_all(walls, floor, rule.k)
+        for i in late_at:
+            (d, ref, thr), (start_late, _, start_thr) = by_end[i], by_start[i]
+            extra, _, wall_thr = by_wall[i]
+            late[ranks[i]] = Lateness(d, ref, thr, ends[i], start_late, extra, start_thr, wall_thr)
+    healthy = [(abs(d), r) for r, (d, _, thr) in zip(ranks, by_end, strict=True) if d <= thr]
+    return StepVerdict(late, min(healthy)[1] if healthy else None, len(ranks))
 
 
 class FiringState(StrEnum):
@@ -218,7 +237,7 @@ class Trigger:
     disk_bytes: int = 0  # traces of its sessions so far
     due: Firing | None = None
     #: straggler: step -> rank -> its lateness there (the newest KEPT_VERDICTS steps judged)
-    verdicts: dict[int, dict[int, Lateness]] = field(default_factory=dict)
+    verdicts: dict[int, StepVerdict] = field(default_factory=dict)
     #: straggler: the agents those verdicts were judged on (another job's, or a restarted
     #: rank's, start afresh: their step numbers are another run's)
     verdict_agents: frozenset[str] = frozenset()
@@ -336,13 +355,14 @@ class TriggerBook:
         key = (t.trigger_id, "spans")
         if key not in shared:
             per_rank = spans(cond.role, stage)
-            shared[key] = (per_rank, frozenset(aid for aid, _ in per_rank.values()), set())
-        per_rank, agents, incomplete = shared[key]
+            agents = frozenset(aid for aid, _ in per_rank.values())
+            if agents != t.verdict_agents:  # compared once a pass: it is O(ranks)
+                t.verdicts.clear()
+                t.verdict_agents = agents
+            shared[key] = (per_rank, set())
+        per_rank, incomplete = shared[key]
         if len(per_rank) < 2:
             return None
-        if agents != t.verdict_agents:
-            t.verdicts.clear()
-            t.verdict_agents = agents
         judged = False
         for s in new:
             if t.verdicts and s < max(t.verdicts):  # the job went back (a resume): a new run
@@ -354,10 +374,9 @@ class TriggerBook:
                 continue
             ranks = sorted(per_rank)
             got = [per_rank[r][1][s] for r in ranks]
-            lateness = late_against_peers(
-                [g.start for g in got], [g.end for g in got], [g.wall for g in got]
+            t.verdicts[s] = judge_step(
+                ranks, [g.start for g in got], [g.end for g in got], [g.wall for g in got]
             )
-            t.verdicts[s] = dict(zip(ranks, lateness, strict=True))
             judged = True
         while len(t.verdicts) > KEPT_VERDICTS:
             del t.verdicts[next(iter(t.verdicts))]  # the oldest judged
@@ -368,20 +387,19 @@ class TriggerBook:
             return None
         last = t.verdicts[newest[-1]]
         held = []
-        for r, (aid, _) in per_rank.items():
-            runs = [t.verdicts[s].get(r) for s in newest]
-            late = all(x is not None and x.is_late and x.late * 1e3 >= cond.min_ms for x in runs)
-            if late and not profiled(aid):
-                held.append((-last[r].late, r))
+        for r, x in last.late.items():  # late in the newest step judged, and in each before
+            runs = [t.verdicts[s].late.get(r) for s in newest]
+            late = all(y is not None and y.late * 1e3 >= cond.min_ms for y in runs)
+            if late and r in per_rank and not profiled(per_rank[r][0]):
+                held.append((-x.late, r))
         if not held:
             return None
         rank = min(held)[1]
-        x = last[rank]
-        healthy = [(abs(v.late), r) for r, v in last.items() if r != rank and not v.is_late]
+        x = last.late[rank]
         evidence = Evidence(
             cond.role, rank, per_rank[rank][0], stage, x.late, x.threshold, None,
-            len(last) - 1, newest[-1], kind=cond.kind.value,
-            peer_rank=min(healthy)[1] if healthy else None, late_s=x.late,
+            last.members - 1, newest[-1], kind=cond.kind.value,
+            peer_rank=last.peer, late_s=x.late,
             threshold_s=x.threshold, end_s=x.end, peer_median_end_s=x.reference, cause=x.cause,
         )  # fmt: skip
         return self._hold(t, evidence)

@@ -233,7 +233,7 @@ class TriggerDesk:
             return
         self.passes += 1
         self._count_disk()
-        profiled = functools.cache(self._profiling)
+        profiled = self._profiling_now()
         shared: dict[Any, Any] = {}  # each trigger's read of its role, for this pass
         due = False
         for agent_id, times, step in pending:
@@ -260,11 +260,16 @@ class TriggerDesk:
                 self._traces.of_session(sid)
             )  # fmt: skip
 
-    def _profiling(self, agent_id: str) -> bool:
-        """Whether its durations carry a profiler's cost: it is in a live session, or was
-        within :data:`PROFILED_GRACE_S` (the last step's stop and export, shipped late)."""
+    def _profiling_now(self) -> Callable[[str], bool]:
+        """Whether an agent's durations carry a profiler's cost now: it is in a live
+        session, or was within :data:`PROFILED_GRACE_S` (the last step's stop and export,
+        shipped late). The live sessions are listed once (a pass asks for every agent)."""
         now = self._clock()
-        if any(agent_id in s.targets for s in self._live()):
+        live = list(self._live())
+        return functools.cache(lambda agent_id: self._profiling(agent_id, live, now))
+
+    def _profiling(self, agent_id: str, live: list[Session], now: float) -> bool:
+        if any(agent_id in s.targets for s in live):
             self._profiled_at[agent_id] = now
             return True
         at = self._profiled_at.get(agent_id)

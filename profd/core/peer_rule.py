@@ -39,32 +39,41 @@ def against_all(
     Leaving one member out of the sorted values shifts the middle by at most one place, so
     the others' median takes at most three values; for each, the deviations are sorted once
     and the member's own deviation is left out the same way."""
-    n = len(values)
-    if n < 2:
+    if len(values) < 2:
         raise ValueError("values: a member needs at least one peer")
     ordered = sorted(values)
-    spreads: dict[float, list[float]] = {}  # reference -> every member's deviation, sorted
+    medians = _medians_without_one(ordered)
+    spreads: dict[float, tuple[list[float], tuple[int, float, float, float]]] = {}
     out = []
     for v in values:
-        ref = _median_without(ordered, bisect.bisect_left(ordered, v))
-        deviations = spreads.get(ref)
-        if deviations is None:
-            deviations = spreads[ref] = sorted(abs(p - ref) for p in values)
-        own = abs(v - ref)
-        spread = _median_without(deviations, bisect.bisect_left(deviations, own)) * MAD_SCALE
+        ref = _pick(medians, bisect.bisect_left(ordered, v))
+        dev = spreads.get(ref)
+        if dev is None:  # every member's deviation from this reference, sorted once
+            deviations = sorted(abs(p - ref) for p in values)
+            dev = spreads[ref] = (deviations, _medians_without_one(deviations))
+        spread = _pick(dev[1], bisect.bisect_left(dev[0], abs(v - ref))) * MAD_SCALE
         out.append((v - ref, ref, max(k * spread, floor)))
     return out
 
 
-def _median_without(ordered: Sequence[float], r: int) -> float:
-    """``statistics.median`` of ``ordered`` (sorted) less its item at ``r``."""
-    m = len(ordered) - 1
+def _medians_without_one(ordered: Sequence[float]) -> tuple[int, float, float, float]:
+    """``statistics.median`` of ``ordered`` (sorted) less its item at rank ``r``, for ``r``
+    below, at and above the middle ``h``: ``(h, below, at, above)``."""
+    m = len(ordered) - 1  # what is left
     h = m // 2
+    if m % 2:
+        return h, ordered[h + 1], ordered[h + 1], ordered[h]
+    return (
+        h,
+        (ordered[h] + ordered[h + 1]) / 2,
+        (ordered[h - 1] + ordered[h + 1]) / 2,
+        (ordered[h - 1] + ordered[h]) / 2,
+    )
 
-    def at(j: int) -> float:
-        return ordered[j] if j < r else ordered[j + 1]
 
-    return at(h) if m % 2 else (at(h - 1) + at(h)) / 2
+def _pick(medians: tuple[int, float, float, float], r: int) -> float:
+    h, below, at, above = medians
+    return above if r > h else at if r == h else below
 
 
 def late_floor(walls: Sequence[float], abs_floor: float, rel_floor: float) -> float:

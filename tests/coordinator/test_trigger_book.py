@@ -5,6 +5,7 @@ are busy."""
 from __future__ import annotations
 
 import random
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from profd.actors.trigger_book import (
     FiringState,
     Suppressed,
     TriggerBook,
-    late_against_peers,
+    judge_step,
 )
 from profd.analysis.models import StragglerRule
 from profd.analysis.stragglers import late_cause, late_outliers
@@ -176,12 +177,21 @@ def test_the_live_straggler_rule_is_the_summarys() -> None:
         ends = [s + w for s, w in zip(starts, walls, strict=True)]
         ms = [[x * 1000 for x in v] for v in (starts, ends, walls)]
         want = {h.index: h for h in late_outliers(ms[1], ms[2], rule)}
-        got = late_against_peers(starts, ends, walls)
-        assert {i for i, x in enumerate(got) if x.is_late} == set(want)
+        ranks = [10 + i for i in range(n)]  # verdicts are by rank
+        got = judge_step(ranks, starts, ends, walls)
+        assert set(got.late) == {10 + i for i in want} and got.members == n
         for i, h in want.items():
-            assert abs(got[i].late * 1000 - h.late) < 1e-6
-            assert abs(got[i].threshold * 1000 - h.threshold) < 1e-6
-            assert got[i].cause == late_cause(ms[0], ms[2], i, rule)[2].value
+            x = got.late[10 + i]
+            assert x.is_late and abs(x.late * 1000 - h.late) < 1e-6
+            assert abs(x.threshold * 1000 - h.threshold) < 1e-6
+            assert x.cause == late_cause(ms[0], ms[2], i, rule)[2].value
+        # the healthy peer: not late, its end the closest to the others' median end
+        healthy = [
+            (abs(ends[i] - statistics.median(ends[:i] + ends[i + 1 :])), 10 + i)
+            for i in range(n)
+            if i not in want
+        ]
+        assert got.peer == (min(healthy)[1] if healthy else None)
 
 
 def straggler(**when) -> TriggerRequest:
