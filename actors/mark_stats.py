@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,6 +259,13 @@ class MarkStats:
             return []
         values = w.values
         return list(values)[-n:] if n < len(values) else list(values)
+
+    def window(self, agent_id: str, mark: str | None) -> Sequence[float]:
+        """One agent's step (``mark`` None) or stage durations, newest last, read only: the
+        window itself, not a copy (empty when there is none)."""
+        a = self._agents.get(agent_id)
+        w = None if a is None else (a.step if mark is None else a.stages.get(mark))
+        return () if w is None else w.values
 
     def times_stage(self, agent_id: str, stage: str) -> bool:
         """Whether the agent has timed ``stage`` at all (its spans may not have come yet)."""

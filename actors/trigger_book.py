@@ -1,9 +1,10 @@
 """Triggers: conditions on live step / stage times, or an out-of-memory error, that start
 bounded sessions by themselves.
 
-Pure logic (no Ray), owned by the coordinator. Each ``times`` event an agent sends
-(:class:`~profd.core.protocol.MarkDurations`) is offered to :meth:`TriggerBook.observe`
-after :class:`~profd.actors.mark_stats.MarkStats` took it; each ``oom`` event to
+Pure logic (no Ray), owned by the coordinator. The ``times`` events agents send
+(:class:`~profd.core.protocol.MarkDurations`), once :class:`~profd.actors.mark_stats.MarkStats`
+took them, are judged a pass at a time (:meth:`TriggerBook.observe_pass`, their reports as
+``profd.actors.trigger_reports`` holds them); each ``oom`` event goes to
 :meth:`TriggerBook.out_of_memory`. A trigger holds:
 
 * ``step_time`` / ``stage_time``: when the rank's newest ``for_steps`` durations of the
@@ -12,9 +13,9 @@ after :class:`~profd.actors.mark_stats.MarkStats` took it; each ``oom`` event to
 * ``straggler``: when the rank's stage ended late in each of the newest ``for_steps`` steps
   judged, by ``min_ms`` at least: a step is judged once every rank of the role that reports
   the stage has reported its end in that step, with the summary's straggler rule
-  (:func:`judge_step`, the same as ``profd.analysis.stragglers``: later than the
-  median end of the *other* ranks by more than ``max(k x MAD x 1.4826, 5 ms, 5 % of the
-  stage's median wall time)``);
+  (``profd.actors.straggler_steps.judge_step``, the same as ``profd.analysis.stragglers``:
+  later than the median end of the *other* ranks by more than ``max(k x MAD x 1.4826,
+  5 ms, 5 % of the stage's median wall time)``);
 * ``oom``: when a rank of the role reports a CUDA out-of-memory error.
 
 A firing is then *due*; the coordinator turns it into a session on that rank and one
@@ -37,12 +38,24 @@ import secrets
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
 
-from profd.core.peer_rule import against_all, late_cause_name, late_floor
+from profd.actors.straggler_steps import StepVerdict, judge_new_steps
+from profd.actors.trigger_reports import (
+    AGENT,
+    RANK,
+    ROLE,
+    STEP,
+    History,
+    Report,
+    Spans,
+    has_durations,
+    report,
+    span_steps,
+)
 from profd.core.protocol import MarkDurations, OutOfMemory
 from profd.core.trigger_request import TriggerKind, TriggerRequest
 
@@ -50,12 +63,8 @@ __all__ = [
     "Evidence",
     "Firing",
     "FiringState",
-    "Lateness",
-    "StepVerdict",
-    "StragglerRule",
     "Trigger",
     "TriggerBook",
-    "judge_step",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,89 +72,6 @@ log = logging.getLogger(__name__)
 HOUR_S = 3600.0
 #: Firings kept per trigger for GET /api/v1/triggers (the counts cover every one).
 KEPT_FIRINGS = 50
-
-#: Steps judged per straggler trigger (the newest; ``for_steps`` is at most 16).
-KEPT_VERDICTS = 64
-
-#: (role, mark, n) -> the newest n durations of each rank of the role that reports it, per rank.
-History = Callable[[str, str | None, int], dict[int, list[float]]]
-#: (role, stage) -> rank -> (agent id, step -> the stage in that step: ``start``, ``end``,
-#: ``wall`` in seconds; see ``profd.actors.mark_stats.StepSpan``), for the role's alive ranks.
-Spans = Callable[[str, str], dict[int, tuple[str, dict[int, Any]]]]
-
-
-@dataclass(frozen=True, slots=True)
-class StragglerRule:
-    """The summary's straggler rule (``profd.analysis.models.StragglerRule``'s defaults, in
-    seconds): late by more than ``max(k x MAD x 1.4826, abs_floor_s, rel_floor x median
-    wall time)``."""
-
-    k: float = 3.0
-    abs_floor_s: float = 0.005
-    rel_floor: float = 0.05
-
-
-RULE = StragglerRule()
-
-
-@dataclass(frozen=True, slots=True)
-class Lateness:
-    """One rank's stage in one step against the other ranks' (seconds)."""
-
-    late: float  # its end minus the peers' median end
-    reference: float  # the peers' median end
-    threshold: float  # the bar ``late`` must pass
-    end: float
-    start_late: float  # its start minus the peers' median start
-    extra_wall: float  # its wall time minus the peers' median wall time
-    start_threshold: float
-    wall_threshold: float
-
-    @property
-    def is_late(self) -> bool:
-        return self.late > self.threshold
-
-    @property
-    def cause(self) -> str:
-        """As ``profd.analysis.models.LateCause``: late start, long duration, or both."""
-        return late_cause_name(
-            self.start_late, self.start_threshold, self.extra_wall, self.wall_threshold
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StepVerdict:
-    """One step of a straggler trigger's stage, judged across the role's ranks: the ranks
-    late by the rule, and the healthy peer (the rank not late whose end is closest to the
-    others' median end). Only these are kept: a fleet's step is thousands of ranks."""
-
-    late: dict[int, Lateness]
-    peer: int | None
-    members: int
-
-
-def judge_step(
-    ranks: list[int],
-    starts: list[float],
-    ends: list[float],
-    walls: list[float],
-    rule: StragglerRule = RULE,
-) -> StepVerdict:
-    """Each rank of one (role, step, stage) group against the others (at least two), by the
-    summary's rule (``profd.analysis.stragglers.late_outliers`` / ``late_cause``). Starts and
-    wall times only explain why a rank is late: they are judged when one is."""
-    floor = late_floor(walls, rule.abs_floor_s, rule.rel_floor)
-    by_end = against_all(ends, floor, rule.k)
-    late_at = [i for i, (late, _, thr) in enumerate(by_end) if late > thr]
-    late: dict[int, Lateness] = {}
-    if late_at:
-        by_start, by_wall = against_all(starts, floor, rule.k), against_all(walls, floor, rule.k)
-        for i in late_at:
-            (d, ref, thr), (start_late, _, start_thr) = by_end[i], by_start[i]
-            extra, _, wall_thr = by_wall[i]
-            late[ranks[i]] = Lateness(d, ref, thr, ends[i], start_late, extra, start_thr, wall_thr)
-    healthy = [(abs(d), r) for r, (d, _, thr) in zip(ranks, by_end, strict=True) if d <= thr]
-    return StepVerdict(late, min(healthy)[1] if healthy else None, len(ranks))
 
 
 class FiringState(StrEnum):
@@ -274,6 +200,9 @@ class TriggerBook:
         except KeyError:
             raise KeyError(f"unknown trigger {trigger_id}") from None
 
+    def __len__(self) -> int:
+        return len(self._triggers)
+
     def all(self) -> list[Trigger]:
         return sorted(self._triggers.values(), key=lambda t: (-t.created_at, t.trigger_id))
 
@@ -292,44 +221,70 @@ class TriggerBook:
         step: int | None = None,
         spans: Spans | None = None,
         profiled: Callable[[str], bool] | None = None,
-        *,
-        shared: dict[Any, Any] | None = None,
     ) -> list[Firing]:
-        """The firings that ``times`` (just added to the rolling windows) makes due
-        (``step``: the agent's current step, for the evidence). ``spans``: the role's stage
-        spans per rank (straggler triggers); ``profiled``: whether an agent's marks carry a
-        profiler's cost now (its durations are not held against it, nor is it called late).
+        """:meth:`observe_pass` of one report (``step``: the agent's current step, for the
+        evidence)."""
+        one = report(agent_id, role, rank, times, step)
+        return self.observe_pass([one], history, spans, profiled)
 
-        ``shared``: what one pass over many agents' reports reads once per trigger (the
-        role's baseline, its ranks' spans, the steps not complete yet), so a pass costs one
-        read of the role, not one per report; ``None``: read for this call alone."""
-        out = []
+    def observe_pass(
+        self,
+        reports: Sequence[Report],
+        history: History,
+        spans: Spans | None = None,
+        profiled: Callable[[str], bool] | None = None,
+    ) -> list[Firing]:
+        """The firings that ``reports`` (their durations just added to the rolling windows)
+        make due. ``spans``: the role's stage spans per rank (straggler triggers);
+        ``profiled``: whether an agent's marks carry a profiler's cost now (its durations
+        are not held against it, nor is it called late).
+
+        Each trigger reads its role once for the whole pass (the baseline, the ranks' spans)
+        and a straggler trigger judges each step the pass completed once, so a pass over a
+        fleet's reports costs one read of the role, not one per report. A trigger that
+        fails is logged and the others are judged."""
         profiled = profiled or (lambda _aid: False)
-        shared = {} if shared is None else shared
-        for t in self._triggers.values():
+        by_role: dict[str, list[Report]] = {}
+        for r in reports:
+            by_role.setdefault(r[ROLE], []).append(r)
+        out = []
+        for t in list(self._triggers.values()):
             cond = t.request.when
-            if cond.role != role or cond.kind is TriggerKind.OOM:
+            mine = by_role.get(cond.role)
+            if not mine or cond.kind is TriggerKind.OOM:
                 continue
-            if cond.kind is TriggerKind.STRAGGLER:
-                if spans is not None and (
-                    firing := self._straggler(t, times, spans, profiled, shared)
-                ):
-                    out.append(firing)
-                continue
-            if profiled(agent_id) or not _new_durations(times, cond.mark):
-                continue
-            per_rank, baseline, pooled = _baseline(t, history, shared)
-            if baseline is None:
-                continue  # not armed: too little history to call anything slow
-            newest = per_rank.get(rank, [])[-cond.for_steps :]
+            try:
+                if cond.kind is TriggerKind.STRAGGLER:
+                    firing = None if spans is None else self._straggler(t, mine, spans, profiled)
+                    out += [firing] if firing is not None else []
+                else:
+                    out += self._slow(t, mine, history, profiled)
+            except Exception:  # one trigger must not keep the others from being judged
+                log.exception("trigger %s: judging the live times failed", t.request.name)
+        return out
+
+    def _slow(
+        self, t: Trigger, reports: list[Report], history: History, profiled: Callable[[str], bool]
+    ) -> list[Firing]:
+        """A step / stage time trigger: each report's rank against the role's baseline."""
+        cond = t.request.when
+        new = [r for r in reports if has_durations(r, cond.mark) and not profiled(r[AGENT])]
+        if not new:
+            return []
+        per_rank, baseline, pooled = _baseline(t, history)
+        if baseline is None:
+            return []  # not armed: too little history to call anything slow
+        out = []
+        for r in new:
+            newest = _tail(per_rank.get(r[RANK], ()), cond.for_steps)
             if len(newest) < cond.for_steps:
                 continue
             weakest = min(newest)
             if weakest <= cond.factor * baseline or weakest * 1000.0 < cond.min_ms:
                 continue
             evidence = Evidence(
-                role, rank, agent_id, cond.mark or "step", newest[-1], baseline, cond.factor,
-                pooled, step, kind=cond.kind.value,
+                r[ROLE], r[RANK], r[AGENT], cond.mark or "step", newest[-1], baseline,
+                cond.factor, pooled, r[STEP], kind=cond.kind.value,
             )  # fmt: skip
             firing = self._hold(t, evidence)
             if firing is not None:
@@ -337,50 +292,22 @@ class TriggerBook:
         return out
 
     def _straggler(
-        self,
-        t: Trigger,
-        times: MarkDurations,
-        spans: Spans,
-        profiled: Callable[[str], bool],
-        shared: dict[Any, Any],
+        self, t: Trigger, reports: list[Report], spans: Spans, profiled: Callable[[str], bool]
     ) -> Firing | None:
-        """Judge the steps of the watched stage that ``times`` completed (every rank that
+        """Judge the steps of the watched stage that ``reports`` completed (every rank that
         reports the stage has its end there), then whether a rank was late in the newest
         ``for_steps`` of them."""
         cond = t.request.when
         stage = cond.stage or ""
-        new = sorted({sp[0] for d in times.stages if d.label == stage for sp in d.spans})
+        new = sorted({s for r in reports for s in span_steps(r, stage)})
         if not new:
             return None
-        key = (t.trigger_id, "spans")
-        if key not in shared:
-            per_rank = spans(cond.role, stage)
-            agents = frozenset(aid for aid, _ in per_rank.values())
-            if agents != t.verdict_agents:  # compared once a pass: it is O(ranks)
-                t.verdicts.clear()
-                t.verdict_agents = agents
-            shared[key] = (per_rank, set())
-        per_rank, incomplete = shared[key]
-        if len(per_rank) < 2:
-            return None
-        judged = False
-        for s in new:
-            if t.verdicts and s < max(t.verdicts):  # the job went back (a resume): a new run
-                t.verdicts.clear()
-            if s in t.verdicts or s in incomplete:
-                continue
-            if any(s not in steps for _, steps in per_rank.values()):
-                incomplete.add(s)  # not again in this pass: its spans are read once per pass
-                continue
-            ranks = sorted(per_rank)
-            got = [per_rank[r][1][s] for r in ranks]
-            t.verdicts[s] = judge_step(
-                ranks, [g.start for g in got], [g.end for g in got], [g.wall for g in got]
-            )
-            judged = True
-        while len(t.verdicts) > KEPT_VERDICTS:
-            del t.verdicts[next(iter(t.verdicts))]  # the oldest judged
-        if not judged:
+        role_spans = spans(cond.role, stage)
+        agents = frozenset(role_spans.agents.values())
+        if agents != t.verdict_agents:  # another job's agents, or a restarted rank
+            t.verdicts.clear()
+            t.verdict_agents = agents
+        if len(role_spans.steps) < 2 or not judge_new_steps(t.verdicts, new, role_spans.steps):
             return None
         newest = sorted(t.verdicts)[-cond.for_steps :]
         if len(newest) < cond.for_steps:
@@ -390,14 +317,14 @@ class TriggerBook:
         for r, x in last.late.items():  # late in the newest step judged, and in each before
             runs = [t.verdicts[s].late.get(r) for s in newest]
             late = all(y is not None and y.late * 1e3 >= cond.min_ms for y in runs)
-            if late and r in per_rank and not profiled(per_rank[r][0]):
+            if late and r in role_spans.agents and not profiled(role_spans.agents[r]):
                 held.append((-x.late, r))
         if not held:
             return None
         rank = min(held)[1]
         x = last.late[rank]
         evidence = Evidence(
-            cond.role, rank, per_rank[rank][0], stage, x.late, x.threshold, None,
+            cond.role, rank, role_spans.agents[rank], stage, x.late, x.threshold, None,
             last.members - 1, newest[-1], kind=cond.kind.value,
             peer_rank=last.peer, late_s=x.late,
             threshold_s=x.threshold, end_s=x.end, peer_median_end_s=x.reference, cause=x.cause,
@@ -511,25 +438,16 @@ def _evidence(d: dict[str, Any]) -> Evidence:
     return Evidence(**{**base, **known})
 
 
-def _baseline(
-    t: Trigger, history: History, shared: dict[Any, Any]
-) -> tuple[dict[int, list[float]], float | None, int]:
+def _baseline(t: Trigger, history: History) -> tuple[dict[int, Sequence[float]], float | None, int]:
     """The role's durations per rank, the pooled median of their newest ``baseline_steps``
-    (``None``: too few to call anything slow) and how many were pooled; read once a pass."""
-    key = (t.trigger_id, "baseline")
-    if key not in shared:
-        cond = t.request.when
-        per_rank = history(cond.role, cond.mark, cond.baseline_steps)
-        pooled = [x for values in per_rank.values() for x in values[-cond.baseline_steps :]]
-        armed = len(pooled) >= cond.baseline_steps
-        shared[key] = (per_rank, statistics.median(pooled) if armed else None, len(pooled))
-    return shared[key]
+    (``None``: too few to call anything slow) and how many were pooled."""
+    cond = t.request.when
+    per_rank = history(cond.role, cond.mark, cond.baseline_steps)
+    pooled = [x for values in per_rank.values() for x in _tail(values, cond.baseline_steps)]
+    armed = len(pooled) >= cond.baseline_steps
+    return per_rank, statistics.median(pooled) if armed else None, len(pooled)
 
 
-def _new_durations(times: MarkDurations, mark: str | None) -> tuple[float, ...]:
-    if mark is None:
-        return times.step.seconds if times.step is not None else ()
-    for d in times.stages:
-        if d.label == mark:
-            return d.seconds
-    return ()
+def _tail(values: Sequence[float], n: int) -> list[float]:
+    """The newest ``n`` of ``values`` (a window: no slicing, and no copy of the rest)."""
+    return list(itertools.islice(values, max(0, len(values) - n), None))

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from profd.actors.trigger_book import Firing, Trigger, TriggerBook
+from profd.actors.trigger_reports import Report, RoleSpans, report
 from profd.core.errors import ConflictError, NotFoundError, ProfdError
 from profd.core.protocol import AgentEvent, AgentInfo, MarkDurations, OutOfMemory
 from profd.core.trigger_request import TriggerKind, TriggerRequest
@@ -78,7 +79,8 @@ class TriggerDesk:
         self._firing: asyncio.Task | None = None
         self.firings_total = 0
         #: Durations waiting for the next pass: (agent id, durations, its step).
-        self._unjudged: list[tuple[str, MarkDurations, int | None]] = []
+        #: reports waiting for the next pass, flat (``trigger_reports.report``)
+        self._unjudged: list[Report] = []
         self._pass: asyncio.TimerHandle | None = None
         self.passes = 0
 
@@ -201,7 +203,7 @@ class TriggerDesk:
         now = self._clock()
         self._oom_at = {a: at for a, at in self._oom_at.items() if now - at < OOM_UNHEALTHY_S}
         self._oom_at[agent_id] = now
-        if not len(self.book.all()):
+        if not len(self.book):
             return
         self._count_disk()
         info = rec.info
@@ -212,9 +214,11 @@ class TriggerDesk:
         """New durations of one agent (already in the rolling windows); ``step``: the step
         it marked last when it sent them. Judged in the next pass, :data:`OBSERVE_COALESCE_S`
         later (at once without a running loop: a plain call in a test)."""
-        if not len(self.book.all()):
+        if not len(self.book):
             return
-        self._unjudged.append((agent_id, times, step))
+        rec = self._registry.get(agent_id)
+        if rec is not None:  # the report flat, not the report itself: see trigger_reports
+            self._unjudged.append(report(agent_id, rec.info.role, rec.info.rank, times, step))
         if self._pass is not None:
             return
         try:
@@ -229,28 +233,12 @@ class TriggerDesk:
         role once (history, spans, who is profiled), then every report is judged."""
         self._pass = None
         pending, self._unjudged = self._unjudged, []
-        if not pending or not len(self.book.all()):
+        if not pending or not len(self.book):
             return
         self.passes += 1
         self._count_disk()
-        profiled = self._profiling_now()
-        shared: dict[Any, Any] = {}  # each trigger's read of its role, for this pass
-        due = False
-        for agent_id, times, step in pending:
-            rec = self._registry.get(agent_id)
-            if rec is None:
-                continue
-            info = rec.info
-            try:
-                due |= bool(
-                    self.book.observe(
-                        agent_id, info.role, info.rank, times, self._history, step,
-                        self._spans, profiled, shared=shared,
-                    )
-                )  # fmt: skip
-            except Exception:  # one report must not keep the others from being judged
-                log.exception("judging the durations of agent %s failed", agent_id)
-        if due:
+        firings = self.book.observe_pass(pending, self._history, self._spans, self._profiling_now())
+        if firings:
             self.fire_soon()
 
     def _count_disk(self) -> None:
@@ -282,24 +270,27 @@ class TriggerDesk:
         at = self._oom_at.get(agent_id)
         return at is not None and now - at < OOM_UNHEALTHY_S
 
-    def _spans(self, role: str, stage: str) -> dict[int, tuple[str, dict[int, Any]]]:
+    def _spans(self, role: str, stage: str) -> RoleSpans:
         """The role's ranks that mark ``stage``, with its span per step: a rank whose spans
         have not come yet (span mode just began there) is listed with none, so no step is
         judged without it."""
-        out = {}
+        agents: dict[int, str] = {}
+        spans: dict[int, dict[int, Any]] = {}
         for rec in self._registry.alive():
             if rec.info.role == role:
                 aid = rec.info.agent_id
                 steps = self._times.spans(aid, stage)
                 if steps or self._times.times_stage(aid, stage):
-                    out[rec.info.rank] = (aid, steps)
-        return out
+                    agents[rec.info.rank], spans[rec.info.rank] = aid, steps
+        return RoleSpans(agents, spans)
 
-    def _history(self, role: str, mark: str | None, n: int) -> dict[int, list[float]]:
+    def _history(self, role: str, mark: str | None, n: int) -> dict[int, Sequence[float]]:
+        """Each rank's window itself, read only (its newest ``n`` are the tail): a pass
+        over a fleet copies none of them."""
         out = {}
         for rec in self._registry.alive():
             if rec.info.role == role:
-                values = self._times.recent(rec.info.agent_id, mark, n)
+                values = self._times.window(rec.info.agent_id, mark)
                 if values:
                     out[rec.info.rank] = values
         return out

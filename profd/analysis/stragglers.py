@@ -50,7 +50,7 @@ def late_outliers(
     if len(ends) < 2:
         return []
     floor = _floor(walls, rule)
-    hits = (Lateness(i, *h) for i, h in enumerate(against_all(ends, floor, rule.k)))
+    hits = (Lateness(i, *h) for i, h in enumerate(against_all(ends, floor, rule.k).rows()))
     return [h for h in hits if h.late > h.threshold]
 
 

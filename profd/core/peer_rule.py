@@ -11,10 +11,11 @@ time (:func:`late_floor`).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from statistics import median
 
-__all__ = ["MAD_SCALE", "against_all", "against_peers", "late_cause_name", "late_floor"]
+__all__ = ["MAD_SCALE", "Against", "against_all", "against_peers", "late_cause_name", "late_floor"]
 
 MAD_SCALE = 1.4826
 
@@ -30,9 +31,21 @@ def against_peers(
     return values[i] - ref, ref, max(k * spread, floor)
 
 
-def against_all(
-    values: Sequence[float], floor: float, k: float
-) -> list[tuple[float, float, float]]:
+@dataclass(frozen=True, slots=True)
+class Against:
+    """:func:`against_peers` for every member of a group, as columns: a fleet's group is
+    thousands of ranks, and a tuple per member is that many more objects to collect."""
+
+    late: list[float]
+    reference: list[float]
+    threshold: list[float]
+
+    def rows(self) -> Iterator[tuple[float, float, float]]:
+        """Each member's ``(late, reference, threshold)``, as :func:`against_peers`."""
+        return zip(self.late, self.reference, self.threshold, strict=True)
+
+
+def against_all(values: Sequence[float], floor: float, k: float) -> Against:
     """:func:`against_peers` for every member, the same numbers, in O(n log n) rather than a
     sort of the others per member (a fleet's group is thousands of ranks).
 
@@ -44,7 +57,7 @@ def against_all(
     ordered = sorted(values)
     medians = _medians_without_one(ordered)
     spreads: dict[float, tuple[list[float], tuple[int, float, float, float]]] = {}
-    out = []
+    out = Against([], [], [])
     for v in values:
         ref = _pick(medians, bisect.bisect_left(ordered, v))
         dev = spreads.get(ref)
@@ -52,7 +65,9 @@ def against_all(
             deviations = sorted(abs(p - ref) for p in values)
             dev = spreads[ref] = (deviations, _medians_without_one(deviations))
         spread = _pick(dev[1], bisect.bisect_left(dev[0], abs(v - ref))) * MAD_SCALE
-        out.append((v - ref, ref, max(k * spread, floor)))
+        out.late.append(v - ref)
+        out.reference.append(ref)
+        out.threshold.append(max(k * spread, floor))
     return out
 
 

@@ -11,12 +11,14 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from profd.actors.trigger_book import (
-    KEPT_VERDICTS,
-    FiringState,
-    Suppressed,
-    TriggerBook,
-    judge_step,
+from profd.actors.straggler_steps import KEPT_VERDICTS, judge_step
+from profd.actors.trigger_book import FiringState, Suppressed, TriggerBook
+from profd.actors.trigger_reports import (
+    RoleSpans,
+    has_durations,
+    report,
+    span_steps,
+    stages,
 )
 from profd.analysis.models import StragglerRule
 from profd.analysis.stragglers import late_cause, late_outliers
@@ -163,6 +165,56 @@ def test_a_stage_trigger_watches_only_its_stage() -> None:
     assert failed.state is FiringState.FAILED and book.due() == []
 
 
+def test_a_pass_judges_every_report_and_a_failing_trigger_spares_the_others(caplog) -> None:
+    book = TriggerBook(Clock())
+    broken = book.add(request(when={"kind": "stage_time", "stage": "generate"}))
+    book.add(request(when={"kind": "stage_time", "stage": "update_actor"}))
+    samples = {r: [0.05] * 8 for r in range(4)}
+    samples[1].append(0.2)
+    samples[3].append(0.3)
+
+    def history(role: str, mark: str | None, n: int) -> dict[int, list[float]]:
+        if mark == "generate":
+            raise RuntimeError("a broken read")
+        return history_of(samples)(role, mark, n)
+
+    def one(rank: int, seconds: float) -> tuple:
+        stages = (
+            LabelDurations("generate", (1.0,)),
+            LabelDurations("update_actor", (seconds,)),
+        )
+        return report(f"a{rank}", "actor", rank, MarkDurations(step=None, stages=stages), 7)
+
+    reports = [one(0, 0.05), one(1, 0.2), one(3, 0.3), one(2, 0.05)]
+    [f] = book.observe_pass(reports, history)  # one firing: the next waits for it
+    assert (f.evidence.rank, f.evidence.step, f.evidence.observed_s) == (1, 7, 0.2)
+    assert book.get(broken.trigger_id).due is None
+    assert [r.message for r in caplog.records].count(
+        "trigger slow: judging the live times failed"
+    ) == 1
+    book.failed(f, "no agent")
+    [g] = book.observe_pass(reports[2:], history)
+    assert g.evidence.rank == 3
+
+
+def test_what_a_pass_keeps_of_a_report_is_flat_and_whole() -> None:
+    times = MarkDurations(
+        step=LabelDurations("step", ()),
+        stages=(
+            LabelDurations("gen", (1.0,), spans=((4, 0.0, 1.0), (5, 1.0, 2.0))),
+            LabelDurations("update", (), spans=((3, 0.0, 0.5),)),
+            LabelDurations("ref", (0.2,)),
+        ),
+    )
+    flat = report("a1", "actor", 1, times, 9)
+    assert not any(isinstance(x, tuple | list) for x in flat)
+    want = [("gen", True, (4, 5)), ("update", False, (3,)), ("ref", True, ())]
+    assert [(label, new, tuple(steps)) for label, new, steps in stages(flat)] == want
+    assert has_durations(flat, "gen") and not has_durations(flat, "update")
+    assert not has_durations(flat, None) and list(span_steps(flat, "gen")) == [4, 5]
+    assert flat[:4] == ("a1", "actor", 1, 9)
+
+
 # -- straggler ------------------------------------------------------------------------------
 def test_the_live_straggler_rule_is_the_summarys() -> None:
     rng, rule = random.Random(7), StragglerRule()
@@ -213,9 +265,10 @@ class Ends:
         d = LabelDurations("update", (end - start,), spans=((step, start, end),))
         return MarkDurations(step=None, stages=(d,))
 
-    def __call__(self, role: str, stage: str) -> dict:
+    def __call__(self, role: str, stage: str) -> RoleSpans:
         assert (role, stage) == ("actor", "update")
-        return {r: (f"{self.job}{r}", s) for r, s in self.steps.items() if s}
+        ranks = [r for r, s in self.steps.items() if s]
+        return RoleSpans({r: f"{self.job}{r}" for r in ranks}, {r: self.steps[r] for r in ranks})
 
 
 def run_step(book, ends, step, late, profiled=None, order=(0, 1, 2, 3)) -> list:

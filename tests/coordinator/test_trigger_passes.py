@@ -10,11 +10,13 @@ was read once a pass."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from profd.actors import triggers
 from profd.actors.coordinator import ProfileCoordinator
 from profd.core.protocol import AgentEvent, AgentInfo, EventKind, LabelDurations, MarkDurations
 from profd.core.request import ToolKind
@@ -102,3 +104,45 @@ def test_a_fleets_reports_are_judged_in_passes_reading_the_role_once(tmp_path) -
     # the step-time trigger's session holds the slow rank: the straggler's waits for it
     assert views[0].fired == 1 and views[0].firings[0].session_id
     assert views[1].firings[0].state == "due" and views[1].firings[0].evidence["step"] == SLOW_FROM
+
+
+def test_reports_waiting_for_their_pass_are_not_held_by_the_collector(
+    tmp_path, monkeypatch
+) -> None:
+    """A pass holds a fleet's reports for up to ``OBSERVE_COALESCE_S``: what it keeps of
+    each must be plain numbers and names, which the collector stops tracking (the reports
+    themselves, held that long, reached its oldest generation and made it run about once a
+    second at 10,000 ranks)."""
+    monkeypatch.setattr(triggers, "OBSERVE_COALESCE_S", 3600.0)  # the pass waits for us
+
+    async def run() -> tuple[list[Any], int, int]:
+        c = ProfileCoordinator(coordinator_settings(tmp_path, tick_s=3600.0))
+        await c.start()
+        try:
+            caps = {t.value: None for t in ToolKind}
+            for r in range(8):
+                info = AgentInfo(
+                    f"actor-{r}", "actor", r, 8, {}, "host", os.getpid(), node_id="n0",
+                    capabilities=caps,
+                )  # fmt: skip
+                await c.register(info, 0)
+            await c.add_trigger(
+                {"name": "late", "when": {"kind": "straggler", "role": "actor", "stage": "update"}}
+            )
+            batch = {
+                f"actor-{r}": [AgentEvent(EventKind.TIMES, None, 3, payload=times(r, 3, 0.0))]
+                for r in range(8)
+            }
+            assert all((await c.report_many(batch)).values())
+            desk = c._triggers
+            waiting = list(desk._unjudged)
+            gc.collect()  # once: what a report leaves for its pass is untracked at once
+            tracked = [w for w in waiting if gc.is_tracked(w)]
+            desk.judge_pending()
+            return tracked, len(waiting), desk.passes
+        finally:
+            c.close()
+
+    tracked, waiting, passes = asyncio.run(run())
+    assert waiting == 8 and passes == 1
+    assert tracked == []
