@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from profd.actors.trace_index import TraceRefused
@@ -87,6 +88,7 @@ class AgentDesk:
         on_stack: Callable[[str, StackSample], None] | None = None,
         on_oom: Callable[[str, AgentEvent], None] | None = None,
         relays: RelayDesk | None = None,
+        step_at: Callable[[str | None, float], int | None] | None = None,
     ) -> None:
         self._poll_timeout_s = poll_timeout_s
         self._clock = clock
@@ -99,6 +101,7 @@ class AgentDesk:
         self._on_fresh_step = on_fresh_step  # alignments wait for fresh steps
         self._on_events = on_events  # phase waits re-check their agents
         self._on_times = on_times  # triggers look at the new durations
+        self._step_at = step_at  # (job, when) -> its driver's step then: places stage spans
         self._on_stack = on_stack  # a stack request gathers its answers
         self._on_oom = on_oom  # out-of-memory triggers
         self._relays = relays  # relays the coordinator pushes plans to
@@ -260,9 +263,12 @@ class AgentDesk:
         for ev in events:
             if isinstance(ev.payload, MarkDurations):  # live step and stage times
                 rec.current_step = _fresher(rec.current_step, ev.step)
-                self._times.add(agent_id, ev.payload, ev.step, self._clock())
+                times = ev.payload
+                if self._step_at is not None:  # a driver-following worker's stages
+                    times = self._times.placed(times, partial(self._step_at, rec.info.job_id))
+                self._times.add(agent_id, times, ev.step, self._clock())
                 if self._on_times is not None:
-                    self._on_times(agent_id, ev.payload, ev.step)
+                    self._on_times(agent_id, times, ev.step)
                 continue
             if isinstance(ev.payload, StackSample):  # answers GET /stacks, no session
                 if self._on_stack is not None:

@@ -167,6 +167,7 @@ class ProfileCoordinator:
             on_times=self._on_times,
             on_stack=self._stacks.on_sample,
             on_oom=self._triggers.on_oom,
+            step_at=self._drivers.step_at,
         )
         self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
         self._heap = Periodic(HEAP_TRIM_S, _trim_heap, clock)

@@ -2,13 +2,17 @@
 
 The driver's ``profd.controller()`` calls these: every agent of a live session learns the step
 before the step's first worker call, and rollout replicas start / stop their engines at the
-phases the driver marks, confirming before the driver goes on.
+phases the driver marks, confirming before the driver goes on. When each step began (as
+heard here, before any of its worker calls) is kept, so the stage samples of workers that
+mark no step of their own are placed in their step here (:meth:`DriverTable.step_at`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +34,10 @@ log = logging.getLogger(__name__)
 PHASES = frozenset(
     {ControllerPhase.ROLLOUT_BEGIN, ControllerPhase.ROLLOUT_END, ControllerPhase.STEP_END}
 )
+
+
+#: Step starts kept per job (a worker's stage samples arrive within a report or two).
+KEPT_STARTS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,8 @@ class DriverTable:
         self._live_sessions = live_sessions
         #: Ray job id (None: a driver that does not say) -> its last step, and when.
         self._heard: dict[str | None, _Heard] = {}
+        #: Ray job id -> (when, step) of its driver's newest step starts, oldest first.
+        self._starts: dict[str | None, deque[tuple[float, int]]] = {}
         #: Notified whenever agent events arrive (phase waits re-check their agents).
         self._progress = asyncio.Condition()
 
@@ -72,7 +82,10 @@ class DriverTable:
 
     async def step(self, step: int, timeout: float, job_id: str | None) -> DriverAck:
         """See :meth:`ProfileCoordinator.controller_step`."""
-        self._heard[job_id] = _Heard(step, self._clock())
+        heard = self._heard[job_id] = _Heard(step, self._clock())
+        starts = self._starts.setdefault(job_id, deque(maxlen=KEPT_STARTS))
+        if not starts or starts[-1][1] != step:  # a repeated announcement is no new start
+            starts.append((heard.at, step))
         targets = self.targets(job_id)
         if not targets:
             return DriverAck(step)
@@ -118,6 +131,23 @@ class DriverTable:
             if seen is not None and self._clock() - seen.at <= self._silence_s:
                 return seen.step
         return None
+
+    def step_at(self, job_id: str | None, t: float) -> int | None:
+        """The step of job ``job_id``'s driver that began last at or before ``t`` (this
+        coordinator's clock), a driver that does not name its job standing for any job;
+        ``None`` before the steps kept, or longer than the silence after the newest (the
+        driver stopped announcing)."""
+        best: tuple[float, int] | None = None
+        for key in (job_id, None) if job_id is not None else (None,):
+            starts = self._starts.get(key)
+            if not starts:
+                continue
+            i = bisect.bisect_right(starts, (t, float("inf"))) - 1
+            if i < 0 or (i == len(starts) - 1 and t - starts[i][0] > self._silence_s):
+                continue
+            if best is None or starts[i][0] > best[0]:
+                best = starts[i]
+        return None if best is None else best[1]
 
     def latest(self) -> tuple[int, float] | None:
         """(step, seconds since) of the driver heard from last, while it announces."""

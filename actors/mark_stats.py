@@ -24,7 +24,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from profd.core.protocol import LabelDurations, MarkDurations
@@ -39,6 +39,7 @@ __all__ = [
     "MarkStats",
     "RollingWindow",
     "StepSpan",
+    "placed",
 ]
 
 #: Durations kept per agent and mark for the rolling median.
@@ -191,6 +192,25 @@ class _AgentTimes:
         return statistics.median(rates) if len(rates) >= 2 else None
 
 
+def placed(times: MarkDurations, step_at: Callable[[float], int | None]) -> MarkDurations:
+    """``times`` with its unplaced stage spans (step ``None``: a worker following its
+    driver) placed by ``step_at`` (the driver's step that began last before the sample
+    did); those it cannot place are left out. ``times`` itself when none is unplaced."""
+    if not any(sp[0] is None for d in times.stages for sp in d.spans):
+        return times
+    stages = []
+    for d in times.stages:
+        if any(sp[0] is None for sp in d.spans):
+            spans = []
+            for step, start, end in d.spans:
+                step = step_at(start) if step is None else step
+                if step is not None:
+                    spans.append((step, start, end))
+            d = replace(d, spans=tuple(spans))
+        stages.append(d)
+    return replace(times, stages=tuple(stages))
+
+
 class MarkStats:
     """Rolling windows of every agent's step and stage times (owned by the coordinator)."""
 
@@ -237,6 +257,8 @@ class MarkStats:
         """The agent's rolling median step time, when it marks steps."""
         a = self._agents.get(agent_id)
         return None if a is None or a.step is None else a.step.median
+
+    placed = staticmethod(placed)
 
     def step_period(self, agent_id: str) -> float | None:
         """Seconds from one of the agent's steps to the next: the pace its reports show,

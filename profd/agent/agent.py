@@ -387,7 +387,6 @@ class ProfilerAgent:
         if previous is not None and self._recorder.has_windows:
             self._exit_step(previous)
         self._current_step = step
-        self._timings.bounds.mark(step, mark_clock())  # where its stages' step begins
         armed = self._armed
         if armed.plan.windows or self._recorder.has_windows:
             self._enter_step(step, armed)

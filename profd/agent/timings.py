@@ -18,8 +18,11 @@ Each sample also keeps when it ended (the clock read the duration was taken from
 in a second preallocated ring), and the step mark keeps its step number: the reporter
 places each stage sample in the step it ended in and ships ``(step, start, end)`` on the
 coordinator's wall clock (``LabelDurations.spans``), so straggler triggers can compare one
-step's stage ends across ranks. A stage is placed once its step is over (SPMD), or, in a
-worker that follows its driver's steps, in the step it followed last (:class:`StepBounds`).
+step's stage ends across ranks. A stage is placed once its step is over (SPMD). A worker
+that marks no step (it follows its driver's steps) ships its samples unplaced (step
+``None``): the coordinator, which hears every step the driver announces, places them in the
+step that began last before each sample did (the agent hears of the driver's steps only
+while a session needs them).
 
 An exception leaving a mark is offered to ``on_error`` (the agent's out-of-memory check):
 one ``is not None`` test when there is none.
@@ -53,7 +56,6 @@ __all__ = [
     "UNTIMED",
     "SpanStageTimer",
     "StageTimer",
-    "StepBounds",
     "TimedRange",
     "Timings",
     "drain",
@@ -141,27 +143,6 @@ class SpanStageTimer(StageTimer):
 
 
 StageTimer.SPAN_CLASSES = (StageTimer, SpanStageTimer)  # type: ignore[attr-defined]
-
-
-class StepBounds:
-    """Where each step began in a worker that follows its driver's steps (single-controller
-    jobs mark no step): written on the training thread when it moves to a new step (not an
-    idle mark's path), read by the reporter to place stage samples in their step."""
-
-    __slots__ = ("head", "ring", "steps", "tail")
-
-    def __init__(self) -> None:
-        self.ring: list[float] = [0.0] * RING
-        self.steps: list[Any] = [None] * RING
-        self.head = 0
-        self.tail = 0
-
-    def mark(self, step: Any, t: float) -> None:
-        i = self.head
-        j = i & MASK
-        self.ring[j] = t
-        self.steps[j] = step
-        self.head = i + 1
 
 
 class _Untimed:
@@ -267,7 +248,7 @@ def _spanned(timer: Any, first: int, samples: Iterable[Any]) -> Iterator[Any]:
             yield sample
 
 
-#: Step intervals (and driver step starts) the reporter keeps to place stage samples.
+#: Step intervals the reporter keeps to place stage samples.
 KEPT_STEPS = 2 * RING
 
 
@@ -278,8 +259,6 @@ class Timings:
     def __init__(self, enabled: bool = True, on_error: OnError = _ignore) -> None:
         self.enabled = enabled
         self.on_error = on_error
-        #: Training thread (driver-following workers): where each followed step began.
-        self.bounds = StepBounds()
         #: label -> timer, for ``stage(name)`` without a role (the training thread's lookup)
         self.plain: dict[str, StageTimer | _Untimed] = {}
         #: role -> name -> timer, for ``stage(name, role=...)``
@@ -293,7 +272,6 @@ class Timings:
         self._spans_changed = False
         # reporter thread only: what places stage samples in steps
         self._intervals: list[tuple[float, float, int]] = []  # (end, start, step), by end
-        self._starts: list[tuple[float, int]] = []  # followed steps: (start, step)
         self._pending: dict[str, list[tuple[float, float]]] = {}  # label -> (start, end)
 
     def timer(self, name: str, role: str | None, label: str) -> StageTimer | _Untimed:
@@ -355,8 +333,7 @@ class Timings:
                 self._pending.clear()
                 self._intervals.clear()
         # the step mark first: a stage sample read after it either ended in a step it shows
-        # over, or waits for its step (never a step judged without its last calls); the
-        # driver's step starts after the stages, so every start their samples need is there
+        # over, or waits for its step (never a step judged without its last calls)
         step = None
         got_step = _take(step_mark, "ring", "ends", "steps") if self.enabled else None
         raw = [(t, got) for t in list(self._timers) if (got := _take(t, "ring", "ends"))]
@@ -367,9 +344,6 @@ class Timings:
                 if (number := _step_number(n)) is not None:
                     self._intervals.append((end, end - d, number))
             del self._intervals[:-KEPT_STEPS]
-        if (got := _take(self.bounds, "ring", "steps")) is not None:
-            self._starts.extend(zip(*got[2], strict=True))
-            del self._starts[:-KEPT_STEPS]
         marks_steps = bool(self._intervals) or getattr(step_mark, "t0", 0.0) != 0.0
         stages = []
         for timer, (lost, first, (seconds, ends)) in raw:
@@ -390,9 +364,10 @@ class Timings:
 
     def _place(
         self, label: str, marks_steps: bool, wall_base: float | None
-    ) -> tuple[tuple[int, float, float], ...]:
+    ) -> tuple[tuple[int | None, float, float], ...]:
         """The waiting samples of ``label`` that can be placed in a step now, as spans; the
-        others wait (their step is not over yet) or, outside every step, go."""
+        others wait (their step is not over yet) or, outside every step, go. Without step
+        marks (a worker following its driver) every sample goes unplaced, step ``None``."""
         waiting = self._pending.get(label)
         if not waiting or wall_base is None:
             if waiting:
@@ -409,11 +384,7 @@ class Timings:
                 i = bisect_left(ends, (end, float("-inf"), 0))
                 if i < len(ends) and ends[i][1] <= end:
                     out.append((ends[i][2], start + wall_base, end + wall_base))
-        elif self._starts:  # following a driver: the step followed last when it began
-            starts = self._starts
-            for start, end in waiting:
-                i = bisect_left(starts, (start, float("inf"))) - 1
-                if i >= 0:
-                    out.append((starts[i][1], start + wall_base, end + wall_base))
+        else:  # following a driver: the coordinator knows when each of its steps began
+            out = [(None, start + wall_base, end + wall_base) for start, end in waiting]
         self._pending[label] = keep[-RING:]
         return tuple(out)

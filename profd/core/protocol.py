@@ -263,8 +263,10 @@ class LabelDurations:
     #: ``(step, start, end)`` of stage samples placed in a step, seconds on the
     #: coordinator's wall clock (the agent's clock offset applied): straggler triggers
     #: compare one step's stage ends across a role's ranks. Placed once the step is over,
-    #: so they may come a report after their durations; empty from older agents.
-    spans: tuple[tuple[int, float, float], ...] = ()
+    #: so they may come a report after their durations; empty from older agents. Step
+    #: ``None``: a worker that marks no step (it follows its driver); the coordinator
+    #: places the sample by its driver's announced steps (``DriverTable.step_at``).
+    spans: tuple[tuple[int | None, float, float], ...] = ()
 
 
 @fast_pickle

@@ -1,8 +1,8 @@
 """The stage spans straggler triggers compare (``LabelDurations.spans``), from a real agent's
 marks (no coordinator): each stage sample placed in the step it ended in, on the
 coordinator's wall clock (the agent's clock offset applied), once that step is over; in a
-worker following its driver's steps, in the step it followed; waiting while the offset is
-unknown; a stage outside every step is not placed."""
+worker following its driver's steps, unplaced (the coordinator places it); waiting while the
+offset is unknown; a stage outside every step is not placed."""
 
 from __future__ import annotations
 
@@ -57,18 +57,29 @@ def test_spmd_stages_are_placed_in_their_step_once_it_is_over() -> None:
     assert a.close(5)
 
 
-def test_a_driver_following_worker_places_stages_in_the_step_it_followed() -> None:
+def test_a_driver_following_worker_ships_its_stages_for_the_coordinator_to_place() -> None:
+    """A worker that marks no step learns its driver's steps only while a session needs
+    them: it ships every stage sample unplaced, the coordinator (which hears every step the
+    driver announces) places it. Announced steps change nothing: before this, samples went
+    to the step followed last, which after a session was a stale one forever."""
     a = agent()
-    for step in (7, 8):
-        a._install_plan(AgentPlan(version=step, controller_step=step, spans=True))
-        with a.stage("generate"):  # the first mark of a step follows the driver
-            pass
+    before = time.time() + OFFSET_NS / 1e9
+    for step in (7, 8, None, None):
+        if step is not None:
+            a._install_plan(AgentPlan(version=step, controller_step=step, spans=True))
+        with a.stage("generate"):
+            time.sleep(0.002)
         with a.stage("reward"):
             pass
+    after = time.time() + OFFSET_NS / 1e9
     times = a._take_times()
     assert times.step is None  # a worker marks no step of its own
-    assert [s for s, _, _ in spans(times, "generate")] == [7, 8]
-    assert [s for s, _, _ in spans(times, "reward")] == [7, 8]
+    for label in ("generate", "reward"):
+        got = spans(times, label)
+        assert [s for s, _, _ in got] == [None] * 4
+        assert all(before - 0.05 <= start <= end <= after + 0.05 for _, start, end in got)
+        assert [start for _, start, _ in got] == sorted(start for _, start, _ in got)
+    assert spans(a._take_times(), "generate") == []  # shipped once
     assert a.close(5)
 
 
