@@ -36,6 +36,24 @@ def agents(owner: Any) -> list[ProfilerAgent]:
     return out
 
 
+def stages(agent: ProfilerAgent, rank: int, step: int) -> None:
+    """One rank's stages in one step; from ``SLOW_FROM`` rank ``SLOW_RANK``'s update is late."""
+    with agent.stage("fwd"):
+        time.sleep(FWD_S)
+    with agent.stage("update"):
+        late = rank == SLOW_RANK and step >= SLOW_FROM
+        time.sleep(UPDATE_S + (LATE_S if late else 0.0))
+
+
+#: The trigger both jobs are watched by.
+REQUEST = {
+    "name": "late-update",
+    "when": {"kind": "straggler", "role": "actor", "stage": "update", "for_steps": 2,
+             "min_ms": 60},
+    "session": {"next_steps": 2}, "cooldown_s": 600,
+}  # fmt: skip
+
+
 class Job:
     """The ranks' loops, each on its thread; every step starts at a barrier."""
 
@@ -57,11 +75,7 @@ class Job:
             except threading.BrokenBarrierError:
                 return
             with agent.step(step):
-                with agent.stage("fwd"):
-                    time.sleep(FWD_S)
-                with agent.stage("update"):
-                    late = rank == SLOW_RANK and step >= SLOW_FROM
-                    time.sleep(UPDATE_S + (LATE_S if late else 0.0))
+                stages(agent, rank, step)
             step += 1
             self.steps[rank] = step
 
@@ -80,13 +94,7 @@ class Job:
 def test_a_late_rank_fires_one_straggler_session_on_it_and_its_peer(local_coordinator) -> None:
     owner = local_coordinator
     ranks = agents(owner)
-    request = {
-        "name": "late-update",
-        "when": {"kind": "straggler", "role": "actor", "stage": "update", "for_steps": 2,
-                 "min_ms": 60},
-        "session": {"next_steps": 2}, "cooldown_s": 600,
-    }  # fmt: skip
-    tid = owner.call("add_trigger", request).trigger_id
+    tid = owner.call("add_trigger", REQUEST).trigger_id
     try:
         with Job(ranks) as job:
 
@@ -124,17 +132,18 @@ def test_a_late_rank_fires_one_straggler_session_on_it_and_its_peer(local_coordi
     assert [t.fired for t in listed] == [1]
 
 
-class DriverJob:
+class DriverJob(Job):
     """A single-controller job: a driver thread announces each step to the coordinator, as
     ``profd.controller()`` does, then calls every worker (each on its thread), which marks
     stages only, and waits for them all. No session is live, so the workers never hear the
     driver's steps: the coordinator places their stage samples."""
 
     def __init__(self, owner: Any, ranks: list[ProfilerAgent]) -> None:
+        # not Job's threads: only its start and stop (stop, barrier, threads) are shared
         self.owner, self.ranks = owner, ranks
         self.stop = threading.Event()
         self.calls = [threading.Event() for _ in ranks]
-        self.done = threading.Barrier(len(ranks) + 1)
+        self.barrier = threading.Barrier(len(ranks) + 1)  # the driver waits for the workers
         self.step = 0
         self.threads = [threading.Thread(target=self.drive, daemon=True)] + [
             threading.Thread(target=self.work, args=(r,), daemon=True) for r in range(len(ranks))
@@ -146,7 +155,7 @@ class DriverJob:
             for call in self.calls:
                 call.set()
             try:
-                self.done.wait(10)
+                self.barrier.wait(10)
             except threading.BrokenBarrierError:
                 return
             self.step += 1
@@ -157,26 +166,11 @@ class DriverJob:
             if not self.calls[rank].wait(0.5):  # the driver's call for this step
                 continue
             self.calls[rank].clear()
-            with agent.stage("fwd"):
-                time.sleep(FWD_S)
-            with agent.stage("update"):
-                late = rank == SLOW_RANK and self.step >= SLOW_FROM
-                time.sleep(UPDATE_S + (LATE_S if late else 0.0))
+            stages(agent, rank, self.step)
             try:
-                self.done.wait(10)
+                self.barrier.wait(10)
             except threading.BrokenBarrierError:
                 return
-
-    def __enter__(self) -> DriverJob:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        self.done.abort()
-        for t in self.threads:
-            t.join(10)
 
 
 def test_a_late_rank_of_a_single_controller_job_fires_too(local_coordinator) -> None:
@@ -185,13 +179,7 @@ def test_a_late_rank_of_a_single_controller_job_fires_too(local_coordinator) -> 
     step while nothing is profiled): the late rank is found in the step it was late."""
     owner = local_coordinator
     ranks = agents(owner)
-    request = {
-        "name": "late-update",
-        "when": {"kind": "straggler", "role": "actor", "stage": "update", "for_steps": 2,
-                 "min_ms": 60},
-        "session": {"next_steps": 2}, "cooldown_s": 600,
-    }  # fmt: skip
-    tid = owner.call("add_trigger", request).trigger_id
+    tid = owner.call("add_trigger", REQUEST).trigger_id
     try:
         with DriverJob(owner, ranks) as job:
             view = wait_until(
