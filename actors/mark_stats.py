@@ -289,6 +289,15 @@ class MarkStats:
         w = None if a is None else (a.step if mark is None else a.stages.get(mark))
         return () if w is None else w.values
 
+    def marks(self, agent_id: str) -> tuple[bool, list[str]]:
+        """Whether the agent has timed its step, and the stages it has timed."""
+        a = self._agents.get(agent_id)
+        if a is None:
+            return False, []
+        return bool(a.step is not None and a.step.count), [
+            k for k, w in a.stages.items() if w.count
+        ]
+
     def times_stage(self, agent_id: str, stage: str) -> bool:
         """Whether the agent has timed ``stage`` at all (its spans may not have come yet)."""
         a = self._agents.get(agent_id)

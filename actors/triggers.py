@@ -183,7 +183,33 @@ class TriggerDesk:
             suppressed={k.value: v for k, v in t.suppressed.items()},
             disk_bytes=t.disk_bytes,
             firings=[_firing_view(f) for f in reversed(t.firings)],
+            idle_reason=self._idle_reason(t),
         )
+
+    def _idle_reason(self, t: Trigger) -> str | None:
+        """Why ``t`` cannot judge anything now (see ``TriggerView.idle_reason``)."""
+        cond = t.request.when
+        agents = [r.info.agent_id for r in self._registry.alive() if r.info.role == cond.role]
+        if not agents:
+            return f"no alive agent of role {cond.role!r}"
+        if cond.kind is TriggerKind.OOM:
+            return None
+        steps, stages = False, set()
+        for aid in agents:
+            has_step, labels = self._times.marks(aid)
+            steps |= has_step
+            stages.update(labels)
+        if not steps and not stages:
+            return None  # no times yet: nothing to say the watched mark is wrong
+        if cond.mark is None:
+            return None if steps else (
+                f"no agent of role {cond.role!r} marks steps (a worker following its driver "
+                f"marks none; its stages: {', '.join(sorted(stages))})"
+            )  # fmt: skip
+        if cond.mark in stages:
+            return None
+        timed = ", ".join(sorted(stages)) or "none"
+        return f"no agent of role {cond.role!r} times stage {cond.mark!r} (its stages: {timed})"
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per trigger name: sessions started and conditions suppressed (for /metrics)."""

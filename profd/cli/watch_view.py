@@ -82,6 +82,9 @@ def print_triggers(triggers: list[dict[str, Any]]) -> None:
         last = _last(t["firings"][0]) if t["firings"] else "-"
         table.add_row(t["trigger_id"], t["name"], when, str(t["fired"]), quiet, last)
     console.print(table)
+    for t in triggers:
+        if t.get("idle_reason"):  # a sidecar of an older profd does not say
+            console.print(f"{t['trigger_id']} ({t['name']}) judges nothing: {t['idle_reason']}")
 
 
 def watch(

@@ -279,6 +279,12 @@ class TriggerView(_View):
     )
     disk_bytes: int = Field(description="Trace bytes of the sessions it started.")
     firings: list[FiringView] = Field(description="Its newest firings (at most 50), newest first.")
+    idle_reason: str | None = Field(
+        default=None,
+        description="Why it cannot judge anything now: no alive agent of its role, or its "
+        "role's agents report times but none of the mark it watches (the ones they do time "
+        "are named: a misspelt stage, a role prefix); null when it can.",
+    )
 
 
 class StackFrameView(_View):

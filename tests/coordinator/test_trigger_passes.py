@@ -106,6 +106,20 @@ def test_a_fleets_reports_are_judged_in_passes_reading_the_role_once(tmp_path) -
     assert views[1].firings[0].state == "due" and views[1].firings[0].evidence["step"] == SLOW_FROM
 
 
+async def one_node(tmp_path: Path, ranks: int) -> ProfileCoordinator:
+    """A started in-process coordinator with ``ranks`` actor agents on one node."""
+    c = ProfileCoordinator(coordinator_settings(tmp_path, tick_s=3600.0))
+    await c.start()
+    caps = {t.value: None for t in ToolKind}
+    for r in range(ranks):
+        info = AgentInfo(
+            f"actor-{r}", "actor", r, ranks, {}, "host", os.getpid(), node_id="n0",
+            capabilities=caps,
+        )  # fmt: skip
+        await c.register(info, 0)
+    return c
+
+
 def test_reports_waiting_for_their_pass_are_not_held_by_the_collector(
     tmp_path, monkeypatch
 ) -> None:
@@ -116,16 +130,8 @@ def test_reports_waiting_for_their_pass_are_not_held_by_the_collector(
     monkeypatch.setattr(triggers, "OBSERVE_COALESCE_S", 3600.0)  # the pass waits for us
 
     async def run() -> tuple[list[Any], int, int]:
-        c = ProfileCoordinator(coordinator_settings(tmp_path, tick_s=3600.0))
-        await c.start()
+        c = await one_node(tmp_path, 8)
         try:
-            caps = {t.value: None for t in ToolKind}
-            for r in range(8):
-                info = AgentInfo(
-                    f"actor-{r}", "actor", r, 8, {}, "host", os.getpid(), node_id="n0",
-                    capabilities=caps,
-                )  # fmt: skip
-                await c.register(info, 0)
             await c.add_trigger(
                 {"name": "late", "when": {"kind": "straggler", "role": "actor", "stage": "update"}}
             )
@@ -146,3 +152,45 @@ def test_reports_waiting_for_their_pass_are_not_held_by_the_collector(
     tracked, waiting, passes = asyncio.run(run())
     assert waiting == 8 and passes == 1
     assert tracked == []
+
+
+def test_a_trigger_says_why_it_judges_nothing(tmp_path) -> None:
+    """A trigger on a stage no agent of its role times (a role prefix forgotten: verl's
+    workers label ``actor_update``), on steps where its workers mark none, or on a role with
+    no agent, is accepted (agents come later) but its view says why it judges nothing."""
+
+    async def run() -> dict[str, str | None]:
+        c = await one_node(tmp_path, 2)
+        try:
+            watch = {
+                "wrong-stage": {"kind": "stage_time", "role": "actor", "stage": "update"},
+                "right-stage": {"kind": "straggler", "role": "actor", "stage": "actor_update"},
+                "steps": {"kind": "step_time", "role": "actor"},
+                "no-agents": {"kind": "step_time", "role": "critic"},
+                "oom": {"kind": "oom", "role": "actor"},
+            }
+            ids = {
+                n: (await c.add_trigger({"name": n, "when": w})).trigger_id
+                for n, w in watch.items()
+            }
+            before = {n: (await c.get_trigger(i)).idle_reason for n, i in ids.items()}
+            stages = (LabelDurations("actor_update", (0.1,)), LabelDurations("gen", (0.2,)))
+            times = MarkDurations(step=None, stages=stages)  # a driver's worker: no step
+            batch = {
+                f"actor-{r}": [AgentEvent(EventKind.TIMES, None, 3, payload=times)]
+                for r in range(2)
+            }
+            assert all((await c.report_many(batch)).values())
+            after = {n: (await c.get_trigger(i)).idle_reason for n, i in ids.items()}
+            return {**{f"before:{n}": v for n, v in before.items()}, **after}
+        finally:
+            c.close()
+
+    got = asyncio.run(run())
+    assert got["before:wrong-stage"] is None and got["before:steps"] is None  # no times yet
+    assert got["wrong-stage"] == (
+        "no agent of role 'actor' times stage 'update' (its stages: actor_update, gen)"
+    )
+    assert got["right-stage"] is None and got["oom"] is None
+    assert got["steps"] is not None and "marks steps" in got["steps"]
+    assert got["no-agents"] == got["before:no-agents"] == "no alive agent of role 'critic'"
