@@ -105,15 +105,16 @@ def judge_step(
 
 def judge_new_steps(
     verdicts: dict[int, StepVerdict], new: list[int], per_rank: dict[int, dict[int, Any]]
-) -> bool:
+) -> list[int]:
     """Judge each step of ``new`` (sorted) that every rank of ``per_rank`` (rank -> step ->
     its span) has reported and is not in ``verdicts`` yet, keeping the newest
-    :data:`KEPT_VERDICTS`; whether any was. A step below the newest judged is a new run (a
-    job resumed from a checkpoint): the verdicts start afresh."""
-    judged = False
+    :data:`KEPT_VERDICTS`; the steps judged, oldest first. A step below the newest judged is
+    a new run (a job resumed from a checkpoint): the verdicts start afresh."""
+    judged = []
     for s in new:
         if verdicts and s < max(verdicts):  # the job went back (a resume): a new run
             verdicts.clear()
+            judged.clear()
         if s in verdicts or any(s not in steps for steps in per_rank.values()):
             continue
         ranks = sorted(per_rank)
@@ -121,7 +122,7 @@ def judge_new_steps(
         verdicts[s] = judge_step(
             ranks, [g.start for g in got], [g.end for g in got], [g.wall for g in got]
         )
-        judged = True
+        judged.append(s)
     while len(verdicts) > KEPT_VERDICTS:
         del verdicts[next(iter(verdicts))]  # the oldest judged
-    return judged
+    return [s for s in judged if s in verdicts]

@@ -51,6 +51,7 @@ from profd.actors.trigger_reports import (
     STEP,
     History,
     Report,
+    RoleSpans,
     Spans,
     has_durations,
     report,
@@ -162,7 +163,7 @@ class Trigger:
     suppressed: dict[Suppressed, int] = field(default_factory=dict)
     disk_bytes: int = 0  # traces of its sessions so far
     due: Firing | None = None
-    #: straggler: step -> rank -> its lateness there (the newest KEPT_VERDICTS steps judged)
+    #: straggler: step -> its verdict (the newest KEPT_VERDICTS steps judged)
     verdicts: dict[int, StepVerdict] = field(default_factory=dict)
     #: straggler: the agents those verdicts were judged on (another job's, or a restarted
     #: rank's, start afresh: their step numbers are another run's)
@@ -268,7 +269,7 @@ class TriggerBook:
     ) -> list[Firing]:
         """A step / stage time trigger: each report's rank against the role's baseline."""
         cond = t.request.when
-        new = [r for r in reports if has_durations(r, cond.mark) and not profiled(r[AGENT])]
+        new = [r for r in reports if not profiled(r[AGENT]) and has_durations(r, cond.mark)]
         if not new:
             return []
         per_rank, baseline, pooled = _baseline(t, history)
@@ -295,8 +296,9 @@ class TriggerBook:
         self, t: Trigger, reports: list[Report], spans: Spans, profiled: Callable[[str], bool]
     ) -> Firing | None:
         """Judge the steps of the watched stage that ``reports`` completed (every rank that
-        reports the stage has its end there), then whether a rank was late in the newest
-        ``for_steps`` of them."""
+        reports the stage has its end there), then, for each of them oldest first, whether
+        a rank was late in the ``for_steps`` steps judged up to it: as when each report was
+        judged on its own, a late step is not hidden by a later one of the same pass."""
         cond = t.request.when
         stage = cond.stage or ""
         new = sorted({s for r in reports for s in span_steps(r, stage)})
@@ -307,9 +309,22 @@ class TriggerBook:
         if agents != t.verdict_agents:  # another job's agents, or a restarted rank
             t.verdicts.clear()
             t.verdict_agents = agents
-        if len(role_spans.steps) < 2 or not judge_new_steps(t.verdicts, new, role_spans.steps):
+        if len(role_spans.steps) < 2:
             return None
-        newest = sorted(t.verdicts)[-cond.for_steps :]
+        for step in judge_new_steps(t.verdicts, new, role_spans.steps):
+            evidence = self._late_up_to(t, step, role_spans, profiled)
+            if evidence is not None:  # one rank held a pass: fired, or suppressed
+                return self._hold(t, evidence)
+        return None
+
+    @staticmethod
+    def _late_up_to(
+        t: Trigger, step: int, role_spans: RoleSpans, profiled: Callable[[str], bool]
+    ) -> Evidence | None:
+        """The latest rank late (by ``min_ms`` at least) in each of the ``for_steps``
+        steps judged up to ``step``, as evidence; ``None`` when none was."""
+        cond = t.request.when
+        newest = sorted(s for s in t.verdicts if s <= step)[-cond.for_steps :]
         if len(newest) < cond.for_steps:
             return None
         last = t.verdicts[newest[-1]]
@@ -323,13 +338,12 @@ class TriggerBook:
             return None
         rank = min(held)[1]
         x = last.late[rank]
-        evidence = Evidence(
-            cond.role, rank, role_spans.agents[rank], stage, x.late, x.threshold, None,
-            last.members - 1, newest[-1], kind=cond.kind.value,
+        return Evidence(
+            cond.role, rank, role_spans.agents[rank], cond.stage or "", x.late, x.threshold,
+            None, last.members - 1, newest[-1], kind=cond.kind.value,
             peer_rank=last.peer, late_s=x.late,
             threshold_s=x.threshold, end_s=x.end, peer_median_end_s=x.reference, cause=x.cause,
         )  # fmt: skip
-        return self._hold(t, evidence)
 
     def out_of_memory(
         self, agent_id: str, role: str, rank: int, oom: OutOfMemory, step: int | None = None

@@ -19,6 +19,12 @@ from typing import Any
 from profd.core.protocol import MarkDurations
 
 __all__ = [
+    "AGENT",
+    "RANK",
+    "ROLE",
+    "STAGES",
+    "STEP",
+    "STEP_NEW",
     "History",
     "Report",
     "RoleSpans",
@@ -26,6 +32,7 @@ __all__ = [
     "has_durations",
     "report",
     "span_steps",
+    "stages",
 ]
 
 #: One ``times`` report as a pass holds it, flat: ``(agent_id, role, rank, step, has step

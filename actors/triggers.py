@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from profd.actors.trigger_book import Firing, Trigger, TriggerBook
-from profd.actors.trigger_reports import Report, RoleSpans, report
+from profd.actors.trigger_reports import AGENT, Report, RoleSpans, report
 from profd.core.errors import ConflictError, NotFoundError, ProfdError
 from profd.core.protocol import AgentEvent, AgentInfo, MarkDurations, OutOfMemory
 from profd.core.trigger_request import TriggerKind, TriggerRequest
@@ -78,8 +78,7 @@ class TriggerDesk:
         self._sessions: dict[str, list[str]] = {}  # trigger id -> the sessions it started
         self._firing: asyncio.Task | None = None
         self.firings_total = 0
-        #: Durations waiting for the next pass: (agent id, durations, its step).
-        #: reports waiting for the next pass, flat (``trigger_reports.report``)
+        #: Reports waiting for the next pass, flat (``trigger_reports.report``).
         self._unjudged: list[Report] = []
         self._pass: asyncio.TimerHandle | None = None
         self.passes = 0
@@ -263,7 +262,10 @@ class TriggerDesk:
             return
         self.passes += 1
         self._count_disk()
-        firings = self.book.observe_pass(pending, self._history, self._spans, self._profiling_now())
+        profiled = self._profiling_now()
+        for r in pending:  # each reporting agent's grace is kept, whatever its triggers read
+            profiled(r[AGENT])
+        firings = self.book.observe_pass(pending, self._history, self._spans, profiled)
         if firings:
             self.fire_soon()
 

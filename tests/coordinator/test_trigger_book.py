@@ -305,6 +305,29 @@ def test_a_straggler_fires_after_for_steps_late_steps_on_it_with_the_peer_it_cho
     assert t.suppressed == {Suppressed.COOLDOWN: 1}
 
 
+def test_a_late_step_is_not_hidden_by_a_later_one_judged_in_the_same_pass() -> None:
+    """One pass completes steps 11 and 12 (rank 3's report of both, then rank 2's on-time
+    12): rank 2 was late in 11, and is found there, as report by report."""
+    book = TriggerBook(Clock())
+    book.add(straggler())
+    ends = Ends(4)
+    for r in range(3):
+        for s in (11, 12):
+            late = 0.3 if (r, s) == (2, 11) else 0.0
+            ends.add(r, s, s + 0.001 * r, s + 0.001 * r + 0.1 + late)
+    for s in (11, 12):
+        ends.add(3, s, s + 0.003, s + 0.103)
+    spans3 = tuple((s, s + 0.003, s + 0.103) for s in (11, 12))
+    times3 = MarkDurations(step=None, stages=(LabelDurations("update", (0.1, 0.1), spans=spans3),))
+    on_time = MarkDurations(
+        step=None, stages=(LabelDurations("update", (0.1,), spans=((12, 12.002, 12.102),)),)
+    )
+    reports = [report("a3", "actor", 3, times3, 12), report("a2", "actor", 2, on_time, 12)]
+    [f] = book.observe_pass(reports, history_of({}), ends)
+    assert (f.evidence.rank, f.evidence.step) == (2, 11)
+    assert f.evidence.late_s > 0.25
+
+
 def test_a_profiled_rank_is_not_called_a_straggler_and_stages_elsewhere_are_ignored() -> None:
     book = TriggerBook(Clock())
     t = book.add(straggler(for_steps=1))

@@ -14,6 +14,7 @@ import gc
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from profd.actors import triggers
@@ -194,3 +195,27 @@ def test_a_trigger_says_why_it_judges_nothing(tmp_path) -> None:
     assert got["right-stage"] is None and got["oom"] is None
     assert got["steps"] is not None and "marks steps" in got["steps"]
     assert got["no-agents"] == got["before:no-agents"] == "no alive agent of role 'critic'"
+
+
+def test_a_profiled_agents_grace_is_kept_by_every_report_it_sends(tmp_path, monkeypatch) -> None:
+    """While profiled, an agent's every report renews its grace (its durations right after
+    the session carry the profiler's stop and export), whether or not a trigger reads the
+    mark it reported: a step-time trigger and a report of stages only."""
+    monkeypatch.setattr(triggers, "OBSERVE_COALESCE_S", 3600.0)
+
+    async def run() -> tuple[float | None, float | None]:
+        c = await one_node(tmp_path, 2)
+        try:
+            await c.add_trigger({"name": "slow", "when": {"kind": "step_time", "role": "actor"}})
+            desk = c._triggers
+            desk._live = lambda: [SimpleNamespace(targets={"actor-0": None})]
+            stages_only = MarkDurations(step=None, stages=(LabelDurations("gen", (0.2,)),))
+            ev = AgentEvent(EventKind.TIMES, None, 3, payload=stages_only)
+            assert all((await c.report_many({"actor-0": [ev], "actor-1": [ev]})).values())
+            desk.judge_pending()
+            return desk._profiled_at.get("actor-0"), desk._profiled_at.get("actor-1")
+        finally:
+            c.close()
+
+    profiled, other = asyncio.run(run())
+    assert profiled is not None and other is None
