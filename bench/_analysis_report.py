@@ -17,7 +17,7 @@ TARGET_PEAK_RATIO = 2.0
 
 # -- checks -------------------------------------------------------------------------------------
 def compare(
-    profd: dict[str, Any], hta: dict[str, Any], layout: dict[str, int] | None
+    profd: dict[str, Any], hta: dict[str, Any], layout: dict[str, Any] | None
 ) -> tuple[float, float, float, list[str]]:
     """(max profd-HTA difference in pp, max difference from the expected figures in pp,
     kernel-time difference in % of the total, problems)."""
@@ -78,8 +78,9 @@ def report(
     pss_p: float | None,
     pss_h: float | None,
     expected_ranks: list[int],
-    layout: dict[str, int] | None,
+    layout: dict[str, Any] | None,
     load_start: float,
+    hta_ns: str = "rounded",
 ) -> None:
     first_p, first_h = profd_runs[0], hta_runs[0]
     problems = []
@@ -109,6 +110,9 @@ def report(
     r0p, r0h = first_p["ranks"][min(first_p["ranks"])], first_h["ranks"][min(first_p["ranks"])]
     fields: dict[str, Any] = {
         "hta_work": "breakdown",
+        "layout": layout.get("text", "2.13") if layout else "-",
+        "parse": ",".join(first_p["parse"]),
+        "hta_ns": hta_ns,
         "ranks": len(expected_ranks),
         "bytes": raw,
         "profd_s": f"{j.p_s:.3f}",
@@ -218,7 +222,7 @@ class _Judged:
 def _print_figures(
     profd_runs: list[dict[str, Any]],
     hta_runs: list[dict[str, Any]],
-    layout: dict[str, int] | None,
+    layout: dict[str, Any] | None,
 ) -> None:
     """Memory of both, then each rank's figures: profd's, HTA's, and the generator's."""
     first_p, first_h = profd_runs[0], hta_runs[0]

@@ -2,10 +2,13 @@
 the same files, in fresh processes, in alternating rounds.
 
     python bench/analysis.py [--ranks 8] [--steps 4] [--target-mb 100] [--rounds 3]
-                             [--gzip] [--keep DIR | --reuse DIR] [--no-sample]
+                             [--layout classic|2.13] [--gzip] [--keep DIR | --reuse DIR]
+                             [--no-sample]
 
-1. Writes a trace set (``gpu_trace_set.py``): one Kineto-layout file per rank, in the text torch
-   2.13 writes, ``--target-mb`` MB of JSON in total (``.json``; ``--gzip``: ``.json.gz``),
+1. Writes a trace set (``gpu_trace_set.py``): one Kineto-layout file per rank, in the text
+   Kineto writes before torch 2.13 (``--layout classic``, the default: the torch of most GPU
+   jobs, as recorded on an H200 in ``tests/fixtures/cuda``) or in torch 2.13's
+   (``--layout 2.13``), ``--target-mb`` MB of JSON in total (``.json``; ``--gzip``: ``.json.gz``),
    with ``ProfilerStep#<n>`` rows, profd stage ranges, kernels on two compute streams, NCCL
    kernels on a communication stream partly overlapping them, memcpy / memset events, their
    ``cuda_runtime`` launches (correlation ids) and flow events. Its figures are known by
@@ -59,11 +62,12 @@ run is the longer, so it catches more of it), which can flatter the wall-time ra
 HTA is installed for this script only, without its declared
 dependencies (``tests/hta_install.py``); it is not a dependency of profd.
 
-The last line is ``RESULT hta_work=breakdown ranks=... bytes=... profd_s=... hta_s=...
-speedup=... (best rounds) profd_cpu_s=... hta_cpu_s=... cpu_ratio=... rank0_profd_idle_pct=...
-rank0_hta_idle_pct=... (compute, non-compute, overlap) max_diff_pp=... peak_abs_mb=...
-raw_mb=... peak_ratio=... targets=... load=...`` (``load``: the 1-minute load average when
-it ended; ``load_start`` when it began).
+The last line is ``RESULT hta_work=breakdown layout=... parse=... ranks=... bytes=...
+profd_s=... hta_s=... speedup=... (best rounds) profd_cpu_s=... hta_cpu_s=... cpu_ratio=...
+rank0_profd_idle_pct=... rank0_hta_idle_pct=... (compute, non-compute, overlap)
+max_diff_pp=... peak_abs_mb=... raw_mb=... peak_ratio=... targets=... load=...``
+(``load``: the 1-minute load average when it ended; ``load_start`` when it began;
+``parse``: how profd read the files, ``fast`` unless a file fell back to the generic parser).
 """
 
 from __future__ import annotations
@@ -283,13 +287,15 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path | None, dict[str, int]
     directory = args.keep or Path(tempfile.mkdtemp(prefix="profd-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    layers, files = gpu_trace_set.write_set(directory, args.ranks, args.steps, args.target_mb)
+    layers, files = gpu_trace_set.write_set(
+        directory, args.ranks, args.steps, args.target_mb, args.layout
+    )
     if args.gzip:
         for f in files:
             with open(f, "rb") as src, gzip.open(f"{f}.gz", "wb", compresslevel=6) as dst:
                 shutil.copyfileobj(src, dst)
             f.unlink()
-    layout = {"ranks": args.ranks, "steps": args.steps, "layers": layers}
+    layout = {"ranks": args.ranks, "steps": args.steps, "layers": layers, "text": args.layout}
     (directory / LAYOUT).write_text(json.dumps(layout))
     print(
         f"wrote {len(files)} traces ({args.steps} steps x {layers} layers per rank) "
@@ -338,9 +344,17 @@ def main() -> None:
     ap.add_argument("--target-mb", type=float, default=100.0, help="JSON in total, all ranks.")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gzip", action="store_true", help="Write .json.gz instead of .json.")
+    ap.add_argument(
+        "--layout", choices=("classic", "2.13"), default="classic",
+        help="The text of the traces: Kineto's classic layout (torch < 2.13) or torch 2.13's.",
+    )  # fmt: skip
     ap.add_argument("--keep", type=Path, help="Write the traces into this directory, keep them.")
     ap.add_argument("--reuse", type=Path, help="Skip writing; use the traces in this directory.")
     ap.add_argument("--no-sample", action="store_true", help="Skip the sampled-memory rounds.")
+    ap.add_argument(
+        "--hta-keep-ns", action="store_true",
+        help="Run HTA with HTA_DISABLE_NS_ROUNDING=1 (real traces: see docs/hta-export.md).",
+    )  # fmt: skip
     ap.add_argument("--measure-profd", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--measure-hta", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -363,6 +377,8 @@ def run(args: argparse.Namespace) -> None:
 
     load_start = os.getloadavg()[0]
     hta_env = hta_install.hta_env()
+    if args.hta_keep_ns:
+        hta_env["HTA_DISABLE_NS_ROUNDING"] = "1"
     directory, scratch, layout = prepare(args)
     try:
         files = discover(directory)
@@ -379,7 +395,8 @@ def run(args: argparse.Namespace) -> None:
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    report(raw, profd_runs, hta_runs, pss_p, pss_h, expected_ranks, layout, load_start)
+    hta_ns = "kept" if args.hta_keep_ns else "rounded"
+    report(raw, profd_runs, hta_runs, pss_p, pss_h, expected_ranks, layout, load_start, hta_ns)
 
 
 if __name__ == "__main__":

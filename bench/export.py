@@ -25,10 +25,11 @@ Size: profd's file vs a gzip of torch's JSON at profd's level (6); torch's own `
 Targets: stall ≤ 0.3x torch's plain-JSON export, file ≤ 1.15x torch's gzip.
 
     python bench/export.py [--iters 40000] [--rounds 5]     # --iters 4000: a 10 MB window
+    python bench/export.py --device cuda [--iters ...]      # on a GPU: CUDA activity too
 
-Last line: ``RESULT stall_ratio=... size_ratio=... busy_ratio=... stall_s=... torch_json_s=...
-load=...`` (``busy_ratio``: stall + delay, profd over torch; ``load``: 1-minute load average
-at the end).
+Last line: ``RESULT device=... mb=... stall_ratio=... size_ratio=... busy_ratio=... stall_s=...
+torch_json_s=... load=...`` (``mb``: torch's JSON of the window; ``busy_ratio``: stall +
+delay, profd over torch; ``load``: 1-minute load average at the end).
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ VARIANTS = ("torch_json", "profd")
 CHUNK_ITERS = 2000  # one chunk of follow-up work: a few tens of ms
 
 
-def workload(iters: int) -> None:
-    x = torch.ones(4)
+def workload(iters: int, device: str = "cpu") -> None:
+    x = torch.ones(4, device=device)
     for _ in range(iters):
         x = x.add(1).mul(1)
+    if device == "cuda":  # a step ends with its device work done
+        torch.cuda.synchronize()
 
 
 def chunk_baseline() -> float:
@@ -81,12 +84,15 @@ def follow_up(done: threading.Event, baseline: float) -> float:
             return max(0.0, time.perf_counter() - t0 - chunks * baseline)
 
 
-def run_torch_json(iters: int, out_dir: Path, level9: bool) -> dict[str, float]:
+def run_torch_json(iters: int, out_dir: Path, level9: bool, device: str) -> dict[str, float]:
     baseline = chunk_baseline()
     path = out_dir / "t.json"
-    prof = profile(activities=[ProfilerActivity.CPU])
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(activities=activities)
     prof.start()
-    workload(iters)
+    workload(iters, device)
     t0 = time.perf_counter()
     prof.stop()
     t1 = time.perf_counter()
@@ -105,7 +111,7 @@ def run_torch_json(iters: int, out_dir: Path, level9: bool) -> dict[str, float]:
     return result
 
 
-def run_profd(iters: int, out_dir: Path) -> dict[str, float]:
+def run_profd(iters: int, out_dir: Path, device: str) -> dict[str, float]:
     baseline = chunk_baseline()
     done = threading.Event()
     written: list[Path] = []
@@ -119,8 +125,8 @@ def run_profd(iters: int, out_dir: Path) -> dict[str, float]:
 
     exporter = Exporter(on_done)
     spec = CollectionSpec(out_dir, "actor_train_step1_rank0_pid1_20260101000000000", {})
-    coll = TorchBackend({"contents": ["cpu"]}).open(spec)
-    workload(iters)
+    coll = TorchBackend({"contents": ["cpu", device] if device == "cuda" else ["cpu"]}).open(spec)
+    workload(iters, device)
     t0 = time.perf_counter()
     outputs = coll.close()
     t1 = time.perf_counter()
@@ -141,29 +147,30 @@ def run_profd(iters: int, out_dir: Path) -> dict[str, float]:
     }
 
 
-def run_one(variant: str, iters: int, out_dir: Path, level9: bool) -> dict[str, float]:
+def run_one(variant: str, iters: int, out_dir: Path, level9: bool, device: str) -> dict[str, float]:
     torch.set_num_threads(1)
-    workload(100)  # warm up kineto and the allocator
+    workload(100, device)  # warm up kineto and the allocator (and CUDA)
     if variant == "profd":
-        return run_profd(iters, out_dir)
-    return run_torch_json(iters, out_dir, level9)
+        return run_profd(iters, out_dir, device)
+    return run_torch_json(iters, out_dir, level9, device)
 
 
-def measure(variant: str, iters: int, level9: bool) -> dict[str, float]:
+def measure(variant: str, iters: int, level9: bool, device: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, __file__, "--one", variant, "--iters", str(iters), "--dir", tmp]
+        cmd += ["--device", device]
         if level9:
             cmd.append("--level9")
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
 
-def run_rounds(iters: int, rounds: int) -> dict[str, list[dict[str, float]]]:
+def run_rounds(iters: int, rounds: int, device: str) -> dict[str, list[dict[str, float]]]:
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
         for variant in order:
-            runs[variant].append(measure(variant, iters, level9=(r == 0)))
+            runs[variant].append(measure(variant, iters, level9=(r == 0), device=device))
             print(f"round {r + 1}/{rounds} {variant}: " + json.dumps(runs[variant][-1]))
     return runs
 
@@ -176,7 +183,7 @@ def span(values: list[float]) -> str:
     return f"{min(values):.3f}-{max(values):.3f}"
 
 
-def report(runs: dict[str, list[dict[str, float]]], iters: int) -> None:
+def report(runs: dict[str, list[dict[str, float]]], iters: int, device: str) -> None:
     t, p = runs["torch_json"], runs["profd"]
     stall_r = [a["stall"] / b["stall"] for a, b in zip(p, t, strict=True)]
     busy_r = [
@@ -201,7 +208,8 @@ def report(runs: dict[str, list[dict[str, float]]], iters: int) -> None:
     load = os.getloadavg()
     print("load average (1/5/15 min) at the end: " + "/".join(f"{x:.2f}" for x in load))
     print(
-        f"RESULT stall_ratio={stall_ratio:.3f} size_ratio={size_ratio:.3f} "
+        f"RESULT device={device} mb={med(t, 'json_bytes') / 1e6:.0f} "
+        f"stall_ratio={stall_ratio:.3f} size_ratio={size_ratio:.3f} "
         f"busy_ratio={busy_ratio:.3f} stall_s={med(p, 'stall'):.3f} "
         f"torch_json_s={med(t, 'stall'):.3f} load={load[0]:.2f}"
     )
@@ -214,11 +222,15 @@ def main() -> None:
     parser.add_argument("--one", choices=VARIANTS)
     parser.add_argument("--dir", type=Path)
     parser.add_argument("--level9", action="store_true")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: the ops run on the GPU and the window records CUDA activity too",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.iters, args.dir, args.level9)))
+        print(json.dumps(run_one(args.one, args.iters, args.dir, args.level9, args.device)))
         return
-    report(run_rounds(args.iters, args.rounds), args.iters)
+    report(run_rounds(args.iters, args.rounds, args.device), args.iters, args.device)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Synthetic GPU traces for ``bench/analysis.py``: one Kineto-layout file per rank, in the text
-torch 2.13 writes (one key per line, ``"args"`` after a lone comma, flow events beside the
-launches and kernels), whose GPU figures are known by construction.
+Kineto writes before torch 2.13 (``classic``: an event's keys up to ``tid`` on one line, then
+``ts`` and ``dur``) or torch 2.13's (one key per line, ``"args"`` after a lone comma), flow
+events beside the launches and kernels, Kineto's span last; GPU figures known by construction.
 
 Every rank runs ``steps`` steps (``ProfilerStep#<n>`` rows on the host thread, one after the
 other, as ``prof.step()`` writes them; profd stage ranges ``generate_sequences``,
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from profd.core.naming import trace_stem
 
-__all__ = ["GAP_US", "Expected", "expected", "layer_bytes", "write_rank", "write_set"]
+__all__ = ["GAP_US", "LAYOUTS", "Expected", "expected", "layer_bytes", "write_rank", "write_set"]
 
 BASE_NS = 1_790_000_000_000_000_000  # baseTimeNanoseconds: ts are µs after it
 T0 = 7_000_000  # µs: where the first step starts on every rank
@@ -137,40 +138,98 @@ def expected(rank: int, steps: int, layers: int) -> Expected:
     )
 
 
-# -- writing torch 2.13's text ----------------------------------------------------------------
-def _x(cat: str, name: str, pid: int, tid: int, ts: int, dur: int, args: str) -> str:
-    return (
-        f'  {{\n    "ph": "X",\n    "cat": "{cat}",\n    "name": {json.dumps(name)},\n'
-        f'    "pid": {pid},\n    "tid": {tid},\n    "ts": {ts}.000,\n    "dur": {dur}.000\n'
-        f'    ,\n    "args": {{\n      {args}\n    }}\n  }}'
-    )
+# -- the text: torch 2.13's layout, or Kineto's classic one ----------------------------------------
+class Text213:
+    """Event texts as torch 2.13 writes them: one key per line, "args" after a lone comma."""
+
+    name = "2.13"
+
+    def x(self, cat: str, name: str, pid: int, tid: int, ts: int, dur: int, args: str) -> str:
+        return (
+            f'  {{\n    "ph": "X",\n    "cat": "{cat}",\n    "name": {json.dumps(name)},\n'
+            f'    "pid": {pid},\n    "tid": {tid},\n    "ts": {ts}.000,\n    "dur": {dur}.000\n'
+            f'    ,\n    "args": {{\n      {args}\n    }}\n  }}'
+        )
+
+    def flow(self, ph: str, corr: int, pid: int, tid: int, ts: int) -> str:
+        tail = ',\n    "bp": "e"' if ph == "f" else ""
+        return (
+            f'  {{\n    "ph": "{ph}",\n    "id": {corr},\n    "pid": {pid},\n    "tid": {tid},\n'
+            f'    "ts": {ts}.000,\n    "cat": "ac2g",\n    "name": "ac2g"{tail}\n  }}'
+        )
+
+    def meta(self, pid: int, tid: int, key: str, value: str) -> str:
+        return (
+            f'  {{\n    "ph": "M",\n    "name": "{key}",\n    "ts": {T0}.000,\n    "pid": {pid},\n'
+            f'    "tid": {tid},\n    "args": {{\n      "name": {json.dumps(value)}\n    }}\n  }}'
+        )
+
+    def span(self, ts: int, dur: int) -> str:
+        """Kineto's own span over the recording (one per file)."""
+        return self.x("Trace", "PyTorch Profiler (0)", '"Spans"', '"PyTorch Profiler"', ts, dur,
+                      '"Op count": 0')  # fmt: skip
+
+    def args(self, pairs: list[str]) -> str:
+        return ",\n      ".join(pairs)
 
 
-def _flow(ph: str, corr: int, pid: int, tid: int, ts: int) -> str:
-    tail = ',\n    "bp": "e"' if ph == "f" else ""
-    return (
-        f'  {{\n    "ph": "{ph}",\n    "id": {corr},\n    "pid": {pid},\n    "tid": {tid},\n'
-        f'    "ts": {ts}.000,\n    "cat": "ac2g",\n    "name": "ac2g"{tail}\n  }}'
-    )
+class TextClassic(Text213):
+    """Kineto's classic layout (torch before 2.13: most GPU jobs' torch), as recorded on an
+    H200 (tests/fixtures/cuda): ph, cat, name, pid and tid on one line, ts and dur on the
+    next; Kineto's span in its own key order."""
+
+    name = "classic"
+
+    def x(self, cat: str, name: str, pid: int, tid: int, ts: int, dur: int, args: str) -> str:
+        return (
+            f'  {{\n    "ph": "X", "cat": "{cat}", "name": {json.dumps(name)}, "pid": {pid}, '
+            f'"tid": {tid},\n    "ts": {ts}.000, "dur": {dur}.000,\n'
+            f'    "args": {{\n      {args}\n    }}\n  }}'
+        )
+
+    def flow(self, ph: str, corr: int, pid: int, tid: int, ts: int) -> str:
+        tail = ', "bp": "e"' if ph == "f" else ""
+        return (
+            f'  {{\n    "ph": "{ph}", "id": {corr}, "pid": {pid}, "tid": {tid}, "ts": {ts}.000,\n'
+            f'    "cat": "ac2g", "name": "ac2g"{tail}\n  }}'
+        )
+
+    def meta(self, pid: int, tid: int, key: str, value: str) -> str:
+        return (
+            f'  {{\n    "name": "{key}", "ph": "M", "ts": {T0}.000, "pid": {pid}, "tid": {tid},\n'
+            f'    "args": {{\n      "name": {json.dumps(value)}\n    }}\n  }}'
+        )
+
+    def span(self, ts: int, dur: int) -> str:
+        return (
+            f'  {{\n    "ph": "X", "cat": "Trace", "ts": {ts}.000, "dur": {dur}.000,\n'
+            '    "pid": "Spans", "tid": "PyTorch Profiler",\n    "name": "PyTorch Profiler (0)",\n'
+            '    "args": {\n      "Op count": 0\n    }\n  }'
+        )
+
+    def args(self, pairs: list[str]) -> str:
+        return ", ".join(pairs)  # Kineto's own spacing varies; one line either way
 
 
-def _kernel_args(ext: int, stream: int, corr: int, grid: int) -> str:
-    return (
-        f'"External id": {ext},\n      "queued": 0,\n      "device": 0,\n      "context": 1,\n'
-        f'      "stream": {stream},\n      "correlation": {corr},\n'
-        f'      "registers per thread": 168,\n      "shared memory": 213248,\n'
-        f'      "blocks per SM": {grid / 132:.6f},\n      "warps per SM": {grid * 12 / 132:.6f},\n'
-        f'      "grid": [{grid}, 1, 1],\n      "block": [384, 1, 1],\n'
-        f'      "est. achieved occupancy %": 19'
-    )
+LAYOUTS = {t.name: t for t in (Text213(), TextClassic())}
 
 
-def _memory_args(ext: int, corr: int, nbytes: int, dur: int) -> str:
-    return (
-        f'"External id": {ext},\n      "device": 0,\n      "context": 1,\n'
-        f'      "stream": {MAIN},\n      "correlation": {corr},\n      "bytes": {nbytes},\n'
-        f'      "memory bandwidth (GB/s)": {nbytes / dur / 1000:.6f}'
-    )
+def _kernel_args(text: Text213, ext: int, stream: int, corr: int, grid: int) -> str:
+    return text.args([
+        f'"External id": {ext}', '"queued": 0', '"device": 0', '"context": 1',
+        f'"stream": {stream}', f'"correlation": {corr}', '"registers per thread": 168',
+        '"shared memory": 213248', f'"blocks per SM": {grid / 132:.6f}',
+        f'"warps per SM": {grid * 12 / 132:.6f}', f'"grid": [{grid}, 1, 1]',
+        '"block": [384, 1, 1]', '"est. achieved occupancy %": 19',
+    ])  # fmt: skip
+
+
+def _memory_args(text: Text213, ext: int, corr: int, nbytes: int, dur: int) -> str:
+    return text.args([
+        f'"External id": {ext}', '"device": 0', '"context": 1', f'"stream": {MAIN}',
+        f'"correlation": {corr}', f'"bytes": {nbytes}',
+        f'"memory bandwidth (GB/s)": {nbytes / dur / 1000:.6f}',
+    ])  # fmt: skip
 
 
 # one layer: (host op, parent op or "", device name, category, stream, start, end or None: C)
@@ -198,32 +257,34 @@ LAUNCH_LEAD_US = 40  # a launch starts this long before its device event
 FIRST_ID = 1_000_000
 
 
-def _host(cat: str, name: str, ts: int, dur: int, args: str) -> tuple[int, str]:
-    return ts, _x(cat, name, HOST_PID, HOST_PID, ts, dur, args)
-
-
-def _layer(rank: int, index: int, at: int, corr: int, ext: int) -> tuple[list, list, int, int]:
+def _layer(
+    text: Text213, rank: int, index: int, at: int, corr: int, ext: int
+) -> tuple[list, list, int, int]:
     """Host and device event texts (with their ts, for ordering) of one layer at GPU time
     ``at``; the next free correlation and External ids."""
     host, dev = [], []
+
+    def on_host(cat: str, name: str, ts: int, dur: int, args: str) -> None:
+        host.append((ts, text.x(cat, name, HOST_PID, HOST_PID, ts, dur, args)))
+
     for op, parent, names, cat, stream, start, end in _LAYER:
         end = comm_end(rank) if end is None else end
         name = names[index % len(names)]
         launch = at + start - LAUNCH_LEAD_US
         op_args = f'"External id": {ext},"Record function id": 0, "Ev Idx": {ext}'
         if parent:
-            host.append(_host("cpu_op", parent, launch - 10, 22, op_args))
-        host.append(_host("cpu_op", op, launch - 6, 15, op_args))
+            on_host("cpu_op", parent, launch - 10, 22, op_args)
+        on_host("cpu_op", op, launch - 6, 15, op_args)
         run_args = f'"External id": {ext}, "cbid": {_CBID[cat]}, "correlation": {corr}'
-        host.append(_host("cuda_runtime", _LAUNCHERS[cat], launch, 5, run_args))
-        host.append((launch, _flow("s", corr, HOST_PID, HOST_PID, launch)))
+        on_host("cuda_runtime", _LAUNCHERS[cat], launch, 5, run_args)
+        host.append((launch, text.flow("s", corr, HOST_PID, HOST_PID, launch)))
         ts, dur = at + start, end - start
         if cat == "kernel":
-            args = _kernel_args(ext, stream, corr, 132 * (1 + index % 4))
+            args = _kernel_args(text, ext, stream, corr, 132 * (1 + index % 4))
         else:
-            args = _memory_args(ext, corr, 1 << 20, dur)
-        dev.append((ts, _x(cat, name, 0, stream, ts, dur, args)))
-        dev.append((ts, _flow("f", corr, 0, stream, ts)))
+            args = _memory_args(text, ext, corr, 1 << 20, dur)
+        dev.append((ts, text.x(cat, name, 0, stream, ts, dur, args)))
+        dev.append((ts, text.flow("f", corr, 0, stream, ts)))
         corr, ext = corr + 1, ext + 1
     return host, dev, corr, ext
 
@@ -247,21 +308,14 @@ def _header(rank: int, world: int) -> str:
     return "{\n" + "".join(f'  "{k}": {json.dumps(v)},\n' for k, v in head.items())
 
 
-def _meta(pid: int, tid: int, key: str, value: str) -> str:
-    return (
-        f'  {{\n    "ph": "M",\n    "name": "{key}",\n    "ts": {T0}.000,\n    "pid": {pid},\n'
-        f'    "tid": {tid},\n    "args": {{\n      "name": {json.dumps(value)}\n    }}\n  }}'
-    )
-
-
-def _events(rank: int, steps: int, layers: int) -> Iterator[str]:
-    """Every event's text: metadata, the host thread's events, then the device's (the order
-    Kineto writes them: CPU activity first, then the GPU buffers)."""
-    yield _meta(HOST_PID, 0, "process_name", "python")
-    yield _meta(HOST_PID, HOST_PID, "thread_name", f"thread {HOST_PID} (python)")
-    yield _meta(0, 0, "process_name", "python")
+def _events(text: Text213, rank: int, steps: int, layers: int) -> Iterator[str]:
+    """Every event's text: metadata, the host thread's events, the device's (the order
+    Kineto writes them: CPU activity first, then the GPU buffers), then Kineto's span."""
+    yield text.meta(HOST_PID, 0, "process_name", "python")
+    yield text.meta(HOST_PID, HOST_PID, "thread_name", f"thread {HOST_PID} (python)")
+    yield text.meta(0, 0, "process_name", "python")
     for stream in (MAIN, SIDE, COMM):
-        yield _meta(0, stream, "thread_name", f"stream {stream}")
+        yield text.meta(0, stream, "thread_name", f"stream {stream}")
     length = layer_us(rank)
     step_us = layers * length + GAP_US
     corr, ext = FIRST_ID, FIRST_ID  # ids of a process that ran a while (HTA: see FIRST_ID)
@@ -270,40 +324,49 @@ def _events(rank: int, steps: int, layers: int) -> Iterator[str]:
     for s in range(steps):
         start = T0 + s * step_us
         step_args = f'"External id": {ext}'
-        host.append(_host("user_annotation", f"ProfilerStep#{s}", start - 100, step_us, step_args))
+        step_row = text.x("user_annotation", f"ProfilerStep#{s}", HOST_PID, HOST_PID,
+                          start - 100, step_us, step_args)  # fmt: skip
+        host.append((start - 100, step_row))
         third = layers // 3
         cuts = [start - 90, start + third * length - 100, start + 2 * third * length - 100]
         ends = [*cuts[1:], start + layers * length - 100 + GAP_US // 2]
         for name, a, b in zip(STAGES, cuts, ends, strict=True):
-            host.append(_host("user_annotation", name, a, b - a, step_args))
+            row = text.x("user_annotation", name, HOST_PID, HOST_PID, a, b - a, step_args)
+            host.append((a, row))
         for i in range(layers):
-            h, d, corr, ext = _layer(rank, i, start + i * length, corr, ext)
+            h, d, corr, ext = _layer(text, rank, i, start + i * length, corr, ext)
             host += h
             dev += d
     host.sort(key=lambda e: e[0])
     dev.sort(key=lambda e: e[0])
-    yield from (text for _, text in host)
-    yield from (text for _, text in dev)
+    yield from (event for _, event in host)
+    yield from (event for _, event in dev)
+    yield text.span(T0 - 200, steps * step_us + 1000)
 
 
-def write_rank(path: Path, rank: int, world: int, steps: int, layers: int) -> int:
+def write_rank(
+    path: Path, rank: int, world: int, steps: int, layers: int, text: Text213 = LAYOUTS["2.13"]
+) -> int:
     """Write one rank's file; its size in bytes."""
     with open(path, "w") as f:
         f.write(_header(rank, world) + '  "traceEvents": [\n')
-        f.write(",\n".join(_events(rank, steps, layers)))
+        f.write(",\n".join(_events(text, rank, steps, layers)))
         f.write(f'\n  ],"traceName": "{path.name}" }}')
     return path.stat().st_size
 
 
-def layer_bytes() -> float:
+def layer_bytes(text: Text213 = LAYOUTS["2.13"]) -> float:
     """Bytes of text per layer (a probe of 30 layers, the header left out)."""
-    text = ",\n".join(_events(0, 1, 30))
-    return len(text) / 30
+    return len(",\n".join(_events(text, 0, 1, 30))) / 30
 
 
-def write_set(out: Path, ranks: int, steps: int, target_mb: float) -> tuple[int, list[Path]]:
-    """``ranks`` files of about ``target_mb`` MB in total; (layers per step, the files)."""
-    layers = max(3, round(target_mb * 1e6 / ranks / steps / layer_bytes()))
+def write_set(
+    out: Path, ranks: int, steps: int, target_mb: float, layout: str = "2.13"
+) -> tuple[int, list[Path]]:
+    """``ranks`` files of about ``target_mb`` MB in total, in ``layout`` (a key of
+    :data:`LAYOUTS`); (layers per step, the files)."""
+    text = LAYOUTS[layout]
+    layers = max(3, round(target_mb * 1e6 / ranks / steps / layer_bytes(text)))
     when = datetime(2026, 12, 1, 12, 0, 0)
     files = []
     for r in range(ranks):
@@ -312,6 +375,6 @@ def write_set(out: Path, ranks: int, steps: int, target_mb: float) -> tuple[int,
             pid=HOST_PID, when=when,
         )  # fmt: skip
         path = out / f"{stem}.json"
-        write_rank(path, r, ranks, steps, layers)
+        write_rank(path, r, ranks, steps, layers, text)
         files.append(path)
     return layers, files

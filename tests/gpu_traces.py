@@ -21,6 +21,9 @@ __all__ = [
     "MS",
     "NCCL",
     "T0",
+    "classic_event",
+    "classic_head",
+    "classic_span",
     "cpu_only_events",
     "device",
     "gpu_events",
@@ -48,18 +51,53 @@ def x(cat: str, name: str, pid: int, tid: int, start_ms: float, dur_ms: float, *
     return e | ({"args": args} if args else {})
 
 
-def kineto_text(header: dict[str, Any], events: list[dict[str, Any]]) -> str:
-    """The text torch.profiler writes: one key per line, "args" after a lone comma."""
-    out = []
-    for e in events:
-        lines = [f'    "{k}": {json.dumps(e[k])},' for k in ("ph", "cat", "name", "pid", "tid")]
-        lines += [f'    "ts": {e["ts"]:.3f},', f'    "dur": {e["dur"]:.3f}']
-        if "args" in e:
-            inner = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in e["args"].items())
-            lines += ["    ,", '    "args": {', f"      {inner}", "    }"]
-        out.append("  {\n" + "\n".join(lines) + "\n  }")
+def kineto_text(header: dict[str, Any], events: list[dict[str, Any]], layout: str = "2.13") -> str:
+    """The text torch.profiler writes. ``"2.13"``: one key per line, "args" after a lone comma;
+    ``"classic"``: Kineto's layout before torch 2.13 (:func:`classic_event`), ending with
+    Kineto's own span, as in the trace recorded on an H200 (``tests/fixtures/cuda``)."""
+    if layout == "classic":
+        out = [classic_event(e) for e in events]
+        first = min((e["ts"] for e in events), default=T0)
+        last = max((e["ts"] + e["dur"] for e in events), default=T0)
+        out.append(classic_span(first, last - first))
+    else:
+        out = [_event_213(e) for e in events]
     head = ",\n".join(f'  "{k}": {json.dumps(v)}' for k, v in header.items())
     return "{\n" + head + ',\n  "traceEvents": [\n' + ",\n".join(out) + '\n  ],\n  "x": 0\n}\n'
+
+
+def _event_213(e: dict[str, Any]) -> str:
+    lines = [f'    "{k}": {json.dumps(e[k])},' for k in ("ph", "cat", "name", "pid", "tid")]
+    lines += [f'    "ts": {e["ts"]:.3f},', f'    "dur": {e["dur"]:.3f}']
+    if "args" in e:
+        inner = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in e["args"].items())
+        lines += ["    ,", '    "args": {', f"      {inner}", "    }"]
+    return "  {\n" + "\n".join(lines) + "\n  }"
+
+
+def classic_head(e: dict[str, Any]) -> str:
+    """An X event's first two lines in Kineto's classic layout (names unescaped, as Kineto
+    writes them)."""
+    head = ", ".join(
+        f"{json.dumps(k)}: {json.dumps(e[k], ensure_ascii=False)}"
+        for k in ("ph", "cat", "name", "pid", "tid")
+    )
+    return f'    {head},\n    "ts": {e["ts"]:.3f}, "dur": {e["dur"]:.3f}'
+
+
+def classic_event(e: dict[str, Any]) -> str:
+    args = e.get("args", {})
+    inner = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in args.items())
+    return "  {\n" + classic_head(e) + ',\n    "args": {\n      ' + inner + "\n    }\n  }"
+
+
+def classic_span(ts: float, dur: float) -> str:
+    """Kineto's span of the whole recording, in its own key order (classic layout)."""
+    return (
+        f'  {{\n    "ph": "X", "cat": "Trace", "ts": {ts:.3f}, "dur": {dur:.3f},\n'
+        '    "pid": "Spans", "tid": "PyTorch Profiler",\n    "name": "PyTorch Profiler (0)",\n'
+        '    "args": {\n      "Op count": 0\n    }\n  }'
+    )
 
 
 def launch(at_ms: float, corr: int) -> dict[str, Any]:

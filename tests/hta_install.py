@@ -16,13 +16,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from engine_install import EngineInstallError, _file_lock, _run, engine_cache_dir
 
-__all__ = ["HTA_VERSION", "EngineInstallError", "hta_env", "hta_site"]
+__all__ = ["HTA_VERSION", "EngineInstallError", "hta_env", "hta_site", "run_hta"]
 
 HTA_VERSION = "0.5.0"
 _PACKAGES = (
@@ -69,3 +71,36 @@ def hta_env() -> dict[str, str]:
     site = str(hta_site())
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": site + (os.pathsep + path if path else "")}
+
+
+_HTA_CODE = r"""
+import json, logging, sys
+from hta.trace_analysis import TraceAnalysis
+logging.disable(logging.CRITICAL)
+a = TraceAnalysis(trace_dir=sys.argv[1], include_last_profiler_step=True)
+types, kernels = a.get_gpu_kernel_breakdown(visualize=False, include_memory_kernels=True)
+out = {
+    "ranks": a.t.get_ranks(),
+    "iterations": {r: [int(i) for i in a.t.get_iterations(r)] for r in a.t.get_ranks()},
+    "temporal": a.get_temporal_breakdown(visualize=False).to_dict(orient="records"),
+    "overlap": a.get_comm_comp_overlap(visualize=False).to_dict(orient="records"),
+    "kernel_types": types.to_dict(orient="records"),
+    "kernels": kernels.to_dict(orient="records"),
+}
+print("PROFD-HTA " + json.dumps(out, default=float))
+"""
+
+
+def run_hta(trace_dir: str | Path, **env: str) -> dict[str, Any]:
+    """What HTA makes of a folder (``profd export --hta``'s output): its ranks, iterations,
+    temporal breakdown, communication-computation overlap and kernel breakdown, from one
+    subprocess (HTA is never imported into the test process), with ``env`` added to its
+    environment (HTA's options). Raises :class:`EngineInstallError` where HTA cannot be
+    installed."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HTA_CODE, str(trace_dir)],
+        env=hta_env() | env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    line = next((x for x in done.stdout.splitlines() if x.startswith("PROFD-HTA ")), None)
+    assert done.returncode == 0 and line, done.stderr[-4000:]
+    return json.loads(line.removeprefix("PROFD-HTA "))

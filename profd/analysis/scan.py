@@ -66,6 +66,21 @@ _KINETO = re.compile(  # the linked value is matched whole, quotes included: no 
     rb"[^\n]*+\n[^\n]*+\n[^\n]*+\n[^,]*+),\n *+"
     rb'"ts": ([0-9.]++,\n *+"dur": [0-9.]++)' + _ARGS_KINETO + rb")?+"
 )
+# The classic Kineto layout (torch before 2.13, i.e. the torch of most GPU jobs; vLLM's and
+# SGLang's traces): "ph", "cat", "name", "pid" and "tid" on one line, then "ts" and "dur" on
+# the next, then "args". The head runs to the end of its line, whose last character must be
+# the comma before "ts" (kept in the head text: Columns' head parse drops it). Kineto's own
+# span ("cat": "Trace", once a file) writes ts and dur before pid, tid and name: it leaves
+# an empty match, which _CLASSIC_SPAN then reads (see _classic_spans).
+_CLASSIC = re.compile(
+    rb'"ph"\s*+:\s*+"[XBE]"(?:, ("cat": (?:' + _LINKED_VALUE + rb"(?P<linked>)|)"
+    rb'[^\n]*+)(?<=,)\n *+"ts": ([0-9.]++, "dur": [0-9.]++)' + _ARGS_KINETO + rb")?+"
+)
+_CLASSIC_SPAN_KEY = b'"cat": "Trace", "ts": '
+_CLASSIC_SPAN = re.compile(
+    rb'"ph": "X", ("cat": "Trace"), "ts": ([0-9.]++), "dur": ([0-9.]++),\n *+'
+    rb'("pid": [^\n]*+)\n *+("name": "[^"\\\n]*+"),'
+)
 # _FLEXIBLE's search steps over whole strings: roctracer writes kernel names, braces and
 # all, into the args of a launch.
 _ARGS_CORRELATION = (
@@ -207,21 +222,22 @@ def _int64(ids: list[bytes]) -> np.ndarray:
 def scan_fast(stream: TraceStream) -> tuple[Columns, list[tuple[Any, ...]]]:
     """The regex path; ``LayoutMismatch`` where it cannot vouch for the result."""
     cols = Columns()
-    pattern = _KINETO
+    pattern: re.Pattern[bytes] | None = None  # the file's layout, from its first X event
     for run in stream.raw_runs():  # pieces (text, start, end) of one run of events
         if b'"profdMerge"' in stream.prefix:  # written first by profd merge: skip it early
             raise TraceReadError(stream.path, MERGED)
         if not stream.prefix.lstrip()[:1] == b"{" or b'"schemaVersion"' not in stream.prefix:
             raise LayoutMismatch("not a Kineto trace")
-        found = _findall(pattern, run)
+        pattern = pattern or _layout(run)
+        found = _findall(pattern or _KINETO, run)
         if not found:
             continue
         keys = sum(text.count(_CORRELATION_KEY, start, end) for text, start, end in run)
         try:  # an event whose tail did not match has empty fields: float(b"") fails
-            if pattern is _KINETO:
-                cols.add_kineto(found, keys)
-            else:
+            if pattern is _FLEXIBLE:
                 cols.add_found(found, keys)
+            else:
+                _add_kineto(cols, found, keys, run, pattern)
             continue
         except ValueError:
             if pattern is _FLEXIBLE:
@@ -235,11 +251,55 @@ def scan_fast(stream: TraceStream) -> tuple[Columns, list[tuple[Any, ...]]]:
     heads: list[tuple[Any, ...]] = []
     for text in cols.ids:  # once per distinct (cat, name, pid, tid) text
         try:
-            h = orjson.loads(b"{" + text + b"}")
+            h = orjson.loads(b"{" + text.rstrip(b",") + b"}")  # classic heads end at ","
             heads.append((h["cat"], h["name"], h["pid"], h["tid"]))
         except (orjson.JSONDecodeError, KeyError, TypeError):
             raise LayoutMismatch(f"unexpected event fields: {bytes(text[:200])!r}") from None
     return cols, heads
+
+
+def _layout(run: list[tuple[bytes, int, int]]) -> re.Pattern[bytes] | None:
+    """The pattern for the layout of the run's first X event (None: the run has none)."""
+    for text, start, end in run:
+        at = text.find(b'"ph": "X"', start, end)
+        if at >= 0:
+            classic = text.startswith(b', "cat": ', at + 9)
+            return _CLASSIC if classic else _KINETO
+    return None
+
+
+def _add_kineto(
+    cols: Columns,
+    found: list[tuple[bytes, ...]],
+    keys: int,
+    run: list[tuple[bytes, int, int]],
+    pattern: re.Pattern[bytes] | None,
+) -> None:
+    """:meth:`Columns.add_kineto`; in the classic layout, a run that holds Kineto's own span
+    (which left an empty match) is added with the span read by _CLASSIC_SPAN."""
+    try:
+        cols.add_kineto(found, keys)
+    except ValueError:
+        if pattern is not _CLASSIC:
+            raise
+        cols.add_kineto(_classic_spans(found, run), keys)
+
+
+def _classic_spans(
+    found: list[tuple[bytes, ...]], run: list[tuple[bytes, int, int]]
+) -> list[tuple[bytes, ...]]:
+    """``found`` with each empty match replaced, in order, by a classic-layout Kineto span,
+    as _CLASSIC would have captured it; ``ValueError`` unless every empty match is one."""
+    spans = [m for text, a, b in run if text.count(_CLASSIC_SPAN_KEY, a, b)
+             for m in _CLASSIC_SPAN.finditer(text, a, b)]  # fmt: skip
+    empty = [i for i, f in enumerate(found) if not f[2]]
+    if len(spans) != len(empty):
+        raise ValueError("an event does not follow the classic layout")
+    fixed = list(found)
+    for i, m in zip(empty, spans, strict=True):
+        head = m[1] + b", " + m[5] + b", " + m[4]  # cat, name, then "pid …, tid …,"
+        fixed[i] = (head, b"", m[2] + b', "dur": ' + m[3], b"", b"")
+    return fixed
 
 
 def _findall(pattern: re.Pattern[bytes], run: list[tuple[bytes, int, int]]) -> list[Any]:

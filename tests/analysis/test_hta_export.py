@@ -22,8 +22,6 @@ import gzip
 import hashlib
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +39,7 @@ from gpu_traces import (
     kineto_text,
     shifted,
 )
-from hta_install import EngineInstallError, hta_env
+from hta_install import EngineInstallError, run_hta
 from typer.testing import CliRunner
 
 from profd.analysis import hta_export
@@ -240,40 +238,15 @@ def test_a_failed_export_leaves_nothing(session: Path, tmp_path: Path, monkeypat
 
 
 # -- HTA on it ----------------------------------------------------------------------------------
-HTA_CODE = r"""
-import json, logging, sys
-from hta.trace_analysis import TraceAnalysis
-logging.disable(logging.CRITICAL)
-a = TraceAnalysis(trace_dir=sys.argv[1], include_last_profiler_step=True)
-types, kernels = a.get_gpu_kernel_breakdown(visualize=False, include_memory_kernels=True)
-out = {
-    "ranks": a.t.get_ranks(),
-    "iterations": {r: [int(i) for i in a.t.get_iterations(r)] for r in a.t.get_ranks()},
-    "temporal": a.get_temporal_breakdown(visualize=False).to_dict(orient="records"),
-    "overlap": a.get_comm_comp_overlap(visualize=False).to_dict(orient="records"),
-    "kernel_types": types.to_dict(orient="records"),
-    "kernels": kernels.to_dict(orient="records"),
-}
-print("PROFD-HTA " + json.dumps(out, default=float))
-"""
-
-
 @pytest.fixture(scope="module")
 def hta(exported: HtaExport) -> dict[str, Any]:
     """What HTA 0.5 makes of the exported folder (one subprocess for the module)."""
     try:
-        env = hta_env()
+        return run_hta(exported.output)
     except EngineInstallError as exc:
         if exc.unavailable:
             pytest.skip(f"HTA cannot be installed here (registry unreachable?): {exc}")
         raise
-    done = subprocess.run(
-        [sys.executable, "-c", HTA_CODE, exported.output],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    line = next((x for x in done.stdout.splitlines() if x.startswith("PROFD-HTA ")), None)
-    assert done.returncode == 0 and line, done.stderr[-4000:]
-    return json.loads(line.removeprefix("PROFD-HTA "))
 
 
 def test_hta_loads_every_rank_and_step(hta: dict[str, Any]) -> None:

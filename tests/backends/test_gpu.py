@@ -108,3 +108,62 @@ def test_out_of_memory_dumps_a_snapshot(tmp_path) -> None:
     coll.close()
     ooms = list(tmp_path.glob("*_oom1.pickle"))
     assert len(ooms) == 1 and pickle.loads(ooms[0].read_bytes())["segments"] is not None
+
+
+def rich_gpu_step(agent, step: int, model: torch.nn.Module, side: torch.cuda.Stream) -> None:
+    """One step with what real device traces hold: kernels on two streams, host-to-device,
+    device-to-host and device-to-device copies, a backward pass and an optimizer step."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with agent.step(step):
+        with agent.stage("generate"), torch.no_grad():
+            batch = torch.randn(128, 512, pin_memory=True).cuda(non_blocking=True)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                extra = model(batch * 2)
+            out = model(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            (out + extra).sum().item()  # a device-to-host copy
+        with agent.stage("update"):
+            buf = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+            buf.zero_()
+            torch.empty_like(buf).copy_(buf)  # a device-to-device copy
+            model(batch).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+
+
+def test_real_cuda_trace_reads_the_same_on_both_parsers(local_coordinator) -> None:
+    """A real CUDA window, digested by the fast and the generic parser alike, with the GPU
+    breakdown adding up; the file is kept as the recorded real trace the CPU tests check the
+    hand-made GPU traces against (tests/fixtures/cuda)."""
+    from profd.analysis import summarize_dir
+    from profd.analysis.digest import digest_file
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512)
+    ).cuda()
+    side = torch.cuda.Stream()
+    (agent,) = start_agents(local_coordinator)
+    rich_gpu_step(agent, 0, model, side)
+    view = local_coordinator.call("create_session", {"steps": [1]})
+    wait_armed(agent, view.session_id)
+    for s in (1, 2):
+        rich_gpu_step(agent, s, model, side)
+    view = wait_terminal(local_coordinator, view.session_id, timeout=60)
+    agent.close()
+    assert view.state.value == "done", view.reason
+    (trace,) = view.traces
+    keep(trace.path)
+    fast, generic = digest_file(trace.path), digest_file(trace.path, force_generic=True)
+    assert (fast.mode, fast.error) == ("fast", None)
+    assert fast.gpu is not None and fast.gpu == generic.gpu
+    assert fast.ops == generic.ops
+    t = fast.gpu.total
+    assert t.kernels > 5 and t.compute > 0 and t.memory > 0
+    assert abs(t.idle + t.compute + t.non_compute - t.window) < 1e-3 * t.window
+    assert {"generate", "update"} <= set(fast.gpu.stages)
+    summary = summarize_dir(Path(trace.path).parent, workers=1)
+    (g,) = summary.gpu
+    assert g.kernels == t.kernels
+    assert {r.stage for r in g.stages} >= {"generate", "update"}
