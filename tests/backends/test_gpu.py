@@ -167,3 +167,50 @@ def test_real_cuda_trace_reads_the_same_on_both_parsers(local_coordinator) -> No
     (g,) = summary.gpu
     assert g.kernels == t.kernels
     assert {r.stage for r in g.stages} >= {"generate", "update"}
+
+
+def test_a_real_cuda_oom_fires_the_oom_trigger(local_coordinator) -> None:
+    """A real out-of-memory error leaves the ``update`` stage while a torch_memory window
+    records: the allocator's own snapshot at the error is kept and named in the evidence,
+    and the oom trigger's session records the next step's CUDA trace."""
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    request = {"name": "oom", "when": {"kind": "oom", "role": "actor"},
+               "session": {"tool": "torch", "next_steps": 1}, "cooldown_s": 600}  # fmt: skip
+    tid = owner.call("add_trigger", request).trigger_id
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU()).cuda()
+    gpu_step(agent, 0, model)
+    window = owner.call("create_session", {"tool": "torch_memory", "steps": [2]})
+    wait_armed(agent, window.session_id)
+    gpu_step(agent, 1, model)
+    with pytest.raises(torch.OutOfMemoryError), agent.step(2), agent.stage("update"):
+        model(torch.randn(64, 1024, device="cuda"))
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    fired = None
+    for step in range(3, 300):  # the loop goes on; the firing waits for the window to end
+        gpu_step(agent, step, model)
+        fired = owner.call("get_trigger", tid)
+        if fired.fired:
+            break
+    assert fired is not None and fired.fired == 1, "the oom trigger never fired"
+    (firing,) = fired.firings
+    for later in range(step + 1, step + 300):
+        gpu_step(agent, later, model)
+        if owner.call("get_session", firing.session_id).state.is_terminal:
+            break
+    session = wait_terminal(owner, firing.session_id, timeout=60)
+    window = wait_terminal(owner, window.session_id, timeout=60)
+    agent.close()
+    ev = firing.evidence
+    assert ev["kind"] == "oom" and ev["mark"] == "update" and ev["step"] == 2
+    assert ev["error"].startswith("OutOfMemoryError: CUDA out of memory"), ev["error"]
+    (kept,) = Path(window.save_dir).glob("*_oom*.pickle")
+    assert ev["snapshot_path"] == str(kept)
+    keep(str(kept))
+    snap = pickle.loads(kept.read_bytes())
+    actions = {e.get("action") for trace in snap["device_traces"] for e in trace}
+    assert snap["segments"] and "oom" in actions, actions
+    assert session.state.value == "done", session.reason
+    (trace,) = session.traces
+    cats = {e.get("cat") for e in read_trace(trace.path)["traceEvents"]}
+    assert "kernel" in cats
