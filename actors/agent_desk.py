@@ -110,6 +110,8 @@ class AgentDesk:
         self.reports = 0
         self.events = 0
         self.duplicate_events = 0  # numbered events received again and dropped
+        self.rejected_events = 0  # events that could not be applied (logged, skipped)
+        self._rejecting: set[str] = set()  # agents whose rejected event was logged
 
     async def register(self, info: AgentInfo, step: int | None) -> Registration:
         info = self._interned(info)
@@ -252,7 +254,10 @@ class AgentDesk:
         return known
 
     def _apply(self, agent_id: str, events: list[AgentEvent], touched: dict[str, Session]) -> bool:
-        """One agent's events; the sessions they touch go into ``touched``."""
+        """One agent's events; the sessions they touch go into ``touched``. An event that
+        cannot be applied (a broken or mismatched agent's payload) is counted, logged once
+        per agent, and skipped: the agent's other events and a relay's other agents in the
+        same batch are still applied."""
         rec = self._registry.get(agent_id)
         if rec is None:
             return False
@@ -261,38 +266,50 @@ class AgentDesk:
         events = self._unseen(rec, events)
         self.events += len(events)
         for ev in events:
-            if isinstance(ev.payload, MarkDurations):  # live step and stage times
-                rec.current_step = _fresher(rec.current_step, ev.step)
-                times = ev.payload
-                if self._step_at is not None:  # a driver-following worker's stages
-                    times = self._times.placed(times, partial(self._step_at, rec.info.job_id))
-                self._times.add(agent_id, times, ev.step, self._clock())
-                if self._on_times is not None:
-                    self._on_times(agent_id, times, ev.step)
-                continue
-            if isinstance(ev.payload, StackSample):  # answers GET /stacks, no session
-                if self._on_stack is not None:
-                    self._on_stack(agent_id, ev.payload)
-                continue
-            if isinstance(ev.payload, OutOfMemory):
-                if self._on_oom is not None:
-                    self._on_oom(agent_id, ev)
-                continue
-            if isinstance(ev.payload, TraceWritten):
-                ev = self._indexed(rec, ev)
-            if ev.kind is EventKind.CLOSED:
-                self._registry.close(agent_id)
-                self._times.forget(agent_id)
-                for s in self._book.live():
-                    if agent_id in s.targets:
-                        s.apply(agent_id, ev)
-                        touched[s.session_id] = s
-                continue
-            s = self._book.find(ev.session_id or "")
-            if s is not None:
-                s.apply(agent_id, ev)
-                touched[s.session_id] = s
+            try:
+                self._apply_one(rec, agent_id, ev, touched)
+            except Exception:
+                self.rejected_events += 1
+                if agent_id not in self._rejecting:
+                    self._rejecting.add(agent_id)
+                    log.exception("agent %s: an event could not be applied (skipped; the "
+                                  "next ones are counted only): %r", agent_id, ev)  # fmt: skip
         return True
+
+    def _apply_one(
+        self, rec: AgentRecord, agent_id: str, ev: AgentEvent, touched: dict[str, Session]
+    ) -> None:
+        if isinstance(ev.payload, MarkDurations):  # live step and stage times
+            rec.current_step = _fresher(rec.current_step, ev.step)
+            times = ev.payload
+            if self._step_at is not None:  # a driver-following worker's stages
+                times = self._times.placed(times, partial(self._step_at, rec.info.job_id))
+            self._times.add(agent_id, times, ev.step, self._clock())
+            if self._on_times is not None:
+                self._on_times(agent_id, times, ev.step)
+            return
+        if isinstance(ev.payload, StackSample):  # answers GET /stacks, no session
+            if self._on_stack is not None:
+                self._on_stack(agent_id, ev.payload)
+            return
+        if isinstance(ev.payload, OutOfMemory):
+            if self._on_oom is not None:
+                self._on_oom(agent_id, ev)
+            return
+        if isinstance(ev.payload, TraceWritten):
+            ev = self._indexed(rec, ev)
+        if ev.kind is EventKind.CLOSED:
+            self._registry.close(agent_id)
+            self._times.forget(agent_id)
+            for s in self._book.live():
+                if agent_id in s.targets:
+                    s.apply(agent_id, ev)
+                    touched[s.session_id] = s
+            return
+        s = self._book.find(ev.session_id or "")
+        if s is not None:
+            s.apply(agent_id, ev)
+            touched[s.session_id] = s
 
     def _unseen(self, rec: AgentRecord, events: list[AgentEvent]) -> list[AgentEvent]:
         """``events`` less those applied already. An agent sends a batch again when its

@@ -428,6 +428,7 @@ class ProfileCoordinator:
             events=self._agents.events,
             reports=self._agents.reports,
             duplicate_events=self._agents.duplicate_events,
+            rejected_events=self._agents.rejected_events,
             uptime_s=self._clock() - self._started,
             mark_times=self._times.metric_rows(self._role_rank),
             triggers=self._triggers.counts(),

@@ -115,13 +115,15 @@ def metrics_snapshot(
     reports: int,
     uptime_s: float,
     duplicate_events: int = 0,
+    rejected_events: int = 0,
     mark_times: dict[str, list[list[Any]]] | None = None,
     triggers: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     """A snapshot for the sidecar's Prometheus endpoint (``written``: tool -> ``[files,
     bytes]`` of the traces indexed; ``stalls``: tool -> ``[count, sum, max]``; ``events``
     and ``reports``: agent events and reports since the coordinator started;
-    ``duplicate_events``: events received again and dropped; ``mark_times``: live step and
+    ``duplicate_events``: events received again and dropped; ``rejected_events``: events
+    that could not be applied (logged, skipped); ``mark_times``: live step and
     stage times, :meth:`~profd.actors.mark_stats.MarkStats.metric_rows`; ``triggers``: per
     trigger name, sessions started and conditions suppressed by reason)."""
     agents = Counter(f"{r.info.role}|{r.state.value}" for r in registry.all())
@@ -142,6 +144,7 @@ def metrics_snapshot(
         "events_total": events,
         "reports_total": reports,
         "duplicate_events_total": duplicate_events,
+        "rejected_events_total": rejected_events,
         "uptime_s": uptime_s,
         "mark_times": mark_times or {"step": [], "stage": []},
         "triggers": triggers or {},

@@ -149,6 +149,12 @@ def _activity_families(snap: dict[str, Any]) -> Iterator[Metric]:
     )
     fam.add_metric([], float(snap.get("duplicate_events_total", 0)))
     yield fam
+    fam = CounterMetricFamily(
+        "profd_coordinator_rejected_events",
+        "Agent events that could not be applied (a broken agent's payload): logged, skipped.",
+    )
+    fam.add_metric([], float(snap.get("rejected_events_total", 0)))
+    yield fam
     fam = GaugeMetricFamily(
         "profd_coordinator_event_rate",
         "Events per second averaged since the coordinator started (prefer rate() on "

@@ -219,3 +219,39 @@ def test_a_profiled_agents_grace_is_kept_by_every_report_it_sends(tmp_path, monk
 
     profiled, other = asyncio.run(run())
     assert profiled is not None and other is None
+
+
+def test_an_event_that_cannot_be_applied_spares_the_rest_of_the_batch(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """A broken agent's malformed durations (spans that are not ``(step, start, end)``)
+    failed the watch triggers' flattening, and with it the whole relay batch: every agent
+    of the node lost its report. Now that one event is skipped, counted and logged once;
+    its agent's next event and the other agents' are applied."""
+    monkeypatch.setattr(triggers, "OBSERVE_COALESCE_S", 3600.0)
+
+    async def run() -> tuple[list[Any], dict[str, Any], dict[str, bool]]:
+        c = await one_node(tmp_path, 2)
+        try:
+            await c.add_trigger(
+                {"name": "late", "when": {"kind": "straggler", "role": "actor", "stage": "update"}}
+            )
+            broken = MarkDurations(
+                step=LabelDurations("step", (0.1,)),
+                stages=(LabelDurations("update", (0.04,), spans=(None,)),),  # type: ignore[arg-type]
+            )
+            bad = AgentEvent(EventKind.TIMES, None, 3, payload=broken)
+            good = [AgentEvent(EventKind.TIMES, None, 3, payload=times(r, 3, 0.0)) for r in (0, 1)]
+            known = await c.report_many({"actor-0": [bad, good[0]], "actor-1": [good[1]]})
+            await c.report_many({"actor-0": [bad]})
+            waiting = [(w[0], w[3]) for w in c._triggers._unjudged]
+            return waiting, await c.metrics(), known
+        finally:
+            c.close()
+
+    waiting, metrics, known = asyncio.run(run())
+    assert known == {"actor-0": True, "actor-1": True}
+    assert waiting == [("actor-0", 3), ("actor-1", 3)]  # the good reports, for the next pass
+    assert metrics["rejected_events_total"] == 2 and metrics["events_total"] == 4
+    logged = [r for r in caplog.records if "could not be applied" in r.getMessage()]
+    assert len(logged) == 1 and "actor-0" in logged[0].getMessage()

@@ -89,6 +89,7 @@ def test_metrics_after_a_recorded_session(make_sidecar, local_coordinator) -> No
     assert value(m, "profd_uploads", state="done") == 2
     events = value(m, "profd_coordinator_events_total")
     assert events > 0 and value(m, "profd_coordinator_reports_total") > 0
+    assert value(m, "profd_coordinator_rejected_events_total") == 0  # every event applied
     uptime = value(m, "profd_coordinator_uptime_seconds")
     assert value(m, "profd_coordinator_event_rate") == pytest.approx(events / uptime, rel=0.5)
 
