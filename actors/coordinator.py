@@ -488,4 +488,5 @@ class ProfileCoordinator:
     def close(self) -> None:
         """Release the state directory (a coordinator in a process that lives on, once its
         loop is stopped)."""
+        self._triggers.close()
         self._store.close()

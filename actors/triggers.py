@@ -253,6 +253,14 @@ class TriggerDesk:
             return
         self._pass = loop.call_later(OBSERVE_COALESCE_S, self.judge_pending)
 
+    def close(self) -> None:
+        """Stop judging: a pass still waiting is cancelled and its reports dropped (the
+        coordinator is closing; a pass run later would judge against a closed store)."""
+        if self._pass is not None:
+            self._pass.cancel()
+            self._pass = None
+        self._unjudged = []
+
     def judge_pending(self) -> None:
         """One pass over the durations that arrived since the last: each trigger reads its
         role once (history, spans, who is profiled), then every report is judged."""

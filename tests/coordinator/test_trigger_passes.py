@@ -255,3 +255,21 @@ def test_an_event_that_cannot_be_applied_spares_the_rest_of_the_batch(
     assert metrics["rejected_events_total"] == 2 and metrics["events_total"] == 4
     logged = [r for r in caplog.records if "could not be applied" in r.getMessage()]
     assert len(logged) == 1 and "actor-0" in logged[0].getMessage()
+
+
+def test_closing_the_coordinator_cancels_a_waiting_pass(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(triggers, "OBSERVE_COALESCE_S", 3600.0)
+
+    async def run() -> tuple[Any, Any, int]:
+        c = await one_node(tmp_path, 2)
+        await c.add_trigger({"name": "slow", "when": {"kind": "step_time", "role": "actor"}})
+        ev = AgentEvent(EventKind.TIMES, None, 3, payload=times(0, 3, 0.0))
+        await c.report_many({"actor-0": [ev]})
+        desk = c._triggers
+        waiting = desk._pass
+        c.close()
+        return waiting, desk._pass, len(desk._unjudged)
+
+    waiting, after, unjudged = asyncio.run(run())
+    assert waiting is not None and waiting.cancelled()
+    assert after is None and unjudged == 0
