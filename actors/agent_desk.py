@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from profd.actors.trace_index import TraceRefused
@@ -88,7 +87,7 @@ class AgentDesk:
         on_stack: Callable[[str, StackSample], None] | None = None,
         on_oom: Callable[[str, AgentEvent], None] | None = None,
         relays: RelayDesk | None = None,
-        step_at: Callable[[str | None, float], int | None] | None = None,
+        place_spans: Callable[[MarkDurations, str | None], MarkDurations] | None = None,
     ) -> None:
         self._poll_timeout_s = poll_timeout_s
         self._clock = clock
@@ -101,7 +100,9 @@ class AgentDesk:
         self._on_fresh_step = on_fresh_step  # alignments wait for fresh steps
         self._on_events = on_events  # phase waits re-check their agents
         self._on_times = on_times  # triggers look at the new durations
-        self._step_at = step_at  # (job, when) -> its driver's step then: places stage spans
+        #: (times, job) -> times with a driver-following worker's stage spans placed in its
+        #: job's driver steps
+        self._place_spans = place_spans
         self._on_stack = on_stack  # a stack request gathers its answers
         self._on_oom = on_oom  # out-of-memory triggers
         self._relays = relays  # relays the coordinator pushes plans to
@@ -282,8 +283,8 @@ class AgentDesk:
         if isinstance(ev.payload, MarkDurations):  # live step and stage times
             rec.current_step = _fresher(rec.current_step, ev.step)
             times = ev.payload
-            if self._step_at is not None:  # a driver-following worker's stages
-                times = self._times.placed(times, partial(self._step_at, rec.info.job_id))
+            if self._place_spans is not None:  # a driver-following worker's stages
+                times = self._place_spans(times, rec.info.job_id)
             self._times.add(agent_id, times, ev.step, self._clock())
             if self._on_times is not None:
                 self._on_times(agent_id, times, ev.step)

@@ -32,7 +32,7 @@ from profd.actors.agent_desk import AgentDesk, Registration
 from profd.actors.alignment import Alignment
 from profd.actors.drivers import DriverTable
 from profd.actors.liveness import Periodic, find_gone
-from profd.actors.mark_stats import MarkStats
+from profd.actors.mark_stats import MarkStats, placed
 from profd.actors.planbook import PlanBook
 from profd.actors.registry import AgentRegistry
 from profd.actors.relay_desk import RelayDesk
@@ -167,7 +167,7 @@ class ProfileCoordinator:
             on_times=self._on_times,
             on_stack=self._stacks.on_sample,
             on_oom=self._triggers.on_oom,
-            step_at=self._drivers.step_at,
+            place_spans=self._place_spans,
         )
         self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
         self._heap = Periodic(HEAP_TRIM_S, _trim_heap, clock)
@@ -484,6 +484,10 @@ class ProfileCoordinator:
         within ``timeout_s``. ``profd down`` asks this before it stops the coordinator (a
         killed actor never runs ``close()``)."""
         return await asyncio.to_thread(self._store.flush, timeout_s)
+
+    def _place_spans(self, times: MarkDurations, job_id: str | None) -> MarkDurations:
+        """A driver-following worker's stage samples placed in its job's driver steps."""
+        return placed(times, functools.partial(self._drivers.step_at, job_id))
 
     def close(self) -> None:
         """Release the state directory (a coordinator in a process that lives on, once its

@@ -258,8 +258,6 @@ class MarkStats:
         a = self._agents.get(agent_id)
         return None if a is None or a.step is None else a.step.median
 
-    placed = staticmethod(placed)
-
     def step_period(self, agent_id: str) -> float | None:
         """Seconds from one of the agent's steps to the next: the pace its reports show,
         when it is slower than the step mark's own median (a loop that does more between
