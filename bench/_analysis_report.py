@@ -83,26 +83,12 @@ def report(
     hta_ns: str = "rounded",
 ) -> None:
     first_p, first_h = profd_runs[0], hta_runs[0]
-    problems = []
-    for r in hta_runs:
-        if r["hta_ranks"] != expected_ranks:
-            problems.append(f"HTA ranks {r['hta_ranks']}, distributedInfo {expected_ranks}")
-    for p in profd_runs[1:]:
-        if p["ranks"] != first_p["ranks"]:
-            problems.append("profd's figures changed between rounds")
+    problems = _run_problems(profd_runs, hta_runs, expected_ranks)
     diff, off, kdiff, found = compare(first_p, first_h, layout)
     problems += found
     _print_figures(profd_runs, hta_runs, layout)
     j = _Judged.of(raw, profd_runs, hta_runs, pss_p, diff)
-    print(
-        f"targets: speedup {j.judged:.1f} (wall: median {j.speedup:.1f}, best "
-        f"{j.speedup_best:.1f}; CPU {j.cpu_ratio:.1f}) >= {TARGET_SPEEDUP:.0f} "
-        f"{'ok' if j.judged >= TARGET_SPEEDUP else 'MISSED'}; figures within {diff:.4f} pp "
-        f"(expected: {off:.4f} pp, kernel time {kdiff:.4f} %) <= {MAX_PP} "
-        f"{'ok' if diff <= MAX_PP else 'MISSED'}; peak {j.checked_peak:.0f} MB = "
-        f"{j.ratio:.2f}x raw <= {TARGET_PEAK_RATIO:.0f}x "
-        f"{'ok' if j.ratio <= TARGET_PEAK_RATIO else 'MISSED'}"
-    )
+    _print_targets(j, diff, off, kdiff)
     if problems:
         for line in problems:
             print("MISMATCH:", line)
@@ -146,6 +132,32 @@ def report(
         "load": f"{os.getloadavg()[0]:.2f}",
     }
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+
+
+def _run_problems(
+    profd_runs: list[dict[str, Any]], hta_runs: list[dict[str, Any]], expected_ranks: list[int]
+) -> list[str]:
+    """HTA's ranks against the files', and profd's figures from round to round."""
+    problems = []
+    for r in hta_runs:
+        if r["hta_ranks"] != expected_ranks:
+            problems.append(f"HTA ranks {r['hta_ranks']}, distributedInfo {expected_ranks}")
+    for p in profd_runs[1:]:
+        if p["ranks"] != profd_runs[0]["ranks"]:
+            problems.append("profd's figures changed between rounds")
+    return problems
+
+
+def _print_targets(j: _Judged, diff: float, off: float, kdiff: float) -> None:
+    print(
+        f"targets: speedup {j.judged:.1f} (wall: median {j.speedup:.1f}, best "
+        f"{j.speedup_best:.1f}; CPU {j.cpu_ratio:.1f}) >= {TARGET_SPEEDUP:.0f} "
+        f"{'ok' if j.judged >= TARGET_SPEEDUP else 'MISSED'}; figures within {diff:.4f} pp "
+        f"(expected: {off:.4f} pp, kernel time {kdiff:.4f} %) <= {MAX_PP} "
+        f"{'ok' if diff <= MAX_PP else 'MISSED'}; peak {j.checked_peak:.0f} MB = "
+        f"{j.ratio:.2f}x raw <= {TARGET_PEAK_RATIO:.0f}x "
+        f"{'ok' if j.ratio <= TARGET_PEAK_RATIO else 'MISSED'}"
+    )
 
 
 @dataclass(frozen=True)

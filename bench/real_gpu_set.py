@@ -25,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
@@ -36,22 +38,10 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def record_rank(out: Path, rank: int, world: int, iters: int, device: str) -> Path:
-    """Run the step loop as rank ``rank`` and record step 1; the trace's path in ``out``."""
+def _step_loop(agent: Any, iters: int, device: str) -> Callable[[int], None]:
+    """One training step in three stages, as a function of its step number."""
     import torch
 
-    from profd.actors.coordinator import ProfileCoordinator
-    from profd.agent import ProfilerAgent
-    from profd.core.settings import CoordinatorSettings
-    from profd.testing.coordinator import InProcessCoordinator
-
-    base = Path(tempfile.mkdtemp(prefix="profd-real-gpu-"))
-    settings = CoordinatorSettings(
-        save_root=str(base / "profile"), base_dir=str(base), poll_timeout_s=1.0
-    )
-    owner = InProcessCoordinator(ProfileCoordinator(settings))
-    agent = ProfilerAgent("actor", rank, world, find_link=owner.link).start()
-    _wait(lambda: agent.connected, 30, "the agent to register")
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)
     ).to(device)
@@ -81,6 +71,25 @@ def record_rank(out: Path, rank: int, world: int, iters: int, device: str) -> Pa
             if device == "cuda":
                 torch.cuda.synchronize()
 
+    return step
+
+
+def record_rank(out: Path, rank: int, world: int, iters: int, device: str) -> Path:
+    """Run the step loop as rank ``rank`` and record step 1; the trace's path in ``out``."""
+
+    from profd.actors.coordinator import ProfileCoordinator
+    from profd.agent import ProfilerAgent
+    from profd.core.settings import CoordinatorSettings
+    from profd.testing.coordinator import InProcessCoordinator
+
+    base = Path(tempfile.mkdtemp(prefix="profd-real-gpu-"))
+    settings = CoordinatorSettings(
+        save_root=str(base / "profile"), base_dir=str(base), poll_timeout_s=1.0
+    )
+    owner = InProcessCoordinator(ProfileCoordinator(settings))
+    agent = ProfilerAgent("actor", rank, world, find_link=owner.link).start()
+    _wait(lambda: agent.connected, 30, "the agent to register")
+    step = _step_loop(agent, iters, device)
     step(0)
     request = {"steps": [1], "roles": {"actor": {"ranks": [rank]}}}
     view = owner.call("create_session", request)
