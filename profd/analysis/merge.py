@@ -364,15 +364,7 @@ def _write(
                 skipped[Path(job.path).name] = res.error
         ok = [(j, r) for j, r in zip(jobs, results, strict=True) if r.error is None]
         used = {plan.idents[j.file_index].key for j, _ in ok}
-        tracks = [
-            MergedTrack(
-                pid=plan.pid[i.key],
-                label=i.label,
-                files=[Path(j.path).name for j, _ in ok if plan.idents[j.file_index].key == i.key],
-            )
-            for i in plan.track_idents
-            if i.key in used
-        ]
+        tracks = _tracks(plan, [j for j, _ in ok], used)
         dropped = {r: dict(sorted(c.items())) for r, c in sorted(plan.dropped.items())}
         head = _header(
             plan,
@@ -400,6 +392,19 @@ def _write(
         skipped=skipped,
         aligned=aligned,
     )
+
+
+def _tracks(plan: _Plan, written: list[WriteJob], used: set[Any]) -> list[MergedTrack]:
+    """The merged tracks in order, each with the files that made it."""
+    return [
+        MergedTrack(
+            pid=plan.pid[i.key],
+            label=i.label,
+            files=[Path(j.path).name for j in written if plan.idents[j.file_index].key == i.key],
+        )
+        for i in plan.track_idents
+        if i.key in used
+    ]
 
 
 def _assemble(
