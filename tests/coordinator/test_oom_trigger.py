@@ -138,3 +138,16 @@ def test_an_oom_keeps_the_snapshot_and_starts_one_session_on_the_rank_and_a_peer
     assert OOM_RANK in ranks and len(ranks) == 2, ranks
     assert after.fired == 1 and after.suppressed == {"cooldown": 1}
     assert len(owner.call("list_sessions")) == 2  # the window, and the trigger's
+
+
+def test_the_fake_snapshot_has_the_shape_of_a_real_one() -> None:
+    """The snapshot the fake allocator gives, against the one a real out-of-memory error left
+    on an H200 (tests/fixtures/cuda, by tests/backends/test_gpu.py): the same keys, of the
+    same types, and the real one's last allocator entry is the error itself."""
+    (path,) = (Path(__file__).parent.parent / "fixtures" / "cuda").glob("*_oom1.pickle")
+    real = pickle.loads(path.read_bytes())
+    assert set(SNAPSHOT) <= set(real)
+    for key, value in SNAPSHOT.items():
+        assert type(real[key]) is type(value), key
+    assert set(SNAPSHOT["segments"][0]) <= set(real["segments"][0])
+    assert [e["action"] for e in real["device_traces"][0]][-1] == "oom"
