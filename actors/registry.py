@@ -22,11 +22,15 @@ class AgentRecord:
     state: AgentState = AgentState.ALIVE
     link: AgentLink | None = None  # how its last poll came (None before the first)
     last_seq: int = 0  # the newest numbered event applied (AgentEvent.seq)
+    #: Its process or node is known gone (Ray said so): no poll brings it back, only a
+    #: registration. A relay's poll may still carry it after it died.
+    gone: bool = False
 
     def touch(self, now: float, step: int | None, revive: bool = True) -> None:
         """Heard from now. ``revive=False`` for the end of a long-poll parked before the
-        agent was found dead: only a new call from the agent brings a lost agent back."""
-        if self.state is AgentState.LOST and not revive:
+        agent was found dead: only a new call from the agent brings a lost agent back, and
+        none brings back one whose process is gone (:attr:`gone`)."""
+        if self.state is AgentState.LOST and (not revive or self.gone):
             return
         self.last_seen = now
         if step is not None:
@@ -92,6 +96,7 @@ class AgentRegistry:
         else:
             rec.info = info
             rec.state = AgentState.ALIVE
+            rec.gone = False
             rec.touch(now, step)
         return rec
 
@@ -122,9 +127,13 @@ class AgentRegistry:
         return lost
 
     def lose(self, agent_id: str) -> AgentRecord | None:
-        """Mark an alive agent lost now (its process is known dead); the record if it was."""
+        """Mark an agent lost for good now (its process is known dead); the record if it was
+        alive. Polls never revive it (:attr:`AgentRecord.gone`)."""
         rec = self._agents.get(agent_id)
-        if rec is None or rec.state is not AgentState.ALIVE:
+        if rec is None:
+            return None
+        rec.gone = True  # also one the heartbeat timeout had lost already
+        if rec.state is not AgentState.ALIVE:
             return None
         rec.state = AgentState.LOST
         return rec

@@ -73,3 +73,43 @@ def test_a_node_that_cannot_answer_says_nothing() -> None:
 
     agents = [rec("a", 2**22 + 1, 5)]
     assert asyncio.run(find_gone(agents, Broken(live=None))) == []
+
+
+def test_a_dead_agent_stays_lost_when_a_relay_still_polls_for_it(tmp_path) -> None:
+    """A worker killed behind its node's relay: the liveness check loses it, and a relay's
+    poll still carrying it (sent before the relay saw its socket close) does not bring it
+    back, so a session for its role is refused. An agent lost by the heartbeat timeout only
+    is brought back by such a poll, and a dead one by registering again."""
+    import pytest
+
+    from profd.actors.coordinator import ProfileCoordinator
+    from profd.core.errors import RequestInvalid
+    from profd.core.request import ToolKind
+
+    from helpers import coordinator_settings
+
+    async def run() -> tuple[dict[str, str], dict[str, str]]:
+        c = ProfileCoordinator(coordinator_settings(tmp_path, tick_s=3600.0))
+        await c.start()
+        try:
+            caps = {t.value: None for t in ToolKind}
+            infos = [
+                AgentInfo(aid, role, 0, 1, {}, "h", os.getpid(), node_id="n0", capabilities=caps)
+                for aid, role in (("critic-0", "critic"), ("actor-0", "actor"))
+            ]
+            for info in infos:
+                await c.register(info, 3)
+            assert c._registry.lose("critic-0") is not None  # as the liveness check does
+            c._registry.expire(c._clock() + 3600, 60)  # actor-0: the heartbeat's loss
+            await c.poll_many({"critic-0": 0, "actor-0": 0}, {"critic-0": 4, "actor-0": 4}, 0)
+            states = {a.agent_id: a.state.value for a in await c.list_agents()}
+            with pytest.raises(RequestInvalid, match="critic"):
+                await c.create_session({"next_steps": 1, "roles": {"critic": {}}})
+            await c.register(infos[0], 5)  # a registration is the agent itself: back
+            return states, {a.agent_id: a.state.value for a in await c.list_agents()}
+        finally:
+            c.close()
+
+    states, after = asyncio.run(run())
+    assert states == {"critic-0": "lost", "actor-0": "alive"}
+    assert after == {"critic-0": "alive", "actor-0": "alive"}
