@@ -98,9 +98,15 @@ def _distributed_info_present() -> bool:
 NO_CUDA_HERE = "contents asked for cuda but this worker has no CUDA device: recorded CPU only"
 #: Kineto categories of events recorded on the device (not launches seen from the CPU).
 DEVICE_EVENTS = re.compile(rb'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
+#: A CUDA call that puts work on the device (a kernel launch, a copy, a memset), seen from
+#: the CPU, in either of Kineto's layouts (cat and name on one line or two).
+DEVICE_LAUNCHES = re.compile(
+    rb'"cat"\s*:\s*"cuda_(?:runtime|driver)"\s*,\s*"name"\s*:\s*"cu\w*(?:Launch|Memcpy|Memset)'
+)
 NO_DEVICE_EVENTS = (
-    "asked for CUDA activity but the trace holds no device events (CUPTI taken by another "
-    "subscriber? check NVTX_INJECTION64_PATH and other profilers in the process)"
+    "asked for CUDA activity and the window launched device work, but the trace holds no "
+    "device events (CUPTI taken by another subscriber? check NVTX_INJECTION64_PATH and other "
+    "profilers in the process)"
 )
 
 
@@ -233,10 +239,10 @@ class _TorchOutput(PendingOutput):
         try:
             while True:
                 final, index = free_name(spec.save_dir, spec.stem, self._suffix, TRACE_EXT, index)
-                has_device = gzip_file(
+                found = gzip_file(
                     self._raw,
                     packed,
-                    find=DEVICE_EVENTS if self._expect_device else None,
+                    find=(DEVICE_EVENTS, DEVICE_LAUNCHES) if self._expect_device else (),
                     replace=(_trace_name(self._raw), _trace_name(final)),
                 )
                 if link_new(packed, final):
@@ -247,7 +253,9 @@ class _TorchOutput(PendingOutput):
             packed.unlink(missing_ok=True)
         suffix = final.name[len(spec.stem) : -len(TRACE_EXT)]
         warnings = self._notes
-        if self._expect_device and not has_device:
+        # launches without device events: CUPTI recorded nothing. A window that launched
+        # nothing (a CPU-only role on a GPU machine) has none to record.
+        if found and found[1] and not found[0]:
             warnings = (*warnings, NO_DEVICE_EVENTS)
         return [WrittenFile(final, final.stat().st_size, suffix, warnings)]
 

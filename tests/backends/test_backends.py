@@ -298,26 +298,69 @@ def test_npu_contents_select_flags(monkeypatch, tmp_path) -> None:
 
 
 # -- torch: device-event check and faults ----------------------------------------------------
-def test_window_without_device_events_is_flagged(tmp_path) -> None:
+class _Window:
+    """A recorded window whose Kineto export is this text (what CUPTI did or did not give)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def export_chrome_trace(self, path: str) -> None:
+        Path(path).write_text(self.text)
+
+
+_LAUNCH = {
+    # Kineto's layouts: classic (before torch 2.13, as recorded on an H200) and 2.13's
+    "classic": '"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,',
+    "2.13": '"ph": "X",\n    "cat": "cuda_driver",\n    "name": "cuLaunchKernel",\n',
+}
+_KERNEL = '"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0,'
+_CPU = '"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1,'
+
+
+@pytest.mark.parametrize(
+    ("events", "flagged"),
+    [
+        ([_LAUNCH["classic"]], True),  # launches, no device event: CUPTI recorded nothing
+        ([_LAUNCH["2.13"], _CPU], True),
+        ([_LAUNCH["classic"], _KERNEL], False),
+        ([_CPU], False),  # a CPU-only role on a GPU machine launched nothing: nothing missing
+    ],
+)
+def test_a_window_that_launched_device_work_but_holds_none_is_flagged(
+    tmp_path, events: list[str], flagged: bool
+) -> None:
+    from profd.backends.torch_backend import _TorchOutput
+
+    text = '{"traceEvents": [' + ", ".join("{" + e + "}" for e in events) + "]}"
+    out = _TorchOutput(_Window(text), spec(tmp_path), "", expect_device=True)
+    (written,) = out.write()
+    assert written.warnings == ((NO_DEVICE_EVENTS,) if flagged else ())
+
+
+def test_a_cpu_window_expecting_the_device_is_not_flagged(tmp_path) -> None:
+    """A real window of CPU work where CUDA activity was asked for (CUDA present, the role
+    runs on the CPU): no device work was launched, so no warning."""
     coll = TorchBackend({"contents": ["cpu"]}).open(spec(tmp_path))
-    coll._expect_device = True  # as on a GPU whose CUPTI another subscriber holds
+    coll._expect_device = True
     with coll.annotate("x"):
         torch.ones(4).sum()
     (out,) = coll.close()
     (written,) = out.write()
-    assert written.warnings == (NO_DEVICE_EVENTS,)
+    assert written.warnings == ()
 
 
 def test_device_event_scan_finds_kernels_across_chunks(tmp_path) -> None:
-    from profd.backends.torch_backend import DEVICE_EVENTS
+    from profd.backends.torch_backend import DEVICE_EVENTS, DEVICE_LAUNCHES
     from profd.core.files import gzip_file
 
     raw = tmp_path / "t.json"
     pad = b" " * ((1 << 20) - 10)  # the match straddles the 1 MiB chunk boundary
     raw.write_bytes(b'{"traceEvents": [' + pad + b'{"ph": "X", "cat": "kernel"}]}')
-    assert gzip_file(raw, tmp_path / "t.json.gz", find=DEVICE_EVENTS) is True
+    found = gzip_file(raw, tmp_path / "t.json.gz", find=(DEVICE_EVENTS, DEVICE_LAUNCHES))
+    assert found == (True, False)
     raw.write_bytes(b'{"traceEvents": [{"ph": "X", "cat": "cpu_op"}]}')
-    assert gzip_file(raw, tmp_path / "u.json.gz", find=DEVICE_EVENTS) is False
+    assert gzip_file(raw, tmp_path / "u.json.gz", find=(DEVICE_EVENTS,)) == (False,)
+    assert gzip_file(raw, tmp_path / "v.json.gz") == ()
 
 
 @pytest.mark.parametrize("at", [0, (1 << 20) - 5, (1 << 20) - 1, 1 << 20, (2 << 20) - 3])
@@ -335,7 +378,13 @@ def test_gzip_replaces_across_chunk_boundaries(tmp_path, at) -> None:
 
 
 def test_device_warning_reaches_the_session(monkeypatch, local_coordinator) -> None:
+    import re
+
+    from profd.backends import torch_backend
+
     real_open = TorchBackend.open
+    # no GPU here: the stage's range stands for a launch whose device events CUPTI lost
+    monkeypatch.setattr(torch_backend, "DEVICE_LAUNCHES", re.compile(rb'"name"\s*:\s*"update"'))
 
     def open_expecting_device(self, spec):
         coll = real_open(self, spec)
