@@ -71,15 +71,17 @@ _KINETO = re.compile(  # the linked value is matched whole, quotes included: no 
 # the next, then "args". The head runs to the end of its line, whose last character must be
 # the comma before "ts" (kept in the head text: Columns' head parse drops it). Kineto's own
 # span ("cat": "Trace", once a file) writes ts and dur before pid, tid and name: it leaves
-# an empty match, which _CLASSIC_SPAN then reads (see _classic_spans).
+# an empty match, which _SPAN then reads (see _with_spans); so does a compact copy of such a
+# file read with _FLEXIBLE.
 _CLASSIC = re.compile(
     rb'"ph"\s*+:\s*+"[XBE]"(?:, ("cat": (?:' + _LINKED_VALUE + rb"(?P<linked>)|)"
     rb'[^\n]*+)(?<=,)\n *+"ts": ([0-9.]++, "dur": [0-9.]++)' + _ARGS_KINETO + rb")?+"
 )
-_CLASSIC_SPAN_KEY = b'"cat": "Trace", "ts": '
-_CLASSIC_SPAN = re.compile(
-    rb'"ph": "X", ("cat": "Trace"), "ts": ([0-9.]++), "dur": ([0-9.]++),\n *+'
-    rb'("pid": [^\n]*+)\n *+("name": "[^"\\\n]*+"),'
+_SPAN_KEY = re.compile(rb'"cat"\s*:\s*"Trace"\s*,\s*"ts"')
+_SPAN = re.compile(
+    rb'"ph"\s*:\s*"X"\s*,\s*("cat"\s*:\s*"Trace")\s*,\s*"ts"\s*:\s*([0-9.]++)\s*,\s*'
+    rb'"dur"\s*:\s*([0-9.]++)\s*,\s*("pid"\s*:\s*(?:"[^"\\\n]*+"|-?\d++)\s*,\s*'
+    rb'"tid"\s*:\s*(?:"[^"\\\n]*+"|-?\d++))\s*,\s*("name"\s*:\s*"[^"\\\n]*+")'
 )
 # _FLEXIBLE's search steps over whole strings: roctracer writes kernel names, braces and
 # all, into the args of a launch.
@@ -234,10 +236,7 @@ def scan_fast(stream: TraceStream) -> tuple[Columns, list[tuple[Any, ...]]]:
             continue
         keys = sum(text.count(_CORRELATION_KEY, start, end) for text, start, end in run)
         try:  # an event whose tail did not match has empty fields: float(b"") fails
-            if pattern is _FLEXIBLE:
-                cols.add_found(found, keys)
-            else:
-                _add_kineto(cols, found, keys, run, pattern)
+            _add(cols, found, keys, run, pattern)
             continue
         except ValueError:
             if pattern is _FLEXIBLE:
@@ -245,7 +244,7 @@ def scan_fast(stream: TraceStream) -> tuple[Columns, list[tuple[Any, ...]]]:
         pattern = _FLEXIBLE
         found = _findall(pattern, run)
         try:
-            cols.add_found(found, keys)
+            _add(cols, found, keys, run, pattern)
         except ValueError:
             raise LayoutMismatch("an event does not follow the expected key order") from None
     heads: list[tuple[Any, ...]] = []
@@ -268,37 +267,42 @@ def _layout(run: list[tuple[bytes, int, int]]) -> re.Pattern[bytes] | None:
     return None
 
 
-def _add_kineto(
+def _add(
     cols: Columns,
     found: list[tuple[bytes, ...]],
     keys: int,
     run: list[tuple[bytes, int, int]],
     pattern: re.Pattern[bytes] | None,
 ) -> None:
-    """:meth:`Columns.add_kineto`; in the classic layout, a run that holds Kineto's own span
-    (which left an empty match) is added with the span read by _CLASSIC_SPAN."""
+    """The run's matches added by the pattern's kind; one that holds Kineto's span in its
+    own key order (which left an empty match) is added with the span read by _SPAN."""
+    add = cols.add_found if pattern is _FLEXIBLE else cols.add_kineto
     try:
-        cols.add_kineto(found, keys)
+        add(found, keys)
     except ValueError:
-        if pattern is not _CLASSIC:
+        if pattern is _KINETO:  # torch 2.13 writes the span in the usual order
             raise
-        cols.add_kineto(_classic_spans(found, run), keys)
+        add(_with_spans(found, run, flexible=pattern is _FLEXIBLE), keys)
 
 
-def _classic_spans(
-    found: list[tuple[bytes, ...]], run: list[tuple[bytes, int, int]]
+def _with_spans(
+    found: list[tuple[bytes, ...]], run: list[tuple[bytes, int, int]], flexible: bool
 ) -> list[tuple[bytes, ...]]:
-    """``found`` with each empty match replaced, in order, by a classic-layout Kineto span,
-    as _CLASSIC would have captured it; ``ValueError`` unless every empty match is one."""
-    spans = [m for text, a, b in run if text.count(_CLASSIC_SPAN_KEY, a, b)
-             for m in _CLASSIC_SPAN.finditer(text, a, b)]  # fmt: skip
+    """``found`` with each empty match replaced, in order, by a Kineto span in its own key
+    order, as the pattern would have captured it; ``ValueError`` unless every empty match
+    is one."""
+    spans = [m for text, a, b in run if _SPAN_KEY.search(text, a, b)
+             for m in _SPAN.finditer(text, a, b)]  # fmt: skip
     empty = [i for i, f in enumerate(found) if not f[2]]
     if len(spans) != len(empty):
-        raise ValueError("an event does not follow the classic layout")
+        raise ValueError("an event does not follow the expected key order")
     fixed = list(found)
     for i, m in zip(empty, spans, strict=True):
-        head = m[1] + b", " + m[5] + b", " + m[4]  # cat, name, then "pid …, tid …,"
-        fixed[i] = (head, b"", m[2] + b', "dur": ' + m[3], b"", b"")
+        head = m[1] + b", " + m[5] + b", " + m[4]  # cat, name, then pid and tid
+        if flexible:  # head, mark, ts, dur, id
+            fixed[i] = (head, b"", m[2], m[3], b"")
+        else:  # head, mark, "ts … dur", text before the id, id
+            fixed[i] = (head, b"", m[2] + b', "dur": ' + m[3], b"", b"")
     return fixed
 
 

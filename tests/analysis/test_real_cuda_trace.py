@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from gpu_traces import (
     CPU_PID,
@@ -67,7 +68,7 @@ def test_hand_made_classic_layout_is_the_recorded_one() -> None:
     assert {e["cat"] for e in events} >= {*DEVICE, "cuda_runtime", "cuda_driver", "cpu_op"}
 
 
-def test_recorded_trace_takes_the_fast_path_with_the_generic_figures() -> None:
+def test_recorded_trace_takes_the_fast_path_with_the_generic_figures(tmp_path: Path) -> None:
     fast, generic = digest_file(RECORDED), digest_file(RECORDED, force_generic=True)
     assert (fast.mode, fast.error, generic.mode) == ("fast", None, "generic")
     assert fast.gpu is not None and fast.gpu == generic.gpu
@@ -75,6 +76,13 @@ def test_recorded_trace_takes_the_fast_path_with_the_generic_figures() -> None:
     assert fast.stages == generic.stages and fast.threads == generic.threads
     # a few cuts: a run may start or end inside Kineto's span
     assert digest_file(RECORDED, segment_bytes=4096).gpu == fast.gpu
+    # rewritten by another tool, compact or indented: Kineto's span keeps its own key order
+    _, doc = recorded()
+    (tmp_path / "compact.json").write_bytes(orjson.dumps(doc))
+    (tmp_path / "indented.json").write_text(json.dumps(doc, indent=1))
+    for name in ("compact.json", "indented.json"):
+        d = digest_file(tmp_path / name, segment_bytes=4096)
+        assert (d.mode, d.gpu, d.ops) == ("fast", fast.gpu, fast.ops), name
 
 
 def test_recorded_figures_from_the_events() -> None:
