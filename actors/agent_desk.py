@@ -116,6 +116,7 @@ class AgentDesk:
 
     async def register(self, info: AgentInfo, step: int | None) -> Registration:
         info = self._interned(info)
+        self._rejecting.discard(info.agent_id)  # a rejected event of its next life is logged
         self._registry.upsert(info, self._clock(), step)
         self._plans.ensure(info.agent_id)
         log.info("agent %s registered (role %s rank %s)", info.agent_id, info.role, info.rank)
@@ -148,7 +149,7 @@ class AgentDesk:
         self, agent_id: str, known_version: int, step: int | None, timeout: float
     ) -> PollReply:
         rec = self._registry.get(agent_id)
-        if rec is None:
+        if rec is None or rec.gone:  # gone: a live one registers again (a false "gone")
             return PollReply(plan=None, known=False)
         rec.touch(self._clock(), step)
         rec.link = AgentLink.DIRECT
@@ -194,7 +195,7 @@ class AgentDesk:
         woken = self._plans.take_woken(known)
         for aid, version in known.items():
             rec = self._registry.get(aid)
-            if rec is None:
+            if rec is None or rec.gone:  # the relay stops carrying it; a live one registers
                 unknown[aid] = PollReply(plan=None, known=False)
                 continue
             rec.touch(now, steps.get(aid))
@@ -304,13 +305,13 @@ class AgentDesk:
             self._times.forget(agent_id)
             for s in self._book.live():
                 if agent_id in s.targets:
+                    touched[s.session_id] = s  # saved even if applying fails half-way
                     s.apply(agent_id, ev)
-                    touched[s.session_id] = s
             return
         s = self._book.find(ev.session_id or "")
         if s is not None:
-            s.apply(agent_id, ev)
             touched[s.session_id] = s
+            s.apply(agent_id, ev)
 
     def _unseen(self, rec: AgentRecord, events: list[AgentEvent]) -> list[AgentEvent]:
         """``events`` less those applied already. An agent sends a batch again when its

@@ -242,7 +242,7 @@ class ProfileCoordinator:
 
     async def _reap(self) -> None:
         """Lose the agents whose process or node Ray says is gone (see actors/liveness)."""
-        gone = await find_gone(self._registry.alive(), self._runner)
+        gone = await find_gone(self._registry.unconfirmed(), self._runner)
         for g in gone:
             if self._registry.lose(g.agent_id) is not None:
                 self._book.lose(g.agent_id, g.reason)

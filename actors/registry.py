@@ -103,6 +103,15 @@ class AgentRegistry:
     def alive(self) -> list[AgentRecord]:
         return [r for r in self._agents.values() if r.state is AgentState.ALIVE]
 
+    def unconfirmed(self) -> list[AgentRecord]:
+        """Alive agents, and lost ones whose death Ray has not confirmed (the heartbeat
+        timeout lost them): the liveness check asks about these."""
+        return [
+            r
+            for r in self._agents.values()
+            if r.state is AgentState.ALIVE or (r.state is AgentState.LOST and not r.gone)
+        ]
+
     def all(self) -> list[AgentRecord]:
         return list(self._agents.values())
 

@@ -61,10 +61,13 @@ _ARGS_KINETO = (
     rb'(?(linked)(?:\n?+ *+,\n?+ *+"args": \{\n?+ *+((?:(?!"correlation")[^,]*+,\n?+ *+){0,15}+)'
     rb'"correlation": (\d++)(?![.eE]))?+)'
 )
+# The duration ends where a key or the event does: "5e-1" leaves the tail unmatched (the
+# generic path reads it), not read as 5.
+_DUR_END = rb"(?=\s*+[,}])"
 _KINETO = re.compile(  # the linked value is matched whole, quotes included: no lookahead
     rb'"ph"\s*+:\s*+"[XBE]"(?:,\n *+("cat": (?:' + _LINKED_VALUE + rb"(?P<linked>)|)"
     rb"[^\n]*+\n[^\n]*+\n[^\n]*+\n[^,]*+),\n *+"
-    rb'"ts": ([0-9.]++,\n *+"dur": [0-9.]++)' + _ARGS_KINETO + rb")?+"
+    rb'"ts": ([0-9.]++,\n *+"dur": [0-9.]++)' + _DUR_END + _ARGS_KINETO + rb")?+"
 )
 # The classic Kineto layout (torch before 2.13, i.e. the torch of most GPU jobs; vLLM's and
 # SGLang's traces): "ph", "cat", "name", "pid" and "tid" on one line, then "ts" and "dur" on
@@ -75,9 +78,8 @@ _KINETO = re.compile(  # the linked value is matched whole, quotes included: no 
 # file read with _FLEXIBLE.
 _CLASSIC = re.compile(
     rb'"ph"\s*+:\s*+"[XBE]"(?:, ("cat": (?:' + _LINKED_VALUE + rb"(?P<linked>)|)"
-    rb'[^\n]*+)(?<=,)\n *+"ts": ([0-9.]++, "dur": [0-9.]++)' + _ARGS_KINETO + rb")?+"
+    rb'[^\n]*+)(?<=,)\n *+"ts": ([0-9.]++, "dur": [0-9.]++)' + _DUR_END + _ARGS_KINETO + rb")?+"
 )
-_SPAN_KEY = re.compile(rb'"cat"\s*:\s*"Trace"\s*,\s*"ts"')
 _SPAN = re.compile(
     rb'"ph"\s*:\s*"X"\s*,\s*("cat"\s*:\s*"Trace")\s*,\s*"ts"\s*:\s*([0-9.]++)\s*,\s*'
     rb'"dur"\s*:\s*([0-9.]++)\s*,\s*("pid"\s*:\s*(?:"[^"\\\n]*+"|-?\d++)\s*,\s*'
@@ -236,7 +238,7 @@ def scan_fast(stream: TraceStream) -> tuple[Columns, list[tuple[Any, ...]]]:
             continue
         keys = sum(text.count(_CORRELATION_KEY, start, end) for text, start, end in run)
         try:  # an event whose tail did not match has empty fields: float(b"") fails
-            _add(cols, found, keys, run, pattern)
+            _add(cols, found, keys, run, pattern or _KINETO)
             continue
         except ValueError:
             if pattern is _FLEXIBLE:
@@ -258,12 +260,18 @@ def scan_fast(stream: TraceStream) -> tuple[Columns, list[tuple[Any, ...]]]:
 
 
 def _layout(run: list[tuple[bytes, int, int]]) -> re.Pattern[bytes] | None:
-    """The pattern for the layout of the run's first X event (None: the run has none)."""
+    """The pattern whose layout the run's first X event has in full (None: the run has none;
+    _FLEXIBLE when neither strict layout reads it: a file written on one line, say, where
+    the classic pattern would run to the end of the line for every event)."""
     for text, start, end in run:
         at = text.find(b'"ph": "X"', start, end)
-        if at >= 0:
-            classic = text.startswith(b', "cat": ', at + 9)
-            return _CLASSIC if classic else _KINETO
+        if at < 0:
+            continue
+        for pattern in (_CLASSIC, _KINETO):
+            m = pattern.match(text, at, end)
+            if m is not None and m[3]:
+                return pattern
+        return _FLEXIBLE
     return None
 
 
@@ -272,7 +280,7 @@ def _add(
     found: list[tuple[bytes, ...]],
     keys: int,
     run: list[tuple[bytes, int, int]],
-    pattern: re.Pattern[bytes] | None,
+    pattern: re.Pattern[bytes],
 ) -> None:
     """The run's matches added by the pattern's kind; one that holds Kineto's span in its
     own key order (which left an empty match) is added with the span read by _SPAN."""
@@ -282,27 +290,34 @@ def _add(
     except ValueError:
         if pattern is _KINETO:  # torch 2.13 writes the span in the usual order
             raise
-        add(_with_spans(found, run, flexible=pattern is _FLEXIBLE), keys)
+        add(_with_spans(found, run, pattern, flexible=pattern is _FLEXIBLE), keys)
 
 
 def _with_spans(
-    found: list[tuple[bytes, ...]], run: list[tuple[bytes, int, int]], flexible: bool
+    found: list[tuple[bytes, ...]],
+    run: list[tuple[bytes, int, int]],
+    pattern: re.Pattern[bytes],
+    flexible: bool,
 ) -> list[tuple[bytes, ...]]:
-    """``found`` with each empty match replaced, in order, by a Kineto span in its own key
-    order, as the pattern would have captured it; ``ValueError`` unless every empty match
-    is one."""
-    spans = [m for text, a, b in run if _SPAN_KEY.search(text, a, b)
-             for m in _SPAN.finditer(text, a, b)]  # fmt: skip
-    empty = [i for i, f in enumerate(found) if not f[2]]
-    if len(spans) != len(empty):
-        raise ValueError("an event does not follow the expected key order")
+    """``found`` with each empty match replaced by the Kineto span (in its own key order)
+    that starts exactly there, as the pattern would have captured it; ``ValueError`` when an
+    empty match is not such a span."""
+    # the matches again, in findall's order, now with their places
+    where = [(text, m.start(), b, m[3]) for text, a, b in run for m in pattern.finditer(text, a, b)]
+    if len(where) != len(found):
+        raise ValueError("the run's matches changed")
     fixed = list(found)
-    for i, m in zip(empty, spans, strict=True):
-        head = m[1] + b", " + m[5] + b", " + m[4]  # cat, name, then pid and tid
+    for i, (text, at, end, tail) in enumerate(where):
+        if tail:
+            continue
+        span = _SPAN.match(text, at, end)  # the empty match must be a span, right there
+        if span is None:
+            raise ValueError("an event does not follow the expected key order")
+        head = span[1] + b", " + span[5] + b", " + span[4]  # cat, name, pid and tid
         if flexible:  # head, mark, ts, dur, id
-            fixed[i] = (head, b"", m[2], m[3], b"")
+            fixed[i] = (head, b"", span[2], span[3], b"")
         else:  # head, mark, "ts … dur", text before the id, id
-            fixed[i] = (head, b"", m[2] + b', "dur": ' + m[3], b"", b"")
+            fixed[i] = (head, b"", span[2] + b', "dur": ' + span[3], b"", b"")
     return fixed
 
 

@@ -98,10 +98,12 @@ def _distributed_info_present() -> bool:
 NO_CUDA_HERE = "contents asked for cuda but this worker has no CUDA device: recorded CPU only"
 #: Kineto categories of events recorded on the device (not launches seen from the CPU).
 DEVICE_EVENTS = re.compile(rb'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
-#: A CUDA call that puts work on the device (a kernel launch, a copy, a memset), seen from
-#: the CPU, in either of Kineto's layouts (cat and name on one line or two).
+#: A CUDA (or HIP: roctracer's calls are ``cuda_runtime`` too) call that puts work on the
+#: device (a kernel launch, a copy, a memset), seen from the CPU, in either of Kineto's
+#: layouts (cat and name on one line or two).
 DEVICE_LAUNCHES = re.compile(
-    rb'"cat"\s*:\s*"cuda_(?:runtime|driver)"\s*,\s*"name"\s*:\s*"cu\w*(?:Launch|Memcpy|Memset)'
+    rb'"cat"\s*:\s*"cuda_(?:runtime|driver)"\s*,\s*"name"\s*:\s*"(?:cu|hip)\w*'
+    rb"(?:Launch|Memcpy|Memset)"
 )
 NO_DEVICE_EVENTS = (
     "asked for CUDA activity and the window launched device work, but the trace holds no "

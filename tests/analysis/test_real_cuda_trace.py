@@ -198,3 +198,32 @@ def test_hand_made_gpu_step_reads_the_same_in_both_layouts(tmp_path: Path) -> No
         communication=15e3, memory=3e3, overlap=7e3,
     )  # fmt: skip
     assert {(CPU_PID, CPU_TID), ("Spans", "PyTorch Profiler")} <= set(old.threads)
+
+
+def test_odd_classic_files_never_read_differently_on_the_fast_path(tmp_path: Path) -> None:
+    """What the strict patterns cannot vouch for goes to the flexible one or the generic
+    parser, never read otherwise: an exponent in a duration (the flexible pattern reads it),
+    a lone ``B`` event beside a span-shaped object nested in an event (generic: the B is not
+    taken for that span); a file on one line (``json.dumps``) reads as the original."""
+    _, doc = recorded()
+    real = digest_file(RECORDED)
+    (tmp_path / "one_line.json").write_text(json.dumps(doc))
+    d = digest_file(tmp_path / "one_line.json")
+    assert (d.mode, d.gpu, d.ops) == ("fast", real.gpu, real.ops)
+    nested = '{"ph": "X", "cat": "Trace", "ts": 999, "dur": 888, "pid": 1, "tid": 1, "name": "f"}'
+    files = [
+        ['{\n    "ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1,\n'
+         '    "ts": 10.000, "dur": 5e-1,\n    "args": {\n      "x": 1\n    }\n  }'],
+        ['{\n    "ph": "X", "cat": "cpu_op", "name": "b", "o": ' + nested + ', "pid": 1,'
+         ' "tid": 1,\n    "ts": 20.000, "dur": 2.000,\n    "args": {\n      "x": 1\n    }\n  }',
+         '{\n    "ph": "B", "cat": "cpu_op", "name": "c", "pid": 1, "tid": 1, "ts": 30.000\n  }'],
+    ]  # fmt: skip
+    for i, events in enumerate(files):
+        path = tmp_path / f"odd{i}.json"
+        body = ",\n  ".join(events)
+        path.write_text('{\n  "schemaVersion": 1,\n  "traceEvents": [\n  ' + body + "\n  ]\n}\n")
+        fast, generic = digest_file(path), digest_file(path, force_generic=True)
+        assert fast.error is None and generic.error is None, i
+        assert (fast.ops, fast.ranges) == (generic.ops, generic.ranges), i
+        # the exponent is read by the flexible pattern; the B event leaves the fast path
+        assert fast.mode == ("fast", "generic")[i], i

@@ -322,6 +322,7 @@ _CPU = '"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1,'
     [
         ([_LAUNCH["classic"]], True),  # launches, no device event: CUPTI recorded nothing
         ([_LAUNCH["2.13"], _CPU], True),
+        (['"ph": "X", "cat": "cuda_runtime", "name": "hipLaunchKernel", "pid": 1,'], True),
         ([_LAUNCH["classic"], _KERNEL], False),
         ([_CPU], False),  # a CPU-only role on a GPU machine launched nothing: nothing missing
     ],

@@ -101,7 +101,13 @@ def test_a_dead_agent_stays_lost_when_a_relay_still_polls_for_it(tmp_path) -> No
                 await c.register(info, 3)
             assert c._registry.lose("critic-0") is not None  # as the liveness check does
             c._registry.expire(c._clock() + 3600, 60)  # actor-0: the heartbeat's loss
-            await c.poll_many({"critic-0": 0, "actor-0": 0}, {"critic-0": 4, "actor-0": 4}, 0)
+            # the liveness check goes on asking about actor-0 only
+            assert [r.info.agent_id for r in c._registry.unconfirmed()] == ["actor-0"]
+            both = {"critic-0": 0, "actor-0": 0}
+            replies = await c.poll_many(both, {"critic-0": 4, "actor-0": 4}, 0)
+            # the relay is told to drop critic-0 (a live one would register again)
+            assert not replies["critic-0"].known
+            assert not (await c.poll("critic-0", 0, 4, 0)).known
             states = {a.agent_id: a.state.value for a in await c.list_agents()}
             with pytest.raises(RequestInvalid, match="critic"):
                 await c.create_session({"next_steps": 1, "roles": {"critic": {}}})
