@@ -257,7 +257,8 @@ class _TorchOutput(PendingOutput):
         warnings = self._notes
         # launches without device events: CUPTI recorded nothing. A window that launched
         # nothing (a CPU-only role on a GPU machine) has none to record.
-        if found and found[1] and not found[0]:
+        has_device, launched = found or (False, False)
+        if launched and not has_device:
             warnings = (*warnings, NO_DEVICE_EVENTS)
         return [WrittenFile(final, final.stat().st_size, suffix, warnings)]
 
