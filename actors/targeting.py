@@ -151,6 +151,6 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
             reason = f"role {key} runs inside {', '.join(hosts)}, governed by another block"
         else:
             known = ", ".join(sorted(by_role)) or "none"
-            reason = f"no registered agent has role {key} (registered roles: {known})"
+            reason = f"no live agent has role {key} (live roles: {known})"
         ignored.append(Ignored(key, None, reason))
     return Targeting(tuple(targets), tuple(ignored))

@@ -82,7 +82,7 @@ def test_targeting_reports_everything_it_does_not_use() -> None:
     reasons = {(i.role, i.rank): i.reason for i in t.ignored}
     assert "out of range (world_size 2)" in reasons[("actor_rollout_ref", 5)]
     assert "runs inside actor_rollout_ref" in reasons[("ref", None)]
-    assert "no registered agent has role reward" in reasons[("reward", None)]
+    assert "no live agent has role reward" in reasons[("reward", None)]
 
 
 def test_targeting_refuses_agents_that_cannot_run_the_tool() -> None:

@@ -66,7 +66,7 @@ def test_create_get_list_cancel(sidecar, agents) -> None:
     assert [(t["role"], t["rank"]) for t in view["targets"]] == [("actor", 1)]
     reasons = {(i["role"], i["rank"]): i["reason"] for i in view["ignored"]}
     assert "out of range (world_size 2)" in reasons[("actor", 7)]
-    assert "no registered agent has role ref" in reasons[("ref", None)]
+    assert "no live agent has role ref" in reasons[("ref", None)]
     assert httpx.get(f"{url}/api/v1/sessions/{sid}").json()["session_id"] == sid
     listed = httpx.get(f"{url}/api/v1/sessions").json()
     assert listed["count"] == 1
