@@ -50,11 +50,15 @@ def _relays() -> dict[str, Any]:
     from profd.actors.relay import RELAY_PREFIX
     from profd.core.constants import NAMESPACE
 
-    return {
-        e["name"]: ray.get_actor(e["name"], namespace=NAMESPACE)
-        for e in ray.util.list_named_actors(all_namespaces=True)
-        if e["namespace"] == NAMESPACE and e["name"].startswith(RELAY_PREFIX)
-    }
+    out = {}
+    for e in ray.util.list_named_actors(all_namespaces=True):
+        if e["namespace"] != NAMESPACE or not e["name"].startswith(RELAY_PREFIX):
+            continue
+        try:
+            out[e["name"]] = ray.get_actor(e["name"], namespace=NAMESPACE)
+        except ValueError:  # listed, then dead by the lookup (a kill racing the listing)
+            continue
+    return out
 
 
 def _parked(relay: Any, n: int) -> None:
