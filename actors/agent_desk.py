@@ -270,13 +270,30 @@ class AgentDesk:
         for ev in events:
             try:
                 self._apply_one(rec, agent_id, ev, touched)
-            except Exception:
+            except Exception as exc:
                 self.rejected_events += 1
                 if agent_id not in self._rejecting:
                     self._rejecting.add(agent_id)
                     log.exception("agent %s: an event could not be applied (skipped; the "
                                   "next ones are counted only): %r", agent_id, ev)  # fmt: skip
+                self._refuse(agent_id, ev, exc, touched)
         return True
+
+    def _refuse(
+        self, agent_id: str, ev: AgentEvent, exc: Exception, touched: dict[str, Session]
+    ) -> None:
+        """The sessions the refused event belongs to hear of it (see :meth:`Session.refuse`)."""
+        if ev.kind is EventKind.CLOSED:
+            sessions = [s for s in self._book.live() if agent_id in s.targets]
+        else:
+            found = self._book.find(ev.session_id or "") if ev.session_id else None
+            sessions = [found] if found is not None else []
+        for s in sessions:
+            touched[s.session_id] = s
+            try:
+                s.refuse(agent_id, ev, exc)
+            except Exception:  # the part stays as it is; the event was logged above
+                log.debug("session %s: could not note a refused event", s.session_id)
 
     def _apply_one(
         self, rec: AgentRecord, agent_id: str, ev: AgentEvent, touched: dict[str, Session]

@@ -372,6 +372,22 @@ class Session:
         part.ended_by_agent = True
         self._close_part(part)
 
+    def refuse(self, agent_id: str, event: AgentEvent, error: Exception) -> None:
+        """An event of the agent that could not be applied: its part says so, and an event
+        that ends the part (``part_done``, the agent closing) still ends it, else the part
+        would wait for an end that already came until the session's deadline."""
+        part = self.targets.get(agent_id)
+        if part is None or part.state.is_terminal:
+            return
+        self.dirty_parts.add(agent_id)
+        part.errors.append(
+            f"profd could not apply the agent's {event.kind.value} event "
+            f"({type(error).__name__}: {error})"
+        )
+        if isinstance(event.payload, PartDone) or event.kind is EventKind.CLOSED:
+            part.ended_by_agent = True
+            self._close_part(part, unresolved_reason="not accounted for by the agent's end")
+
     def _close_part(self, part: Part, unresolved_reason: str = "not reached") -> None:
         unresolved = set(self.steps or ()) - part.recorded - part.missed
         part.missed |= unresolved

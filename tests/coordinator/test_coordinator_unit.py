@@ -183,6 +183,35 @@ def test_a_session_walks_every_state_on_events(tmp_path: Path) -> None:
     run(go)
 
 
+def test_a_part_whose_end_cannot_be_applied_still_ends_and_says_why(tmp_path: Path) -> None:
+    """An agent's ``part_done`` the coordinator cannot apply (a mismatched agent's payload)
+    was skipped and logged: its part then waited for an end that had already come, until
+    the session's deadline. Now the part ends (failed, with the reason) at once and the
+    session ends with its other part."""
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        view = await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+        sid = view.session_id
+        broken = PartDone(recorded=None)  # type: ignore[arg-type]
+        await coord.report("a", [ev(EventKind.PART_DONE, sid, payload=broken)])
+        done_b = [trace(sid, view.save_dir, "t-b", (3,))]
+        done_b.append(ev(EventKind.PART_DONE, sid, payload=PartDone(recorded=(3,))))
+        await coord.report("b", done_b)
+        coord.tick()
+        ended = await coord.get_session(sid)
+        parts = {p.agent_id: p for p in ended.targets}
+        assert ended.state.is_terminal, ended.reason
+        assert parts["a"].state is PartState.FAILED
+        assert "could not apply the agent's part_done event (TypeError" in parts["a"].reason
+        assert parts["b"].state is PartState.DONE
+        assert (await coord.metrics())["rejected_events_total"] == 1
+
+    run(go)
+
+
 def test_a_finished_part_leaves_its_agents_plan_while_the_session_goes_on(
     tmp_path: Path,
 ) -> None:
