@@ -45,7 +45,7 @@ from profd.actors.trace_index import TraceIndex
 from profd.actors.triggers import TriggerDesk
 from profd.core.constants import __version__
 from profd.core.errors import ProfdError, RequestInvalid
-from profd.core.heap import trim_heap
+from profd.core.heap import collect_young_every, trim_heap
 from profd.core.json_body import BATCHED_READS, JSON_READS, JsonItems, encode_read
 from profd.core.paging import Page
 from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, MarkDurations, PollReply
@@ -117,6 +117,8 @@ class ProfileCoordinator:
     ) -> None:
         if isinstance(settings, dict):
             settings = CoordinatorSettings.model_validate(settings)
+        if settings.gc_young_objects:  # only in a process of its own (a setting of the actor)
+            collect_young_every(settings.gc_young_objects)
         self.settings = settings
         self._clock = clock
         self._started = clock()

@@ -96,7 +96,10 @@ class Fleet:
             relay_forward_min=args.relay_forward_min,
         ).coordinator()
         self.coord, _ = get_or_create_coordinator(
-            settings.model_copy(update={"state_dir": self.state_dir}), detached=False
+            settings.model_copy(
+                update={"state_dir": self.state_dir, "gc_young_objects": args.gc_young}
+            ),
+            detached=False,
         )
         self.cpid = ray.get(self.coord.pid.remote())
         # nodes [0, real_nodes) hold the real agents, the others simulated ones

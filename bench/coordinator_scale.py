@@ -88,7 +88,8 @@ events (collapsed stacks in ``DIR``): where each phase's CPU went.
     python bench/coordinator_scale.py [--agents 10000] [--nodes 1250] [--mode relay|direct]
 
 Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=socket delivery=push
-relay_forward_min=64 fanout_ms=... relay_fanout_ms=... coordinator_fanout_cpu_s=...
+relay_forward_min=64 relay_hosts=4 agent_hosts=4 gc_young=50000 fanout_ms=...
+relay_fanout_ms=... coordinator_fanout_cpu_s=...
 events_per_s=... bytes_per_agent=... marginal_bytes_per_agent=...
 relay_host_bytes_per_agent=... plans_delivered=10000 real_agents=16 register_s=...
 create_ms=... report_retries=... duplicates_dropped=... targets=met|missed:<which>
@@ -106,6 +107,8 @@ import time
 from _fleet import Fleet, rss_bytes
 from _fleet_hosts import EVENTS_PER_REPORT, WINDOW_STEPS
 from _fleet_phases import Events, Failed, Fanout, Memory, fan_out, register_and_weigh, send_events
+
+from profd.actors import COORDINATOR_GC_YOUNG
 
 TARGET_FANOUT_MS = 1000.0
 TARGET_EVENTS_PER_S = 20_000.0
@@ -232,7 +235,7 @@ def result_line(
     ]
     hop_part = (
         f"agent_hop={args.agent_hop} delivery={args.delivery} "
-        f"relay_forward_min={args.relay_forward_min} "
+        f"relay_forward_min={args.relay_forward_min} relay_hosts={args.relay_hosts} "
         if args.mode == "relay"
         else ""
     )
@@ -247,6 +250,7 @@ def result_line(
     )
     return (
         f"RESULT agents={args.agents} nodes={args.nodes} mode={args.mode} {hop_part}"
+        f"agent_hosts={args.agent_hosts} gc_young={args.gc_young} "
         f"fanout_ms={fan.fanout_ms:.0f} {relay_part}coordinator_fanout_cpu_s={fanout_cpu:.1f} "
         f"events_per_s={ev.per_s:.0f} "
         f"bytes_per_agent={bytes_per_agent:.0f} marginal_bytes_per_agent="
@@ -295,6 +299,11 @@ def main() -> int:
         "--relay-forward-min", type=int, default=64,
         help="the coordinator's relay_forward_min (PROFD_RELAY_FORWARD_MIN; profd's default "
         "64): with this many relays to push to, pushes go through relays; 0: every push direct",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gc-young", type=int, default=COORDINATOR_GC_YOUNG,
+        help="the coordinator process's young-collection threshold (gc_young_objects; "
+        "profd's actor: %(default)s; Python's own: 700)",
     )  # fmt: skip
     parser.add_argument(
         "--py-spy", metavar="DIR",

@@ -1,4 +1,5 @@
-"""Giving freed heap back to the operating system (glibc's ``malloc_trim``).
+"""Giving freed heap back to the operating system (glibc's ``malloc_trim``), and pacing the
+cyclic collector of a process that holds a fleet's state.
 
 A long-running process that takes bursts of calls (the coordinator: thousands of agents
 registering, a fleet's events as its windows end) frees most of what a burst allocated, but
@@ -12,10 +13,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 from typing import Any
 
-__all__ = ["trim_heap"]
+__all__ = ["collect_young_every", "trim_heap"]
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +40,17 @@ def trim_heap() -> bool:
     if libc is None:
         return False
     return bool(libc.malloc_trim(0))
+
+
+def collect_young_every(objects: int) -> None:
+    """Collect the young generation every ``objects`` allocations (Python: 700), and the
+    older ones proportionally less often.
+
+    At 10,000 agents the coordinator's heap holds about a million objects, and Python's
+    default pacing ran a full collection (60-80 ms, every RPC waiting) two or three times
+    in one ``create_session`` of the whole fleet and again as the fleet's events came in
+    (measured in-process: 230 ms of a 660 ms ``create_session``, 220 ms of 2.1 s of
+    events). Its objects are freed by reference counting; cycles are rare, and still
+    collected, only later."""
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(objects, max(older, 20), oldest)

@@ -50,6 +50,14 @@ class CoordinatorSettings(BaseModel):
         description="profd stacks may run py-spy on a node to read its processes (it attaches "
         "with ptrace for a moment); False: only the agents' own threads read stacks.",
     )
+    gc_young_objects: int = Field(
+        0,
+        ge=0,
+        description="The collector's first threshold (objects allocated between young "
+        "collections) in the coordinator's own process: fewer, shorter pauses of every RPC "
+        "with a fleet's state in its heap. 0 keeps Python's default (700); the coordinator "
+        "actor profd starts sets it (profd.actors.COORDINATOR_GC_YOUNG).",
+    )
     relay_forward_min: int = Field(
         64,
         ge=0,

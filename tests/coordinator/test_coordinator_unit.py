@@ -587,3 +587,18 @@ def test_the_session_directory_check_is_by_whole_path_components() -> None:
     unknown = lambda p: _inside_session_dir(os.path.normpath(p), None, "s1")  # noqa: E731
     assert unknown("/any/s1/a.json") and not unknown("/any/s1x/a.json")
     assert not unknown("/any/a/s1") and not _inside_session_dir("/any/s1/a", None, "")
+
+
+def test_gc_young_objects_paces_the_collector_of_the_coordinators_process(
+    tmp_path: Path,
+) -> None:
+    import gc
+
+    before = gc.get_threshold()
+    try:
+        make(tmp_path)  # 0: Python's pacing is left alone
+        assert gc.get_threshold() == before
+        make(tmp_path, gc_young_objects=12_345)
+        assert gc.get_threshold() == (12_345, max(before[1], 20), before[2])
+    finally:
+        gc.set_threshold(*before)
