@@ -12,7 +12,6 @@ from profd.core.constants import COORDINATOR_NAME, NAMESPACE, SIDECAR_NAME
 from profd.core.ray_env import find_actor, find_coordinator, find_sidecar
 
 __all__ = [
-    "COORDINATOR_GC_YOUNG",
     "get_or_create_coordinator",
     "get_or_create_relay",
     "get_or_create_sidecar",
@@ -24,10 +23,6 @@ log = logging.getLogger(__name__)
 
 #: Enough concurrent calls for every agent's long-poll plus API traffic.
 COORDINATOR_MAX_CONCURRENCY = 100_000
-#: The coordinator actor's process collects young objects every this many allocations
-#: (:func:`profd.core.heap.collect_young_every`): full collections of a fleet's heap paused
-#: every RPC for 60-80 ms, several times in one fleet-wide session.
-COORDINATOR_GC_YOUNG = 50_000
 #: A node's agents: their long-polls, event reports and registrations at once.
 RELAY_MAX_CONCURRENCY = 10_000
 
@@ -84,8 +79,6 @@ def get_or_create_coordinator(settings: Any, *, detached: bool = True) -> tuple[
     )
     if detached:
         opts["lifetime"] = "detached"
-    if not settings.gc_young_objects:  # the actor's process serves nothing else
-        settings = settings.model_copy(update={"gc_young_objects": COORDINATOR_GC_YOUNG})
     handle = ray.remote(ProfileCoordinator).options(**opts).remote(settings.model_dump())
     ray.get(handle.start.remote())  # constructed, and housekeeping runs on its loop
     return handle, True

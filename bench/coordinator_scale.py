@@ -88,7 +88,7 @@ events (collapsed stacks in ``DIR``): where each phase's CPU went.
     python bench/coordinator_scale.py [--agents 10000] [--nodes 1250] [--mode relay|direct]
 
 Last line: ``RESULT agents=10000 nodes=1250 mode=relay agent_hop=socket delivery=push
-relay_forward_min=64 relay_hosts=4 agent_hosts=4 gc_young=50000 fanout_ms=...
+relay_forward_min=64 relay_hosts=4 agent_hosts=4 gc_young=0 fanout_ms=...
 relay_fanout_ms=... coordinator_fanout_cpu_s=...
 events_per_s=... bytes_per_agent=... marginal_bytes_per_agent=...
 relay_host_bytes_per_agent=... plans_delivered=10000 real_agents=16 register_s=...
@@ -107,8 +107,6 @@ import time
 from _fleet import Fleet, rss_bytes
 from _fleet_hosts import EVENTS_PER_REPORT, WINDOW_STEPS
 from _fleet_phases import Events, Failed, Fanout, Memory, fan_out, register_and_weigh, send_events
-
-from profd.actors import COORDINATOR_GC_YOUNG
 
 TARGET_FANOUT_MS = 1000.0
 TARGET_EVENTS_PER_S = 20_000.0
@@ -301,9 +299,9 @@ def main() -> int:
         "64): with this many relays to push to, pushes go through relays; 0: every push direct",
     )  # fmt: skip
     parser.add_argument(
-        "--gc-young", type=int, default=COORDINATOR_GC_YOUNG,
-        help="the coordinator process's young-collection threshold (gc_young_objects; "
-        "profd's actor: %(default)s; Python's own: 700)",
+        "--gc-young", type=int, default=0,
+        help="the coordinator process's young-collection threshold (PROFD_GC_YOUNG_OBJECTS; "
+        "0, profd's default: Python's own, 700)",
     )  # fmt: skip
     parser.add_argument(
         "--py-spy", metavar="DIR",

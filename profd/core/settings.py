@@ -55,8 +55,9 @@ class CoordinatorSettings(BaseModel):
         ge=0,
         description="The collector's first threshold (objects allocated between young "
         "collections) in the coordinator's own process: fewer, shorter pauses of every RPC "
-        "with a fleet's state in its heap. 0 keeps Python's default (700); the coordinator "
-        "actor profd starts sets it (profd.actors.COORDINATOR_GC_YOUNG).",
+        "with a fleet's state in its heap, at some memory (README: the fleet benchmark). 0 "
+        "keeps Python's default (700); applied only where the coordinator runs as an actor "
+        "of its own (profd up: PROFD_GC_YOUNG_OBJECTS).",
     )
     relay_forward_min: int = Field(
         64,
@@ -84,6 +85,7 @@ class ProfdSettings(BaseSettings):
     session_timeout_s: float = 86_400.0
     stacks_py_spy: bool = True
     relay_forward_min: int = 64
+    gc_young_objects: int = 0
 
     def coordinator(self, cwd: Path | None = None) -> CoordinatorSettings:
         base = (cwd or Path.cwd()).resolve()
@@ -101,6 +103,7 @@ class ProfdSettings(BaseSettings):
             state_dir=str(self.state_dir),
             stacks_py_spy=self.stacks_py_spy,
             relay_forward_min=self.relay_forward_min,
+            gc_young_objects=self.gc_young_objects,
         )
 
 

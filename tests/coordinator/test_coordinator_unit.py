@@ -602,3 +602,11 @@ def test_gc_young_objects_paces_the_collector_of_the_coordinators_process(
         assert gc.get_threshold() == (12_345, max(before[1], 20), before[2])
     finally:
         gc.set_threshold(*before)
+
+
+def test_profd_up_passes_its_gc_setting_to_the_coordinator(monkeypatch, tmp_path) -> None:
+    from profd.core.settings import ProfdSettings
+
+    assert ProfdSettings().coordinator(tmp_path).gc_young_objects == 0  # Python's pacing
+    monkeypatch.setenv("PROFD_GC_YOUNG_OBJECTS", "50000")
+    assert ProfdSettings().coordinator(tmp_path).gc_young_objects == 50_000

@@ -8,7 +8,6 @@ from typing import Any
 
 import httpx
 import pytest
-import ray
 
 from profd.backends.torch_backend import read_trace
 from profd.core.naming import parse_trace_name
@@ -402,20 +401,3 @@ def test_launch_time_verl_config_adopts_workers_as_they_start(ray_coordinator) -
     ]
     reasons = {(i.role, i.rank): i.reason for i in view.ignored}
     assert "out of range (world_size 2)" in reasons[("actor_rollout_ref", 8)]
-
-
-def test_the_coordinator_actors_process_collects_young_objects_less_often(
-    ray_coordinator,
-) -> None:
-    """The actor profd starts paces its own process's collector
-    (``COORDINATOR_GC_YOUNG``); a coordinator built in a test's process leaves it alone."""
-    import gc
-
-    from profd.actors import COORDINATOR_GC_YOUNG
-
-    def threshold(_coordinator: Any) -> tuple[int, ...]:
-        return gc.get_threshold()
-
-    remote = ray.get(ray_coordinator.__ray_call__.remote(threshold), timeout=30)
-    assert remote[0] == COORDINATOR_GC_YOUNG and remote[1] >= 20
-    assert gc.get_threshold()[0] != COORDINATOR_GC_YOUNG
