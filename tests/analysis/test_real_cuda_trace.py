@@ -11,8 +11,10 @@ code, and HTA's are compared with profd's.
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,39 @@ def test_hand_made_classic_layout_is_the_recorded_one() -> None:
             assert classic_head(e) in text, e
     assert classic_span(spans[0]["ts"], spans[0]["dur"]) in text
     assert {e["cat"] for e in events} >= {*DEVICE, "cuda_runtime", "cuda_driver", "cpu_op"}
+
+
+_VALUE_STR = re.compile(r'(:\s*)"(?:[^"\\]|\\.)*"')
+_NUMBER = re.compile(r"-?\b\d+(?:\.\d+)?(?:e-?\d+)?\b")
+
+
+def _shape(block: str) -> str:
+    """An event's text with its values blanked (strings "S", numbers N), its braces and the
+    spacing after commas dropped (Kineto's varies) and its line breaks kept (the fast
+    parser's patterns depend on them)."""
+    lines = []
+    for line in block.split("\n"):
+        line = _NUMBER.sub("N", _VALUE_STR.sub(r'\1"S"', line))
+        line = re.sub(r",\s*", ", ", line.strip()).strip("{} ,")
+        if line:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def test_the_analysis_benchs_classic_text_has_the_recorded_shapes(monkeypatch) -> None:
+    """``bench/analysis.py`` times profd and HTA on traces written by
+    ``bench/gpu_trace_set.py`` (string templates, for speed), not by ``gpu_traces``: every
+    event it writes in the classic layout (metadata, host ops, launches, flows, kernels,
+    copies, Kineto's span) has the shape of an event of the recorded trace."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "bench"))
+    bench = importlib.import_module("gpu_trace_set")
+    text, _ = recorded()
+    body = text[text.index('"traceEvents": [') :]
+    real = {_shape(b) for b in body.split("\n  },\n  {")}
+    written = {_shape(e) for e in bench._events(bench.TextClassic(), 0, 2, 6)}
+    assert len(written) >= 9  # every kind of event above
+    assert written <= real, sorted(written - real)
+
 
 
 def test_recorded_trace_takes_the_fast_path_with_the_generic_figures(tmp_path: Path) -> None:
