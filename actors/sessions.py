@@ -119,17 +119,6 @@ class Part:
     #: so the window leaving its plan need not wake it (not persisted).
     ended_by_agent: bool = field(default=False, compare=False)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Its session counts its parts by state (``Session.advance`` asks the counts, not
-        # 10,000 parts, after every report): every change of ``state`` moves the count.
-        if name == "state":
-            tally = self.__dict__.get("_tally")
-            old = self.__dict__.get("state")
-            if tally is not None and old is not value:
-                tally[old] -= 1
-                tally[value] += 1
-        object.__setattr__(self, name, value)
-
     def finish(self, state: PartState, reason: str = "") -> None:
         if not self.state.is_terminal:
             self.state = state
@@ -160,6 +149,27 @@ class Part:
         d["state"] = PartState(d["state"])
         d["recorded"], d["missed"] = set(d["recorded"]), set(d["missed"])
         return cls(**d)
+
+
+def _part_state(part: Part) -> PartState:
+    return part.__dict__["_state"]
+
+
+def _set_part_state(part: Part, value: PartState) -> None:
+    # Its session counts its parts by state (``Session.advance`` asks the counts, not 10,000
+    # parts, after every report): every change of ``state`` moves the count.
+    d = part.__dict__
+    tally, old = d.get("_tally"), d.get("_state")
+    if tally is not None and old is not value:
+        tally[old] -= 1
+        tally[value] += 1
+    d["_state"] = value
+
+
+# A property set on the class after the dataclass is built (its __init__ keeps the field and
+# its default): only ``state`` goes through a function, where a __setattr__ override made
+# every field of every part do so (10,000 new parts: 79 -> 25 ms).
+Part.state = property(_part_state, _set_part_state)  # type: ignore[assignment]
 
 
 @dataclass
