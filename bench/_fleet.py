@@ -81,78 +81,95 @@ class Fleet:
     def __init__(self, args: argparse.Namespace) -> None:
         import ray
 
-        from profd.actors import get_or_create_coordinator
-        from profd.core.settings import ProfdSettings
-
         self.args = args
         self.per_node = args.agents // args.nodes
         self.real_nodes = args.real_agents // self.per_node
         self.sim = args.agents - args.real_agents
-        self.state_dir = tempfile.mkdtemp(prefix="profd-bench-state-")  # as `profd up` does
-        # what `profd up` reads from PROFD_POLL_TIMEOUT_S / PROFD_HEARTBEAT_TIMEOUT_S
+        self.coord = self._coordinator()
+        self.cpid = ray.get(self.coord.pid.remote())
+        # nodes [0, real_nodes) hold the real agents, the others simulated ones
+        self.sim_nodes = list(range(self.real_nodes, args.nodes))
+        self.relay_of: dict[int, int] = {}
+        self.sockets: dict[str, str] = {}
+        self.relay_hosts: list[Any] = []
+        self.rh_pids: list[int] = []
+        chunks: list[list[int]] = []
+        if args.mode == "relay":
+            chunks = self._start_relay_hosts()
+        if args.mode == "relay" and args.agent_hop == "local":
+            self.ah_nodes = chunks
+            self.agent_hosts = self.relay_hosts
+            calls = [
+                h.host_agents.remote(self._agents_of(c), args.agents)
+                for h, c in zip(self.relay_hosts, chunks, strict=True)
+            ]
+            ray.get(calls)
+            self.ah_pids: list[int] = []
+        else:
+            self._start_agent_hosts()
+        self.real: list[Any] = []
+        self.real_pids: list[int] = []
+
+    def _coordinator(self) -> Any:
+        """The real coordinator actor, persisting to SQLite in a state directory of its own
+        (as ``profd up`` does), with the settings ``profd up`` reads from the environment."""
+        from profd.actors import get_or_create_coordinator
+        from profd.core.settings import ProfdSettings
+
+        args = self.args
+        self.state_dir = tempfile.mkdtemp(prefix="profd-bench-state-")
+        # what `profd up` reads from PROFD_POLL_TIMEOUT_S, PROFD_HEARTBEAT_TIMEOUT_S, ...
         settings = ProfdSettings(
             poll_timeout_s=args.poll_timeout_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             relay_forward_min=args.relay_forward_min,
+            gc_young_objects=args.gc_young,
         ).coordinator()
-        self.coord, _ = get_or_create_coordinator(
-            settings.model_copy(
-                update={"state_dir": self.state_dir, "gc_young_objects": args.gc_young}
-            ),
-            detached=False,
-        )
-        self.cpid = ray.get(self.coord.pid.remote())
-        # nodes [0, real_nodes) hold the real agents, the others simulated ones
-        sim_nodes = list(range(self.real_nodes, args.nodes))
-        relay_of: dict[int, int] = {}
-        self.sockets: dict[str, str] = {}
-        self.relay_hosts: list[Any] = []
-        self.rh_pids: list[int] = []
-        if args.mode == "relay":
-            k = args.relay_hosts
-            chunks = [sim_nodes[i::k] for i in range(k)]
-            for h, chunk in enumerate(chunks):
-                relay_of.update({n: h for n in chunk})
-            rh_cls = ray.remote(RelayHost).options(num_cpus=0, max_concurrency=100_000)
-            pushed = args.delivery == "push"
-            self.relay_hosts = [rh_cls.remote([node_id_of(n) for n in c], pushed) for c in chunks]
-            started = ray.get(
-                [h.start.remote(args.agent_hop == "socket") for h in self.relay_hosts]
-            )
-            self.rh_pids = [pid for pid, _ in started]
-            self.sockets = {n: path for _, paths in started for n, path in paths.items()}
+        update = {"state_dir": self.state_dir}
+        coord, _ = get_or_create_coordinator(settings.model_copy(update=update), detached=False)
+        return coord
 
-        def agents_of(nodes: list[int]) -> list[tuple[str, int, int]]:
-            per = self.per_node
-            return [
-                (node_id_of(n), relay_of.get(n, 0), n * per + p) for n in nodes for p in range(per)
-            ]
+    def _start_relay_hosts(self) -> list[list[int]]:
+        """``--relay-hosts`` processes, each hosting its share of the simulated nodes' relays;
+        the nodes of each."""
+        import ray
 
-        if args.mode == "relay" and args.agent_hop == "local":
-            self.ah_nodes = chunks
-            self.agent_hosts = self.relay_hosts
-            ray.get(
-                [
-                    h.host_agents.remote(agents_of(c), args.agents)
-                    for h, c in zip(self.relay_hosts, chunks, strict=True)
-                ]
-            )
-        else:
-            m = args.agent_hosts
-            self.ah_nodes = [sim_nodes[i::m] for i in range(m)]
-            ah_cls = ray.remote(AgentHost).options(num_cpus=0, max_concurrency=1000)
-            hop = "socket" if args.mode == "relay" and args.agent_hop == "socket" else args.mode
-            target = {"socket": self.sockets, "relay": self.relay_hosts}.get(hop, self.coord)
-            self.agent_hosts = [
-                ah_cls.remote(hop, target, agents_of(nodes), args.agents) for nodes in self.ah_nodes
-            ]
-        self.ah_pids = (
-            []
-            if self.agent_hosts is self.relay_hosts
-            else ray.get([h.pid.remote() for h in self.agent_hosts])
-        )
-        self.real: list[Any] = []
-        self.real_pids: list[int] = []
+        k = self.args.relay_hosts
+        chunks = [self.sim_nodes[i::k] for i in range(k)]
+        for h, chunk in enumerate(chunks):
+            self.relay_of.update({n: h for n in chunk})
+        rh_cls = ray.remote(RelayHost).options(num_cpus=0, max_concurrency=100_000)
+        pushed = self.args.delivery == "push"
+        self.relay_hosts = [rh_cls.remote([node_id_of(n) for n in c], pushed) for c in chunks]
+        sockets = self.args.agent_hop == "socket"
+        started = ray.get([h.start.remote(sockets) for h in self.relay_hosts])
+        self.rh_pids = [pid for pid, _ in started]
+        self.sockets = {n: path for _, paths in started for n, path in paths.items()}
+        return chunks
+
+    def _start_agent_hosts(self) -> None:
+        """``--agent-hosts`` processes of simulated agents, each agent calling its relay (its
+        socket, or its relay host) or the coordinator."""
+        import ray
+
+        args = self.args
+        m = args.agent_hosts
+        self.ah_nodes = [self.sim_nodes[i::m] for i in range(m)]
+        ah_cls = ray.remote(AgentHost).options(num_cpus=0, max_concurrency=1000)
+        hop = "socket" if args.mode == "relay" and args.agent_hop == "socket" else args.mode
+        target = {"socket": self.sockets, "relay": self.relay_hosts}.get(hop, self.coord)
+        self.agent_hosts = [
+            ah_cls.remote(hop, target, self._agents_of(nodes), args.agents)
+            for nodes in self.ah_nodes
+        ]
+        self.ah_pids = ray.get([h.pid.remote() for h in self.agent_hosts])
+
+    def _agents_of(self, nodes: list[int]) -> list[tuple[str, int, int]]:
+        """The simulated agents of ``nodes``: (node id, relay host index, agent index)."""
+        per = self.per_node
+        return [
+            (node_id_of(n), self.relay_of.get(n, 0), n * per + p) for n in nodes for p in range(per)
+        ]
 
     def start_real(self) -> bool:
         """The real agents' nodes (their processes start while nothing else runs)."""
