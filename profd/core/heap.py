@@ -43,8 +43,8 @@ def trim_heap() -> bool:
 
 
 def collect_young_every(objects: int) -> None:
-    """Collect the young generation every ``objects`` allocations (Python: 700), and the
-    older ones proportionally less often.
+    """Collect the young generation every ``objects`` allocations (Python: 700) and the
+    middle one every 20 young collections at least (Python: 10), for this whole process.
 
     At 10,000 agents the coordinator's heap holds about a million objects, and Python's
     default pacing ran a full collection (60-80 ms, every RPC waiting) two or three times

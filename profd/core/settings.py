@@ -55,9 +55,10 @@ class CoordinatorSettings(BaseModel):
         ge=0,
         description="The collector's first threshold (objects allocated between young "
         "collections) in the coordinator's own process: fewer, shorter pauses of every RPC "
-        "with a fleet's state in its heap, at some memory (README: the fleet benchmark). 0 "
-        "keeps Python's default (700); applied only where the coordinator runs as an actor "
-        "of its own (profd up: PROFD_GC_YOUNG_OBJECTS).",
+        "with a fleet's state in its heap, at some memory (README: the fleet benchmark); the "
+        "middle generation is then collected every 20 young collections (Python: 10). 0 "
+        "leaves Python's pacing alone. It applies to the whole process that builds the "
+        "coordinator: profd up's coordinator actor has its own (PROFD_GC_YOUNG_OBJECTS).",
     )
     relay_forward_min: int = Field(
         64,

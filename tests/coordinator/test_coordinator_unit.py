@@ -607,6 +607,7 @@ def test_gc_young_objects_paces_the_collector_of_the_coordinators_process(
 def test_profd_up_passes_its_gc_setting_to_the_coordinator(monkeypatch, tmp_path) -> None:
     from profd.core.settings import ProfdSettings
 
+    monkeypatch.delenv("PROFD_GC_YOUNG_OBJECTS", raising=False)
     assert ProfdSettings().coordinator(tmp_path).gc_young_objects == 0  # Python's pacing
     monkeypatch.setenv("PROFD_GC_YOUNG_OBJECTS", "50000")
     assert ProfdSettings().coordinator(tmp_path).gc_young_objects == 50_000
