@@ -212,6 +212,36 @@ def test_a_part_whose_end_cannot_be_applied_still_ends_and_says_why(tmp_path: Pa
     run(go)
 
 
+def test_an_agents_end_that_cannot_be_applied_still_ends_its_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for an agent's ``closed`` event (its job ended) that fails to apply."""
+    from profd.actors.sessions import Session
+
+    applied = Session.apply
+
+    def failing(self: Session, agent_id: str, event: AgentEvent) -> None:
+        if event.kind is EventKind.CLOSED:
+            raise RuntimeError("a broken part")
+        applied(self, agent_id, event)
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        view = await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+        sid = view.session_id
+        monkeypatch.setattr(Session, "apply", failing)
+        await coord.report("a", [ev(EventKind.CLOSED, sid)])
+        coord.tick()
+        parts = {p.agent_id: p for p in (await coord.get_session(sid)).targets}
+        assert parts["a"].state is PartState.FAILED
+        assert "could not apply the agent's closed event (RuntimeError" in parts["a"].reason
+        assert parts["b"].state is PartState.PENDING
+
+    run(go)
+
+
 def test_a_finished_part_leaves_its_agents_plan_while_the_session_goes_on(
     tmp_path: Path,
 ) -> None:
