@@ -299,7 +299,9 @@ class AgentDesk:
         self, rec: AgentRecord, agent_id: str, ev: AgentEvent, touched: dict[str, Session]
     ) -> None:
         if isinstance(ev.payload, MarkDurations):  # live step and stage times
-            rec.current_step = _fresher(rec.current_step, ev.step)
+            step = _fresher(rec.current_step, ev.step)
+            if ev.step is not None and step == ev.step:  # taken, or the same step again
+                rec.current_step, rec.step_seen = step, self._clock()
             times = ev.payload
             if self._place_spans is not None:  # a driver-following worker's stages
                 times = self._place_spans(times, rec.info.job_id)

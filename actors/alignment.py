@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,10 @@ class Alignment:
         plans: PlanBook,
         drivers: DriverTable,
         step_seconds: Callable[[str], float | None] = lambda agent_id: None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._settings = settings
+        self._clock = clock
         self._step_seconds = step_seconds  # an agent's step period (MarkStats.step_period)
         self._registry = registry
         self._plans = plans
@@ -90,12 +93,28 @@ class Alignment:
         finally:
             self._waiters.remove(waiter)
         recs = [r for a in session.targets if (r := self._registry.get(a)) is not None]
-        known = [r.current_step for r in recs if r.current_step is not None]
+        now = self._clock()
+        known = [s for r in recs if (s := self._step_now(r, now)) is not None]
         # the drivers of the targets' jobs announce their steps: they are authoritative
         drivers = {self._drivers.driver_step(r.info.job_id) for r in recs}
         known += [d for d in drivers if d is not None]
         first = (max(known) + 1 if known else 0) + self._lead_steps(recs)
         session.resolve_steps(tuple(range(first, first + count)))
+
+    def _step_now(self, rec: Any, now: float) -> int | None:
+        """Where the agent's loop is now: its last reported step, and the steps its pace
+        (:meth:`_lead_steps`'s step period) took since it was reported. An agent whose
+        report is late (its link moving to the node's relay as the job starts, a loaded
+        node) was placed from a step seconds old, and its window had begun before its plan
+        came; at most :data:`MAX_LEAD_STEPS` are added (a loop that paused is not sent far
+        ahead)."""
+        step = rec.current_step
+        if not isinstance(step, int):
+            return step
+        period = self._step_seconds(rec.info.agent_id)
+        if not period or now <= rec.step_seen:
+            return step
+        return step + min(int((now - rec.step_seen) / period), MAX_LEAD_STEPS)
 
     def _lead_steps(self, recs: list[Any]) -> int:
         """``align_lead_steps``, or more when the targets' steps are fast: the window starts

@@ -19,6 +19,8 @@ class AgentRecord:
     registered_at: float
     last_seen: float
     current_step: int | None = None
+    #: When ``current_step`` was last reported (the coordinator's clock).
+    step_seen: float = 0.0
     state: AgentState = AgentState.ALIVE
     link: AgentLink | None = None  # how its last poll came (None before the first)
     last_seq: int = 0  # the newest numbered event applied (AgentEvent.seq)
@@ -35,6 +37,7 @@ class AgentRecord:
         self.last_seen = now
         if step is not None:
             self.current_step = step
+            self.step_seen = now
         if self.state is AgentState.LOST:
             self.state = AgentState.ALIVE
 

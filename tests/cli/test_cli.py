@@ -86,7 +86,11 @@ def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_p
     assert cli(["status"], cli_env, timeout=60).returncode == 0
 
     remote = ray.remote(DemoWorker).options(num_cpus=0)
-    workers = [remote.remote("actor", r, 2, seed=3) for r in range(2)]
+    # rank 1 on the second node, as a job's ranks are: its agent starts that node's relay
+    # and moves to it while the job starts (its step reached the coordinator late there,
+    # and the window was placed before where the rank already was)
+    on_b = ray.remote(DemoWorker).options(num_cpus=0, resources={"node_b": 0.01})
+    workers = [remote.remote("actor", 0, 2, seed=3), on_b.remote("actor", 1, 2, seed=3)]
     budget = ray.remote(StepBudget).options(num_cpus=0).remote()
     try:
         ray.get([w.ready.remote() for w in workers], timeout=120)

@@ -57,3 +57,32 @@ def test_next_steps_are_lead_by_the_pace_not_the_step_marks_own_time(tmp_path: P
         assert view.steps == [step + 1 + 2]
 
     asyncio.run(go())
+
+
+def test_next_steps_count_the_steps_a_late_report_has_not_told(tmp_path: Path) -> None:
+    """A target whose last step report is seconds old (its link moving to its node's relay
+    as the job starts; a loaded node) has run on at its pace since: the window is placed
+    ahead of where it is now, not where it was. Seen on a two-node cluster: a rank's step
+    known 2 s late, its plan came during step 12 for a window at step 10."""
+    rank1 = {"actor": {"ranks": [1]}}
+
+    async def go() -> tuple[list[int] | None, ...]:
+        coord, clock = make(tmp_path, align_lead_steps=1, align_lead_s=0.6, align_timeout_s=0)
+        await coord.start()
+        for aid, rank in (("a", 0), ("b", 1)):
+            await coord.register(info(aid, rank=rank), 0)
+        for step in range(2, 18, 2):  # a step every 0.5 s, reported each second
+            clock.advance(1.0)
+            assert await coord.report("b", [times(step, 0.01)])
+        reported, chosen = clock(), []
+        for late_s in (0.2, 2.1, 600.0):  # since b's report of step 16
+            clock.advance(reported + late_s - clock())
+            view = await coord.create_session({"next_steps": 1, "roles": rank1})
+            chosen.append(view.steps)
+            await coord.cancel_session(view.session_id)
+        return tuple(chosen)
+
+    fresh, late, paused = asyncio.run(go())
+    assert fresh == [16 + 1 + 2]
+    assert late == [16 + 4 + 1 + 2]  # 2.1 s at 0.5 s a step: 4 steps since it reported
+    assert paused == [16 + 50 + 1 + 2]  # at most MAX_LEAD_STEPS: a paused loop stays near
