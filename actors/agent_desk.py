@@ -299,9 +299,8 @@ class AgentDesk:
         self, rec: AgentRecord, agent_id: str, ev: AgentEvent, touched: dict[str, Session]
     ) -> None:
         if isinstance(ev.payload, MarkDurations):  # live step and stage times
-            step = _fresher(rec.current_step, ev.step)
-            if ev.step is not None and step == ev.step:  # taken, or the same step again
-                rec.current_step, rec.step_seen = step, self._clock()
+            if ev.step is not None and _fresher(rec.current_step, ev.step) == ev.step:
+                rec.saw_step(ev.step, self._clock())  # ahead, or the same step again
             times = ev.payload
             if self._place_spans is not None:  # a driver-following worker's stages
                 times = self._place_spans(times, rec.info.job_id)

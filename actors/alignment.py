@@ -14,7 +14,7 @@ from profd.core.states import SessionState
 if TYPE_CHECKING:
     from profd.actors.drivers import DriverTable
     from profd.actors.planbook import PlanBook
-    from profd.actors.registry import AgentRegistry
+    from profd.actors.registry import AgentRecord, AgentRegistry
     from profd.actors.sessions import Session
     from profd.actors.targeting import Target
     from profd.core.request import SessionRequest
@@ -101,7 +101,7 @@ class Alignment:
         first = (max(known) + 1 if known else 0) + self._lead_steps(recs)
         session.resolve_steps(tuple(range(first, first + count)))
 
-    def _step_now(self, rec: Any, now: float) -> int | None:
+    def _step_now(self, rec: AgentRecord, now: float) -> int | None:
         """Where the agent's loop is now: its last reported step, and the steps its pace
         (:meth:`_lead_steps`'s step period) took since it was reported. An agent whose
         report is late (its link moving to the node's relay as the job starts, a loaded

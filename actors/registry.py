@@ -36,10 +36,13 @@ class AgentRecord:
             return
         self.last_seen = now
         if step is not None:
-            self.current_step = step
-            self.step_seen = now
+            self.saw_step(step, now)
         if self.state is AgentState.LOST:
             self.state = AgentState.ALIVE
+
+    def saw_step(self, step: int, now: float) -> None:
+        """The agent reported being at ``step`` (at ``now``, the coordinator's clock)."""
+        self.current_step, self.step_seen = step, now
 
     def step(self, driver_step: int | None) -> int | None:
         """The job's step on this agent: its own, else its driver's."""

@@ -183,6 +183,14 @@ def test_a_session_walks_every_state_on_events(tmp_path: Path) -> None:
     run(go)
 
 
+async def two_agents_at_step_3(tmp_path: Path) -> tuple[ProfileCoordinator, Any]:
+    """A started coordinator with agents ``a`` and ``b``, and a session of step 3 on both."""
+    coord, _ = make(tmp_path)
+    await coord.start()
+    await two_agents(coord)
+    return coord, await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+
+
 def test_a_part_whose_end_cannot_be_applied_still_ends_and_says_why(tmp_path: Path) -> None:
     """An agent's ``part_done`` the coordinator cannot apply (a mismatched agent's payload)
     was skipped and logged: its part then waited for an end that had already come, until
@@ -190,10 +198,7 @@ def test_a_part_whose_end_cannot_be_applied_still_ends_and_says_why(tmp_path: Pa
     session ends with its other part."""
 
     async def go() -> None:
-        coord, _ = make(tmp_path)
-        await coord.start()
-        await two_agents(coord)
-        view = await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+        coord, view = await two_agents_at_step_3(tmp_path)
         sid = view.session_id
         broken = PartDone(recorded=None)  # type: ignore[arg-type]
         await coord.report("a", [ev(EventKind.PART_DONE, sid, payload=broken)])
@@ -226,10 +231,7 @@ def test_an_agents_end_that_cannot_be_applied_still_ends_its_part(
         applied(self, agent_id, event)
 
     async def go() -> None:
-        coord, _ = make(tmp_path)
-        await coord.start()
-        await two_agents(coord)
-        view = await coord.create_session({"steps": [3], "roles": EVERY_ACTOR})
+        coord, view = await two_agents_at_step_3(tmp_path)
         sid = view.session_id
         monkeypatch.setattr(Session, "apply", failing)
         await coord.report("a", [ev(EventKind.CLOSED, sid)])
