@@ -49,6 +49,7 @@ from profd.core.heap import collect_young_every, trim_heap
 from profd.core.json_body import BATCHED_READS, JSON_READS, JsonItems, encode_read
 from profd.core.paging import Page
 from profd.core.protocol import AgentEvent, AgentInfo, DriverAck, MarkDurations, PollReply
+from profd.core.ray_env import current_address
 from profd.core.request import SessionRequest
 from profd.core.settings import CoordinatorSettings
 from profd.core.stacks import StackQuery
@@ -124,6 +125,16 @@ class ProfileCoordinator:
         self._started = clock()
         self._store = store if store is not None else open_store(settings.state_dir)
         self._runner = runner or default_runner()
+        #: Where jobs must connect for their agents to register here (``profd status``).
+        self._ray_address = current_address()
+        self._wire(settings, clock)
+        self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
+        self._heap = Periodic(HEAP_TRIM_S, _trim_heap, clock)
+        self._ticker: asyncio.Task | None = None
+        self._restore()
+
+    def _wire(self, settings: CoordinatorSettings, clock: Callable[[], float]) -> None:
+        """The delegates, each handed the others it calls."""
         self._registry = AgentRegistry()
         self._plans = PlanBook()
         self._traces = TraceIndex(self._store)
@@ -171,10 +182,6 @@ class ProfileCoordinator:
             on_oom=self._triggers.on_oom,
             place_spans=self._place_spans,
         )
-        self._liveness = Periodic(settings.liveness_check_s, self._reap, clock)
-        self._heap = Periodic(HEAP_TRIM_S, _trim_heap, clock)
-        self._ticker: asyncio.Task | None = None
-        self._restore()
 
     def _on_times(self, agent_id: str, times: MarkDurations, step: int | None) -> None:
         """New live times for the triggers, with the job's step: a worker that follows its
@@ -419,6 +426,7 @@ class ProfileCoordinator:
             state_last_error=self._store.last_error,
             driver_step=driver[0] if driver else None,
             driver_seen_s=driver[1] if driver else None,
+            ray_address=self._ray_address,
         )
 
     async def metrics(self) -> dict[str, Any]:

@@ -15,10 +15,11 @@ restarts inside the same ``step()``) are still exported on the training thread.
 
 Two limits, measured (``bench/export.py``): ``_disable_profiler`` inside ``stop()`` turns the
 recorded events into Kineto's trace and costs more than the JSON export itself; it must run on
-the thread that started the profiler. ``trace_only`` (where torch has it; not with
-``with_stack``) skips building Python-side events nobody here reads and shortens it by about a
-quarter. And Kineto's export holds the GIL: a CPU-bound loop waits for it anyway, a loop
-blocked on its device (GIL released) does not.
+the thread that started the profiler (with ``profile_all_threads`` another thread may call it,
+but it holds the GIL throughout, so the training thread waits as long). ``trace_only``
+(where torch has it; not with ``with_stack``) skips building Python-side events nobody here
+reads and shortens it by about a quarter. And Kineto's export holds the GIL: a CPU-bound
+loop waits for it anyway, a loop blocked on its device (GIL released) does not.
 """
 
 from __future__ import annotations

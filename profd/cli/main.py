@@ -65,6 +65,11 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
         f"{st['traces']} traces ({format_bytes(st['trace_bytes'])}), "
         f"save root {st['save_root']}"
     )
+    if st.get("ray_address"):
+        # A job that started a Ray of its own (ray.init() with no cluster it could find)
+        # never registers here: this is the address it must join.
+        hint = "" if st["agents"] else f" (jobs join it with RAY_ADDRESS={st['ray_address']})"
+        console.print(f"Ray cluster {st['ray_address']}{hint}")
     if st.get("driver_step") is not None:
         console.print(
             f"driver (profd.controller()) at step {st['driver_step']}, "
@@ -305,6 +310,13 @@ def profile(
         continuous,
         duration=duration,
     )
+    _start_session(url, body, wait, timeout, as_json)
+
+
+def _start_session(
+    url: str | None, body: dict[str, Any], wait: bool, timeout: float, as_json: bool
+) -> None:
+    """POST the request, show the session (and, with ``wait``, follow it to its end)."""
     try:
         api = sidecar_client(url)
         view = api.post("/api/v1/sessions", body)

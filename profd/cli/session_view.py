@@ -111,10 +111,27 @@ def print_session(view: dict[str, Any]) -> None:
     duration = (view.get("request") or {}).get("duration_s")
     window = f"for {duration:g} s" if duration is not None else f"steps {view['steps']}"
     console.print(f"  tool {view['tool']}, {window}, dir {view['save_dir']}")
+    targets = view["targets"]
+    if len(targets) <= MAX_TARGET_ROWS:
+        console.print(_target_rows(targets))
+    else:
+        console.print(_target_groups(targets))
+        console.print(f"  {len(targets)} targets, grouped (--json lists each one)")
+    for ig in view["ignored"]:
+        rank = "" if ig["rank"] is None else f" rank {ig['rank']}"
+        console.print(f"  ignored {ig['role']}{rank}: {ig['reason']}")
+
+
+#: Up to this many targets get a row each; more (a fleet-wide session: thousands) are
+#: grouped by role, block, state and reason, their ranks as ranges.
+MAX_TARGET_ROWS = 32
+
+
+def _target_rows(targets: list[dict[str, Any]]) -> Table:
     table = Table(title="Targets")
     for col in ("role", "rank", "block", "state", "recorded", "missed", "reason"):
         table.add_column(col, overflow="fold")
-    for t in view["targets"]:
+    for t in targets:
         table.add_row(
             t["role"],
             str(t["rank"]),
@@ -124,7 +141,28 @@ def print_session(view: dict[str, Any]) -> None:
             str(t["missed_steps"]),
             t["reason"],
         )
-    console.print(table)
-    for ig in view["ignored"]:
-        rank = "" if ig["rank"] is None else f" rank {ig['rank']}"
-        console.print(f"  ignored {ig['role']}{rank}: {ig['reason']}")
+    return table
+
+
+def _target_groups(targets: list[dict[str, Any]]) -> Table:
+    groups: dict[tuple[str, str, str, str], list[int]] = {}
+    for t in targets:
+        key = (t["role"], t["role_block"], t["state"], t["reason"] or "")
+        groups.setdefault(key, []).append(t["rank"])
+    table = Table(title="Targets")
+    for col in ("role", "ranks", "count", "block", "state", "reason"):
+        table.add_column(col, overflow="fold")
+    for (role, block, state, reason), ranks in sorted(groups.items(), key=lambda g: g[0]):
+        table.add_row(role, rank_ranges(ranks), str(len(ranks)), block, state, reason)
+    return table
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """Ranks as ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -219,6 +219,12 @@ class StatusView(_View):
     driver_seen_s: float | None = Field(
         None, description="Seconds since that driver's last announcement."
     )
+    ray_address: str | None = Field(
+        None,
+        description="GCS address of the Ray cluster the coordinator runs in: a job's agents "
+        "register only from a job that joined it (ray.init(address=...) or RAY_ADDRESS); null "
+        "outside Ray.",
+    )
 
 
 class HookView(_View):

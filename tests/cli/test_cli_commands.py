@@ -138,6 +138,54 @@ def test_progress_counts_steps_then_targets_then_falls_back() -> None:
     assert progress_of(_view(None, ["done", "recording"])) == (1, 2, "1/2 targets finished")
 
 
+def test_a_fleet_wide_session_prints_its_targets_grouped_with_rank_ranges(
+    tmp_path: Path,
+) -> None:
+    """`profd profile --all-ranks` on a big job: a line per group, not one per rank."""
+    import asyncio
+
+    from profd.actors.coordinator import ProfileCoordinator
+    from profd.actors.runner import LocalRunner
+    from profd.actors.store import MemoryStore
+    from profd.cli import common, session_view
+    from profd.core.protocol import AgentInfo
+    from profd.core.settings import CoordinatorSettings
+
+    async def fleet_view(ranks: list[int]) -> dict[str, Any]:
+        settings = CoordinatorSettings(
+            save_root=str(tmp_path / "profile"), base_dir=str(tmp_path), tick_s=3600.0
+        )
+        coord = ProfileCoordinator(settings, store=MemoryStore(), runner=LocalRunner())
+        for r in ranks:  # world 41: rank 17 never came
+            caps = {"torch": None}
+            info = AgentInfo(f"a{r}", "actor", r, 41, {}, "h", 100 + r, capabilities=caps)
+            await coord.register(info, 1)
+        request = {"steps": [5], "roles": {"actor": {"all_ranks": True}}}
+        view = await coord.create_session(request)
+        return view.model_dump(mode="json")
+
+    def printed(view: dict[str, Any]) -> str:
+        with common.console.capture() as out:
+            session_view.print_session(view)
+        return out.get()
+
+    view = asyncio.run(fleet_view([r for r in range(41) if r != 17]))
+    text = printed(view)
+    assert len(view["targets"]) == 40
+    rows = [ln for ln in text.splitlines() if "actor" in ln]
+    assert len(rows) == 1 and "0-16,18-40" in rows[0] and " 40 " in rows[0], text
+    assert "40 targets, grouped (--json lists each one)" in text
+    # a target in another state is a group of its own
+    view["targets"][3] = {**view["targets"][3], "state": "failed", "reason": "agent lost"}
+    rows = [ln for ln in printed(view).splitlines() if "actor" in ln]
+    assert len(rows) == 2 and any("3 " in ln and "failed" in ln for ln in rows), rows
+    assert session_view.rank_ranges([8, 0, 1, 2, 5, 2]) == "0-2,5,8"
+    # a small session keeps a row per target
+    view["targets"] = view["targets"][: session_view.MAX_TARGET_ROWS]
+    rows = [ln for ln in printed(view).splitlines() if "actor" in ln]
+    assert len(rows) == session_view.MAX_TARGET_ROWS
+
+
 def test_trace_paths_are_shown_under_their_save_root() -> None:
     t = {
         "session_id": "20240405-abc",

@@ -70,6 +70,11 @@ def _up_starts_its_own_loopback_ray(home: Home) -> dict:
     assert "may be another one" in up.stdout.replace("\n", " ")
     st = home.cli("status", "--json", timeout=60)
     assert st.returncode == 0 and json.loads(st.stdout)["status"]["agents"] == 0, st.stderr
+    assert json.loads(st.stdout)["status"]["ray_address"] == address
+    # no agent yet: status says which cluster a job must join (one that called ray.init()
+    # without it would run on a private Ray and never register)
+    table = " ".join(home.cli("status", timeout=60).stdout.split())
+    assert f"Ray cluster {address} (jobs join it with RAY_ADDRESS={address})" in table, table
     return state
 
 

@@ -43,10 +43,13 @@ def test_status_shows_the_jobs_step_from_its_driver(live: tuple[Home, Job]) -> N
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["status"]["driver_step"] >= at
+    address = home.state()["ray_address"]
+    assert out["status"]["ray_address"] == address
     for a in out["agents"]:
         assert a["step_source"] == "driver" and a["current_step"] >= at, a
     table = home.cli("status")
     assert "(driver)" in table.stdout and "driver (profd.controller()) at step" in table.stdout
+    assert f"Ray cluster {address}\n" in table.stdout  # agents came: no hint to join
     assert "…" not in table.stdout  # 80 columns (a pipe's): no role or node cut short
     # relays are on by default: the job's agents end up polling their node's relay
     links = lambda: [a["link"] for a in home.agents()]  # noqa: E731
