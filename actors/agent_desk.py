@@ -27,7 +27,7 @@ from profd.core.protocol import (
     TraceWritten,
     fast_pickle,
 )
-from profd.core.states import AgentLink
+from profd.core.states import AgentLink, AgentState
 
 if TYPE_CHECKING:
     from profd.actors.mark_stats import MarkStats
@@ -195,7 +195,9 @@ class AgentDesk:
         woken = self._plans.take_woken(known)
         for aid, version in known.items():
             rec = self._registry.get(aid)
-            if rec is None or rec.gone:  # the relay stops carrying it; a live one registers
+            # The relay stops carrying it (a live one registers again); one that closed is
+            # not seen again (a relay's sync still carries it until the relay drops it).
+            if rec is None or rec.gone or rec.state is AgentState.CLOSED:
                 unknown[aid] = PollReply(plan=None, known=False)
                 continue
             rec.touch(now, steps.get(aid))

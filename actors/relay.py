@@ -441,6 +441,11 @@ class NodeRelay:
                 continue
             if not reply.known:
                 slot.unknown = True
+                if not slot.parked and self._slots.get(aid) is slot:
+                    # Closed or dead (no poll of its own to answer): dropped now. A live one
+                    # between two polls is told at its next one, as if it had been parked.
+                    del self._slots[aid]
+                    continue
             elif reply.plan is not None and (
                 slot.plan is None or slot.plan.version < reply.plan.version
             ):  # a sync's answer may cross a push: the newer plan stays

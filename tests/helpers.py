@@ -152,6 +152,7 @@ def start_sidecar(
     read_cache_s: float | None = None,
     client: Any = None,
     dependency_overrides: dict[Callable[..., Any], Callable[..., Any]] | None = None,
+    port: int = 0,
     **config: Any,
 ) -> Sidecar:
     """Serve ``create_app`` on 127.0.0.1 (a port bound here first: no race for a free one)
@@ -163,7 +164,8 @@ def start_sidecar(
     ``read_cache_s``: share reads for that long, as ``profd up`` runs it (``SharedReads``);
     by default every request reaches the coordinator. ``client``: another coordinator client
     than the coordinator's own. ``dependency_overrides``: FastAPI overrides (``get_client``,
-    ``get_runner``, ...) set before it starts.
+    ``get_runner``, ...) set before it starts. ``port``: a given one (a restarted sidecar
+    where the last one ran); by default a free one.
     """
     import uvicorn
 
@@ -181,7 +183,8 @@ def start_sidecar(
     app.dependency_overrides.update(dependency_overrides or {})
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     failed: list[BaseException] = []

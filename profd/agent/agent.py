@@ -169,6 +169,7 @@ class ProfilerAgent:
             # events cannot leave an agent that never connected; one between two links
             # (moving to its relay) is waited for briefly, or its last traces were lost
             if self._channel.reachable(min(RELINK_WAIT_S, timeout)):
+                self._channel.leave()
                 self._emit(AgentEvent(EventKind.CLOSED, None, self._current_step))
                 self._channel.flush(min(10.0, timeout))
             self._channel.stop()

@@ -152,6 +152,8 @@ class Channel:
         self._registered = threading.Event()
         self._was_registered = False
         self._stop = threading.Event()
+        #: The agent is closing: the coordinator forgets it, and it must not register again.
+        self._leaving = threading.Event()
         self._dropped = 0
         self._seq = 0  # the last event number given (reporter thread)
         self._reregister = False
@@ -182,6 +184,12 @@ class Channel:
         if self._registered.is_set():
             return True
         return self._was_registered and self._registered.wait(timeout)
+
+    def leave(self) -> None:
+        """The agent closes (its ``closed`` event comes next): once the coordinator has it,
+        the agent's relay is told to drop the agent, and a poll answered "unknown" then ends
+        the poller instead of registering the agent again."""
+        self._leaving.set()
 
     def update_info(self, info: AgentInfo) -> None:
         """Register again with new details (same agent id) at the next poll."""
@@ -291,6 +299,8 @@ class Channel:
                 if not reply.known:
                     self._registered.clear()
                     self._forget_link()
+                    if self._leaving.is_set():
+                        return  # closed: the coordinator forgot it, as it should
                     continue
                 self._accept(reply.plan)
             except LinkMoved as exc:

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from profd.cli.client import ApiClient, CliError
+from profd.cli.client import EXIT_UNREACHABLE, ApiClient, CliError
 from profd.cli.common import (
     console,
     err_console,
@@ -52,6 +52,11 @@ def bar_text(done: int, total: int, width: int = 20) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
+#: How long ``--wait`` rides out a sidecar that does not answer (restarted by `profd up`,
+#: or its coordinator restarting) before it gives up waiting; the session goes on anyway.
+UNREACHABLE_GRACE_S = 120.0
+
+
 def wait_session(
     api: ApiClient, view: dict[str, Any], timeout: float, quiet: bool
 ) -> dict[str, Any]:
@@ -59,6 +64,13 @@ def wait_session(
 
     sid = view["session_id"]
     deadline = time.monotonic() + timeout
+    if not quiet:  # the bar goes away: the session's name stays, to come back to it
+        err_console.print(
+            f"session {sid}: {len(view['targets'])} target(s); waiting for its end "
+            "(Ctrl-C stops the wait, not the session)",
+            markup=False,
+            highlight=False,
+        )
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(bar_width=20),
@@ -72,14 +84,53 @@ def wait_session(
         task = bar.add_task(
             f"session {sid}", total=max(1, total), completed=done, label=label, state=""
         )
+        poll = _SessionPoll(api, sid, quiet)
         while not SessionState(view["state"]).is_terminal:
             if time.monotonic() > deadline:
                 raise CliError(f"session {sid} still {view['state']} after {timeout:.0f} s")
             time.sleep(0.5)  # the poll interval of a person's command, not a test's wait
-            view = api.get(f"/api/v1/sessions/{sid}")
+            view = poll.next() or view
             done, total, label = progress_of(view)
             bar.update(task, total=max(1, total), completed=done, label=label, state=view["state"])
     return view
+
+
+class _SessionPoll:
+    """One read of the session per call: ``None`` while the sidecar does not answer (said
+    once), for up to :data:`UNREACHABLE_GRACE_S` in a row; then the failure, naming the
+    session."""
+
+    def __init__(self, api: ApiClient, sid: str, quiet: bool) -> None:
+        self.api, self.sid, self.quiet = api, sid, quiet
+        self.down_since: float | None = None
+
+    def next(self) -> dict[str, Any] | None:
+        try:
+            view = self.api.get(f"/api/v1/sessions/{self.sid}")
+        except CliError as exc:
+            if exc.exit_code != EXIT_UNREACHABLE and exc.status != 503:
+                raise
+            now = time.monotonic()
+            if self.down_since is None:
+                self.down_since = now
+                if not self.quiet:
+                    err_console.print(
+                        f"  {exc}; waiting for it (up to {UNREACHABLE_GRACE_S:.0f} s)",
+                        markup=False,
+                        highlight=False,
+                    )
+            if now - self.down_since > UNREACHABLE_GRACE_S:
+                raise CliError(
+                    f"{exc}; stopped waiting for session {self.sid}, which goes on "
+                    f"(`profd sessions` shows it)",
+                    exc.exit_code,
+                    exc.status,
+                ) from None
+            return None
+        if self.down_since is not None and not self.quiet:
+            err_console.print("  the sidecar answers again", markup=False, highlight=False)
+        self.down_since = None
+        return view
 
 
 def print_outcome(view: dict[str, Any], details: bool = False) -> None:

@@ -384,6 +384,54 @@ def test_wait_done_fills_the_bar_and_json_stays_machine_readable(
             a.close(timeout=10)
 
 
+def test_wait_rides_out_a_sidecar_restart_and_names_its_session_first(
+    local_coordinator: Any, tmp_path: Path
+) -> None:
+    """The sidecar goes away in the middle of `profd profile --wait` (a crash, then `profd
+    up`): the wait goes on and ends with the session's outcome, and the session's name was
+    printed before the transient bar, so a user can come back to it."""
+    from helpers import start_sidecar
+
+    first = start_sidecar(local_coordinator)
+    url = first.url
+    agents = start_agents(local_coordinator, 2, "actor")
+    err_path = tmp_path / "wait.err"
+    proc = None
+    try:
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(
+                [*PROFD, "profile", "--url", url, "--steps", "1,2", "--all-ranks", "--wait"],
+                env=env_for(tmp_path),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=tmp_path,
+            )
+        wait_until(lambda: all(a.plan.windows for a in agents), 30, what="plans")
+        (sid,) = {w.session_id for a in agents for w in a.plan.windows}
+        named = f"session {sid}: 2 target(s); waiting for its end"
+        wait_until(lambda: named in err_path.read_text(), 30, what="the session named")
+        first.stop()
+        told = "cannot reach the profd sidecar"
+        wait_until(lambda: told in err_path.read_text(), 30, what="the outage noticed")
+        run_steps(agents, range(1, 4))  # the session ends while no sidecar answers
+        wait_terminal(local_coordinator, sid)
+        assert proc.poll() is None, err_path.read_text()  # still waiting
+        with start_sidecar(local_coordinator, port=first.port):
+            out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for a in agents:
+            a.close(timeout=10)
+    err_text = flat(err_path.read_text())
+    assert proc.returncode == 0, out + err_text
+    assert "the sidecar answers again" in err_text
+    outcome = [x for x in out.splitlines() if x.startswith(f"session {sid} ")][-1]
+    assert "DONE" in outcome and "4/4 steps recorded" in outcome, out
+
+
 # -- profd traces / status ------------------------------------------------------------------
 def test_traces_grouped_by_session_newest_first_under_the_save_root(
     sidecar: Any, local_coordinator: Any, tmp_path: Path

@@ -16,7 +16,7 @@ from profd.actors.relay import NodeRelay
 from profd.agent import ProfilerAgent
 from profd.agent.channel import LinkDown
 from profd.agent.relay_link import SocketLink
-from profd.core.states import AgentLink
+from profd.core.states import AgentLink, AgentState
 
 from helpers import wait_terminal, wait_until
 
@@ -200,6 +200,26 @@ def test_a_lost_coordinator_makes_the_relays_agents_register_again(relayed) -> N
     caller.down = False
     wait_until(lambda: all(a.connected for a in agents), 30, 0.05, what="registered again")
     assert stats(owner, relay).coordinator_errors >= 1
+
+
+def test_an_agent_that_closed_leaves_its_relay_and_is_not_seen_again(relayed) -> None:
+    """A job that ended cleanly: its relay stops carrying its agents (they were kept, and
+    each sync showed them "seen" a moment ago, minutes after their processes were gone)."""
+    owner, relay, _, agents = relayed
+    wait_until(lambda: stats(owner, relay).parked_polls == 3, 10, 0.02, what="polls parked")
+    closed = agents[0]
+    assert closed.close(timeout=10)
+    wait_until(lambda: stats(owner, relay).agents == 2, 15, 0.05, what="the relay to drop it")
+
+    def view() -> Any:
+        return next(a for a in owner.call("list_agents") if a.agent_id == closed.agent_id)
+
+    assert view().state is AgentState.CLOSED
+    seen, syncs = view().last_seen_s, stats(owner, relay).shared_polls
+    wait_until(lambda: stats(owner, relay).shared_polls >= syncs + 2, 15, 0.05, what="2 syncs")
+    assert view().last_seen_s > seen + 0.5  # not heard from since it closed
+    assert view().state is AgentState.CLOSED  # not registered again
+    assert all(a.connected for a in agents[1:]) and stats(owner, relay).agents == 2
 
 
 def test_a_stack_request_reaches_the_agents_behind_the_relay(relayed) -> None:
