@@ -36,7 +36,7 @@ from profd.core.protocol import (
     PollReply,
     StackSample,
 )
-from profd.core.ray_env import call_coordinator, find_coordinator
+from profd.core.ray_env import call_coordinator, current_address, find_coordinator
 
 __all__ = [
     "Channel",
@@ -58,6 +58,9 @@ _MAX_QUEUED_EVENTS = 100_000
 #: How often the reporter takes the marks' durations (while connected): how live the
 #: coordinator's step times are, and the most ``times`` events an agent sends per second.
 TIMES_EVERY_S = 1.0
+#: After this long without finding a coordinator, an agent that never registered says so
+#: (once): a job whose ray.init() found no cluster runs on a Ray of its own, silently.
+ABSENT_WARN_S = 30.0
 #: Failed takes of the step and stage times in a row after which the reporter stops taking.
 MAX_TIMES_FAILURES = 5
 
@@ -134,8 +137,10 @@ class Channel:
         now_ns: Callable[[], int] = time.time_ns,
         take_times: Callable[[], MarkDurations | None] | None = None,
         times_every_s: float = TIMES_EVERY_S,
+        absent_warn_s: float = ABSENT_WARN_S,
     ) -> None:
         self.info = info
+        self._absent_warn_s = absent_warn_s
         #: This process's offset to the coordinator's clock (None until measured); traces
         #: written from now on carry it.
         self.clock: ClockEstimate | None = None
@@ -280,11 +285,13 @@ class Channel:
 
     def _poll_loop(self) -> None:
         attempt = 0
+        started = time.monotonic()
         while not self._stop.is_set():
             try:
                 if self._link is None:
                     self._link = self._connect()
                     if self._link is None:
+                        self._say_absent(time.monotonic() - started)
                         attempt += 1
                         self._backoff(attempt)
                         continue
@@ -326,6 +333,21 @@ class Channel:
                 attempt += 1
                 self._backoff(attempt)
         self._forget_link()  # stopped
+
+    def _say_absent(self, waited_s: float) -> None:
+        if self._was_registered or waited_s < self._absent_warn_s:
+            return
+        where = current_address()
+        self._warn_once(
+            "absent",
+            "profd: agent %s found no profd coordinator in %.0f s (Ray cluster %s); it "
+            "stays inert until one appears. Is `profd up` running on this cluster? A job "
+            "joins profd's cluster with ray.init(address=...) or RAY_ADDRESS (`profd status` "
+            "prints it)",
+            self.info.agent_id,
+            waited_s,
+            where or "none: this process joined no Ray cluster",
+        )
 
     def _forget_link(self) -> None:
         """Poller thread: drop the link (closing what it holds open, a relay socket's

@@ -186,7 +186,7 @@ def sessions(
         return
     table = Table(title="Sessions")
     for col in ("session", "state", "tool", "steps", "targets", "traces", "reason"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col == "session")  # ids stay whole
     for s in data:
         table.add_row(
             s["session_id"],
@@ -224,6 +224,8 @@ def traces(
         data, total, next_cursor, total_bytes = _listing(
             api, "/api/v1/traces", limit, cursor, everything, session_id=session
         )
+        if session is not None and not data:  # an unknown session is a 404, not "none"
+            api.get(f"/api/v1/sessions/{session}")
         if download is not None:
             failed = download_traces(api, data, download)
     except CliError as exc:
@@ -244,8 +246,9 @@ def traces(
     if download is None:
         return
     done = len(data) - len(failed)
+    folders = " (a folder per session)" if len({t["session_id"] for t in data}) > 1 else ""
     (err_console if as_json else console).print(
-        f"downloaded {done} file(s) into {download}", markup=False, highlight=False
+        f"downloaded {done} file(s) into {download}{folders}", markup=False, highlight=False
     )
     if failed:
         err_console.print(

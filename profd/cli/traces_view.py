@@ -98,21 +98,32 @@ def print_traces(
     console.print(line, markup=False, highlight=False)
 
 
+def session_folder(session_id: str) -> str:
+    """The folder a session's downloads go in when several sessions are downloaded at once
+    (one folder each, so `profd merge DIR/<session>` merges one session, not several)."""
+    name = session_id.replace("/", "_").replace("\\", "_")
+    return name if name not in ("", ".", "..") else f"session-{name}"
+
+
 def download_traces(
     api: ApiClient, traces: list[dict[str, Any]], into: Path
 ) -> list[tuple[dict[str, Any], str]]:
-    """Download each trace into ``into`` (through a ``.part`` file, so a failed one leaves
-    nothing behind); the ones that failed, with the reason. Stops only when the sidecar
+    """Download each trace into ``into`` (traces of several sessions: into a folder per
+    session; through a ``.part`` file, so a failed one leaves nothing behind); the ones that
+    failed, with the reason. Stops only when the sidecar
     cannot be reached at all (raises)."""
     try:
         into.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CliError(f"cannot create {into}: {exc.strerror or exc}") from None
     failed: list[tuple[dict[str, Any], str]] = []
+    per_session = len({t["session_id"] for t in traces}) > 1
     for t in traces:
-        dest = into / t["file_name"]
+        folder = into / session_folder(t["session_id"]) if per_session else into
+        dest = folder / t["file_name"]
         part = dest.with_name(dest.name + ".part")
         try:
+            folder.mkdir(exist_ok=True)
             api.download(f"/api/v1/traces/{t['trace_id']}/download", part)
             part.replace(dest)
         except CliError as exc:

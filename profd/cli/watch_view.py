@@ -75,7 +75,7 @@ def _last(f: dict[str, Any]) -> str:
 def print_triggers(triggers: list[dict[str, Any]]) -> None:
     table = Table(title="Triggers", title_justify="left")
     for col in ("trigger", "name", "when", "fired", "suppressed", "last firing"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col == "trigger")  # ids stay whole
     for t in triggers:
         when = describe(t["request"]["when"])
         quiet = ", ".join(f"{k} {v}" for k, v in sorted(t["suppressed"].items())) or "-"

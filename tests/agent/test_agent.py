@@ -439,3 +439,34 @@ def test_an_agent_between_two_links_at_close_still_says_how_its_window_ended(
     view = wait_terminal(owner, view.session_id)
     assert view.state.value in ("missed", "failed"), view.reason
     assert "job ended" in view.targets[0].reason, view.targets[0].reason
+
+
+def test_an_agent_that_finds_no_coordinator_says_so_once(caplog) -> None:
+    """A job whose ray.init() found no cluster runs on a Ray of its own: its agents never
+    find profd's coordinator, and say why (once), instead of staying silently inert."""
+    import logging
+
+    from profd.agent.channel import Channel
+    from profd.core.protocol import AgentInfo
+
+    looked: list[float] = []
+
+    def nowhere() -> None:
+        looked.append(time.monotonic())
+        return None
+
+    info = AgentInfo("actor-0-x", "actor", 0, 1, {}, "h", os.getpid())
+    channel = Channel(
+        info, nowhere, lambda: None, lambda plan: None, retry_s=(0.01, 0.02), absent_warn_s=0.2
+    )
+    with caplog.at_level(logging.WARNING, logger="profd.agent.channel"):
+        channel.start()
+        try:
+            wait_until(lambda: len(looked) >= 30, 10, 0.01, what="30 lookups")
+        finally:
+            channel.stop()
+    said = [m for r in caplog.records if "found no profd coordinator" in (m := r.getMessage())]
+    assert len(said) == 1, said  # once, however often it looked
+    assert "actor-0-x" in said[0] and "`profd up`" in said[0] and "RAY_ADDRESS" in said[0]
+    assert "(Ray cluster " in said[0]  # which one it looked in (none, in this test process)
+    assert not channel.connected

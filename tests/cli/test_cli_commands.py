@@ -492,6 +492,18 @@ def test_traces_grouped_by_session_newest_first_under_the_save_root(
 
     r = cli(["traces", "--url", url, "--session", first], env)
     assert f"session {first}: 4 trace(s)" in r.stdout and second not in r.stdout
+    r = cli(["sessions", "--url", url], env)  # 80 columns (a pipe's): ids whole, to copy
+    assert r.returncode == 0 and first in r.stdout and second in r.stdout, r.stdout
+    r = cli(["traces", "--url", url, "--session", "20990101-000000-nope"], env)
+    assert r.returncode == 1 and "HTTP 404" in r.stderr, r.stdout + r.stderr
+
+    # several sessions at once: a folder each (a merge of the folder is one session's)
+    r = cli(["traces", "--url", url, "--download", str(tmp_path / "dl")], env)
+    assert r.returncode == 0 and "(a folder per session)" in flat(r.stdout), r.stdout + r.stderr
+    got = sorted(str(p.relative_to(tmp_path / "dl")) for p in (tmp_path / "dl").rglob("*.gz"))
+    assert got == sorted(f"{t['session_id']}/{t['file_name']}" for t in traces)
+    r = cli(["traces", "--url", url, "--session", first, "--download", str(tmp_path / "one")], env)
+    assert r.returncode == 0 and len(list((tmp_path / "one").glob("*.json.gz"))) == 4
 
     st = cli(["status", "--url", url], env_for(tmp_path, columns=200))
     assert st.returncode == 0, st.stderr
