@@ -144,13 +144,17 @@ class ApiClient:
         timeout: float = 30.0,
     ) -> ApiClient:
         """A client of --url, else of the sidecar `profd up` recorded, else of ``default``
-        (then an unreachable sidecar is reported with where profd last ran, if known)."""
-        defaulted = not url and load_state(state_dir) is None
+        (then an unreachable sidecar is reported with where profd last ran, if known: also
+        the recorded one after `profd down --keep-ray`, which keeps the record)."""
+        last = load_last(state_dir) if not url else None
+        state = load_state(state_dir) if last is not None else None
+        if state is not None and last is not None and last.url != state.url:
+            last = None  # an older profd's: the recorded one came after it
         return cls(
             resolve_url(url, state_dir, default),
             token or read_token(state_dir),
             token_file=state_dir / TOKEN_FILE,
-            last=load_last(state_dir) if defaulted else None,
+            last=last,
             timeout=timeout,
         )
 

@@ -64,6 +64,8 @@ def down(
     keep_record = owns_ray and keep_ray and reachable
     if not keep_record:
         _forget(settings.state_dir, state)
+    else:  # `profd up` rejoins the recorded Ray; until then commands say profd was stopped
+        _note_stopped(settings.state_dir, state)
     console.print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     if keep_record:
         console.print(
@@ -72,17 +74,22 @@ def down(
         )
 
 
+def _note_stopped(state_dir: Path, state: Any) -> None:
+    from profd.cli.client import record_last
+
+    try:
+        record_last(state_dir, state.url, state.ray_address)
+    except OSError as exc:  # only a nicer message later: never fail `down` over it
+        err_console.print(f"could not note the last address in {state_dir} ({exc})")
+
+
 def _forget(state_dir: Path, state: Any) -> None:
     """Remove the record of the services `profd down` stopped, keeping where they were (the
     sidecar's URL), so `profd status` can name it instead of the default port."""
-    from profd.cli.client import record_last
     from profd.cli.ray_cluster import STATE_FILE
 
     if state is not None:
-        try:
-            record_last(state_dir, state.url, state.ray_address)
-        except OSError as exc:  # only a nicer message later: never fail `down` over it
-            err_console.print(f"could not note the last address in {state_dir} ({exc})")
+        _note_stopped(state_dir, state)
     (state_dir / STATE_FILE).unlink(missing_ok=True)
 
 

@@ -578,6 +578,10 @@ def test_a_recorded_sidecar_wins_over_the_last_address(tmp_path: Path) -> None:
     err = client._unreachable(ConnectionError())
     assert isinstance(err, CliError) and err.exit_code == 3
     assert "cannot reach the profd sidecar at http://127.0.0.1:3333" in str(err)
+    # `profd down --keep-ray` keeps the record and notes the same address as stopped
+    record_last(state_dir, "http://127.0.0.1:3333")
+    err = ApiClient.from_state(None, state_dir)._unreachable(ConnectionError())
+    assert "profd is not running (last at http://127.0.0.1:3333, stopped by" in str(err)
     (state_dir / LAST_FILE).write_text("{not json")
     assert load_last(state_dir) is None  # a damaged record: only the plain message
 

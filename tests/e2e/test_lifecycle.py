@@ -136,6 +136,9 @@ def _keep_ray_stops_profd_only_and_up_rejoins(home: Home, job: Job, first: dict)
     assert r.returncode == 0, r.stderr
     assert "keeps running" in r.stdout and home.state_file.exists()
     assert home.health() is None
+    st = home.cli("status")  # says profd was stopped, not "is `profd up` running?"
+    assert st.returncode == 3 and "profd is not running (last at" in st.stderr, st.stderr
+    assert "stopped by `profd down`" in " ".join(st.stderr.split())
     job.wait_step(job.step + 3)
     again = home.up()
     assert "Rejoining" in again.stdout and home.state()["ray_address"] == first["ray_address"]
