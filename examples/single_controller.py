@@ -284,5 +284,8 @@ def _parse() -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = _parse()
-    out = main(args.steps, args.config, args.step_seconds, args.address, progress=args.progress)
+    try:
+        out = main(args.steps, args.config, args.step_seconds, args.address, progress=args.progress)
+    except ConnectionError as exc:  # no cluster at --address: say so, no traceback
+        raise SystemExit(f"error: {exc}") from None
     print(json.dumps(out, default=str))

@@ -175,7 +175,14 @@ def connect_ray(address: str | None) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+        # Ray's own INFO lines ("Connecting to existing Ray cluster ...") are not profd's
+        # output: only its warnings reach the user.
+        ray.init(
+            address=address or "auto",
+            namespace=NAMESPACE,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
 
 
 def current_address() -> str | None:

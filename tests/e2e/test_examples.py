@@ -264,3 +264,16 @@ def test_single_controller_standalone_starts_its_own_loopback_ray(tmp_path: Path
             assert parts.head[1].replace("-", "_") in names
         else:
             assert names.count(f"step{parts.step}") == 1
+
+
+def test_single_controller_given_an_address_where_no_ray_answers_says_so(tmp_path: Path) -> None:
+    """A mistyped ``--address``: one line naming it, exit 1, no traceback."""
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLES / "single_controller.py"), "--address", "127.0.0.1:1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "error: no Ray cluster answers at 127.0.0.1:1"

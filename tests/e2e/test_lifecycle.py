@@ -112,6 +112,7 @@ def _up_after_a_sidecar_crash_rejoins(home: Home, job: Job, first: dict) -> list
     wait_until(lambda: home.health() is None, 30, what="sidecar gone")
     r = home.up()
     assert "Rejoining the Ray cluster recorded" in r.stdout, r.stdout
+    assert "Connecting to existing Ray cluster" not in r.stderr  # Ray's INFO lines: not ours
     now = home.state()
     assert now["ray_address"] == first["ray_address"]
     assert now["ray_temp_dir"] == first["ray_temp_dir"] and now["started_ray"] is True
