@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +27,7 @@ from profd.core.files import publish_unique, temp_path
 from profd.core.request import PySpyToolConfig, ToolKind
 from profd.core.stacks import find_py_spy
 
-__all__ = ["PySpyBackend", "find_py_spy", "ptrace_refusal", "py_spy_command"]
+__all__ = ["PySpyBackend", "find_py_spy", "ptrace_refusal", "py_spy_command", "with_sigint"]
 
 _CAP_SYS_PTRACE = 19
 
@@ -90,6 +91,30 @@ def py_spy_command(exe: str, pid: int, output: Path, options: PySpyToolConfig) -
     return cmd
 
 
+#: Unblocks SIGINT, then execs the command. A Ray worker runs with SIGINT blocked, a child
+#: inherits the blocked mask across exec, and py-spy then never sees the SIGINT that tells
+#: it to write its profile (it waited out WRITE_TIMEOUT_S and wrote nothing). Unblocking it
+#: here, in the child, never exposes the worker itself to a Ctrl-C (a ``preexec_fn`` would
+#: do the same, but is not safe in a process with threads). SIGINT stays *ignored* until
+#: py-spy sets its handler: one sent earlier (a very short window) would have killed it
+#: before it wrote anything; ignored, it is sent again (:meth:`_PySpyOutput.write`).
+_SIGINT_ON = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+#: How often the SIGINT is sent again while py-spy has not ended.
+RESIGNAL_S = 0.5
+
+
+def with_sigint(cmd: list[str]) -> list[str]:
+    """``cmd`` run so that SIGINT reaches it (once it handles SIGINT) whatever this process
+    blocks or ignores."""
+    if not sys.executable:  # an embedded interpreter: nothing to run the step with
+        return cmd
+    return [sys.executable, "-I", "-S", "-c", _SIGINT_ON, *cmd]
+
+
 class _PySpyOutput(PendingOutput):
     def __init__(self, proc: subprocess.Popen, tmp: Path, spec: CollectionSpec) -> None:
         self._proc = proc
@@ -97,12 +122,22 @@ class _PySpyOutput(PendingOutput):
         self._spec = spec
 
     def write(self) -> list[WrittenFile]:
-        try:
-            _, err = self._proc.communicate(timeout=WRITE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"py-spy did not finish within {WRITE_TIMEOUT_S:.0f} s") from None
+        deadline = time.monotonic() + WRITE_TIMEOUT_S
+        while True:
+            try:
+                _, err = self._proc.communicate(timeout=RESIGNAL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    self._proc.kill()
+                    self._proc.communicate()
+                    self._tmp.unlink(missing_ok=True)
+                    raise RuntimeError(
+                        f"py-spy did not finish within {WRITE_TIMEOUT_S:.0f} s"
+                    ) from None
+                # one that came before py-spy's handler was ignored; once it handles them,
+                # more are harmless (it is already stopping and writing)
+                self._proc.send_signal(signal.SIGINT)
         if not self._tmp.exists() or self._tmp.stat().st_size == 0:
             msg = (err or b"").decode(errors="replace").strip()[-500:]
             raise RuntimeError(f"py-spy wrote no profile (exit {self._proc.returncode}): {msg}")
@@ -118,8 +153,9 @@ class _PySpyCollection(Collection):
         cmd = py_spy_command(exe, os.getpid(), self._tmp, options)
         self._started = time.monotonic()
         self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+            with_sigint(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
 
     def close(self) -> list[PendingOutput]:
         if self._proc.poll() is None:

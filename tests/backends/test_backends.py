@@ -144,6 +144,34 @@ def test_py_spy_window_samples_the_worker(local_coordinator) -> None:
     agent.close()
 
 
+def test_py_spy_started_with_sigint_blocked_and_stopped_at_once_still_writes(
+    tmp_path: Path,
+) -> None:
+    """As in a Ray worker: the thread that starts py-spy has SIGINT blocked (a child
+    inherits that across exec), and a window a few milliseconds long sends its SIGINT
+    before py-spy handles it. Either one left no profile (120 s wait, or py-spy killed)."""
+    import signal
+
+    from profd.backends.py_spy import PySpyBackend
+
+    opened: list[Any] = []
+
+    def start_as_a_ray_worker() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        opened.append(PySpyBackend({"idle": True}).open(spec(tmp_path, "quick")))
+
+    t = threading.Thread(target=start_as_a_ray_worker)
+    t.start()
+    t.join()
+    (collection,) = opened
+    t0 = time.monotonic()
+    (out,) = collection.close()  # at once: before py-spy can have set its handler
+    (written,) = out.write()
+    assert time.monotonic() - t0 < 30
+    profile = json.loads(written.path.read_text())
+    assert "speedscope" in profile["$schema"] and written.path.name == "quick.speedscope.json"
+
+
 # -- nsys (boundary: no CUDA, no nsys here) --------------------------------------------------
 class FakeNsys(NsysApi):
     """Stands in for CUDA and nsys: stop() makes 'nsys' write a report, slowly."""

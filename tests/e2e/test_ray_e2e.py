@@ -110,6 +110,48 @@ def test_session_over_http_profiles_live_workers(services) -> None:
     assert len(pids) == 3  # three worker processes
 
 
+def test_a_py_spy_window_in_a_ray_worker_writes_its_profile(services) -> None:
+    """A Ray worker runs with SIGINT blocked and py-spy, its child, inherited that: told to
+    stop with SIGINT it never wrote its profile (the window failed after 120 s)."""
+    import json
+
+    import ray
+
+    from profd.demo.workload import StepBudget
+
+    url, _ = services
+    (w,) = workers([("actor_rollout_ref", 0, 1)])
+    try:
+        budget = ray.remote(StepBudget).options(num_cpus=0).remote()
+        run = w.run.remote(4, 0.3, 1, budget)
+
+        def stepping() -> Any:
+            data = httpx.get(f"{url}/api/v1/agents").json()["data"]
+            return [a for a in data if a["current_step"] is not None]
+
+        wait_until(stepping, 60, 0.05, what="the worker stepping")
+        idle = {"tool_config": {"py_spy": {"idle": True}}}  # a step that mostly sleeps
+        body = {"tool": "py_spy", "next_steps": 1, "roles": {"actor": idle}}
+        r = httpx.post(f"{url}/api/v1/sessions", json=body, headers=AUTH)
+        assert r.status_code == 201, r.text
+        sid, steps = r.json()["session_id"], r.json()["steps"]
+        ray.get(budget.extend_to.remote(steps[-1] + 1))
+
+        def finished() -> Any:
+            v = httpx.get(f"{url}/api/v1/sessions/{sid}").json()
+            return v if v["state"] not in ("pending", "armed", "recording", "collecting") else None
+
+        view = wait_until(finished, 90, 0.2, what="session end")
+        assert view["state"] == "done", view["reason"]
+        ray.get(run, timeout=60)
+    finally:
+        ray.kill(w)
+    (trace,) = httpx.get(f"{url}/api/v1/traces", params={"session_id": sid}).json()["data"]
+    assert trace["file_name"].endswith(".speedscope.json") and trace["steps"] == steps
+    profile = json.loads(Path(trace["path"]).read_text())
+    assert "speedscope" in profile["$schema"] and profile["shared"]["frames"]
+
+
 def test_errors_cross_the_actor_boundary_with_their_status(services) -> None:
     url, _ = services
     ws = workers([("critic", 0, 1)])
