@@ -433,8 +433,12 @@ def field_errors(exc: ValidationError | list[dict[str, Any]], root: str = "") ->
     raw = exc.errors() if isinstance(exc, ValidationError) else exc
     out: list[FieldError] = []
     for err in raw:
-        path = _dotted(err.get("loc", ()))
+        loc = tuple(err.get("loc", ()))
         msg = str(err.get("msg", "invalid"))
+        if err.get("type") == "json_invalid" and loc[-1:] and isinstance(loc[-1], int):
+            # FastAPI puts the character offset where a field would be: ("body", 17)
+            loc, msg = loc[:-1], f"{msg} at character {loc[-1]}"
+        path = _dotted(loc) or ("body" if err.get("type") == "json_invalid" else "")
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         m = _FIELD_PREFIX.match(msg)
         if m:

@@ -101,6 +101,14 @@ def test_bad_requests_get_422_naming_the_field(sidecar, agents, body, field) -> 
     assert owner.call("list_sessions") == []  # nothing half-applied
 
 
+def test_malformed_json_is_a_422_on_the_body_saying_where(sidecar) -> None:
+    headers = {**auth(), "Content-Type": "application/json"}
+    r = httpx.post(f"{sidecar.url}/api/v1/sessions", content=b'{"steps": [1,', headers=headers)
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["fields"]
+    assert err["field"] == "body" and "at character 13" in err["message"], err
+
+
 def test_malformed_json_is_422_not_500(sidecar) -> None:
     url = sidecar.url
     r = httpx.post(
