@@ -455,4 +455,30 @@ class Recorder:
         for ws in list(self._windows.values()):
             self._abandon(ws, "the job ended before these steps")
         self._refresh_wake()
-        return self._exporter.drain(timeout)
+        if self._exporter.drain(timeout):
+            return True
+        self._give_up_unwritten(timeout)
+        return False
+
+    def _give_up_unwritten(self, timeout: float) -> None:
+        """The windows whose files were still being written when ``close`` stopped waiting
+        for them end now, saying so (else the coordinator, told the agent closed, reads
+        their recorded steps as never reached). A file finished later is reported only if the
+        agent can still send it."""
+        for ws in list(self._windows.values()):
+            with self._lock:
+                if ws.done_sent:
+                    continue
+                ws.done_sent = True
+                sid = ws.window.session_id
+                self._finished.add(sid)
+                self._windows.pop(sid, None)
+                writing = ws.open_tickets
+                missed = set(ws.window.steps) - ws.recorded
+                done = PartDone(tuple(sorted(ws.recorded)), tuple(sorted(missed)))
+            message = (
+                f"the job ended while {writing} trace(s) of this window were still being "
+                f"written (not done {timeout:g} s after the agent closed)"
+            )
+            self._emit(AgentEvent(EventKind.ERROR, sid, None, message))
+            self._emit(AgentEvent(EventKind.PART_DONE, sid, payload=done))

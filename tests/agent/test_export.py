@@ -158,6 +158,26 @@ def test_training_goes_on_while_the_export_is_pending(events, tmp_path) -> None:
     assert recorder.close(10)
 
 
+def test_a_job_that_ends_while_its_last_window_is_written_says_so(events, tmp_path) -> None:
+    """``close`` waits ``timeout`` for the files; a window still being written then ends
+    with that reason, not with its steps read as never reached."""
+    gated = GatedBackend()
+    recorder = Recorder(INFO, events, lambda kind, options: gated)
+    armed = plan(window("s", (1,), tmp_path))
+    train(recorder, armed, range(2))
+    assert gated.entered.wait(10)
+    assert not recorder.close(0.2)  # the job's end: the export is still held
+    (error,) = events.of(EventKind.ERROR, "s")
+    assert "the job ended while 1 trace(s) of this window were still being written" in (
+        error.message
+    )
+    done = events.part_done("s")
+    assert done.recorded == () and done.missed == (1,)
+    gated.release.set()
+    assert recorder.close(10)  # the export ends; the window is not reported again
+    assert len(events.of(EventKind.PART_DONE, "s")) == 1
+
+
 def test_a_window_start_waits_for_the_pending_export_at_most_wait_s(
     events, tmp_path, monkeypatch
 ) -> None:
