@@ -149,7 +149,8 @@ class AgentDesk:
         self, agent_id: str, known_version: int, step: int | None, timeout: float
     ) -> PollReply:
         rec = self._registry.get(agent_id)
-        if rec is None or rec.gone:  # gone: a live one registers again (a false "gone")
+        # gone: a live one registers again (a false "gone"); closed: it is not seen again
+        if rec is None or rec.gone or rec.state is AgentState.CLOSED:
             return PollReply(plan=None, known=False)
         rec.touch(self._clock(), step)
         rec.link = AgentLink.DIRECT

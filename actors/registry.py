@@ -34,6 +34,8 @@ class AgentRecord:
         none brings back one whose process is gone (:attr:`gone`)."""
         if self.state is AgentState.LOST and (not revive or self.gone):
             return
+        if self.state is AgentState.CLOSED:  # seen last at its close (a registration revives)
+            return
         self.last_seen = now
         if step is not None:
             self.saw_step(step, now)

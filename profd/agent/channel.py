@@ -61,6 +61,9 @@ TIMES_EVERY_S = 1.0
 #: After this long without finding a coordinator, an agent that never registered says so
 #: (once): a job whose ray.init() found no cluster runs on a Ray of its own, silently.
 ABSENT_WARN_S = 30.0
+#: How long a closing agent's poller, answered "unknown", waits for the coordinator's word
+#: that it took the `closed` event before it registers again instead.
+LEAVE_WAIT_S = 2.0
 #: Failed takes of the step and stage times in a row after which the reporter stops taking.
 MAX_TIMES_FAILURES = 5
 
@@ -157,8 +160,10 @@ class Channel:
         self._registered = threading.Event()
         self._was_registered = False
         self._stop = threading.Event()
-        #: The agent is closing: the coordinator forgets it, and it must not register again.
+        #: The agent is closing (its ``closed`` event is queued) / the coordinator took that
+        #: event: from then on it forgets the agent, which must not register again.
         self._leaving = threading.Event()
+        self._left = threading.Event()
         self._dropped = 0
         self._seq = 0  # the last event number given (reporter thread)
         self._reregister = False
@@ -191,9 +196,11 @@ class Channel:
         return self._was_registered and self._registered.wait(timeout)
 
     def leave(self) -> None:
-        """The agent closes (its ``closed`` event comes next): once the coordinator has it,
-        the agent's relay is told to drop the agent, and a poll answered "unknown" then ends
-        the poller instead of registering the agent again."""
+        """The agent closes (its ``closed`` event comes next). Once the coordinator has it,
+        it answers "unknown" for the agent (its relay drops it): a poll answered so then
+        ends the poller instead of registering the agent again. One answered "unknown"
+        before the coordinator took the event (a coordinator restarted) still registers
+        again, so that the last events get through."""
         self._leaving.set()
 
     def update_info(self, info: AgentInfo) -> None:
@@ -306,8 +313,10 @@ class Channel:
                 if not reply.known:
                     self._registered.clear()
                     self._forget_link()
-                    if self._leaving.is_set():
-                        return  # closed: the coordinator forgot it, as it should
+                    # closing: the answer may come from the coordinator that just took the
+                    # `closed` event, whose acknowledgement is on its way to the reporter
+                    if self._leaving.is_set() and self._left.wait(LEAVE_WAIT_S):
+                        return  # closed, and the coordinator knows it
                     continue
                 self._accept(reply.plan)
             except LinkMoved as exc:
@@ -434,6 +443,8 @@ class Channel:
             if not known:
                 self._registered.clear()
                 continue
+            if any(e.kind is EventKind.CLOSED for e in pending):
+                self._left.set()
             self._done(pending)
             pending = []
             attempt = 0

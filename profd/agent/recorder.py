@@ -467,7 +467,7 @@ class Recorder:
         agent can still send it."""
         for ws in list(self._windows.values()):
             with self._lock:
-                if ws.done_sent:
+                if ws.done_sent or ws.open_tickets == 0:  # finished meanwhile: _maybe_done's
                     continue
                 ws.done_sent = True
                 sid = ws.window.session_id

@@ -12,13 +12,14 @@ the tool is refused for the agent with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,18 @@ def with_sigint(cmd: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _SIGINT_ON, *cmd]
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class _PySpyOutput(PendingOutput):
     def __init__(self, proc: subprocess.Popen, tmp: Path, spec: CollectionSpec) -> None:
         self._proc = proc
@@ -152,10 +165,14 @@ class _PySpyCollection(Collection):
         self._tmp = temp_path(spec.save_dir, spec.stem, EXT)
         cmd = py_spy_command(exe, os.getpid(), self._tmp, options)
         self._started = time.monotonic()
-        self._proc = subprocess.Popen(
-            with_sigint(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )  # fmt: skip
+        # Started with SIGINT blocked (this thread's mask only, for the moment of the fork):
+        # one sent before the child ignores it (a window of a few ms) stays pending, and is
+        # then discarded rather than ending the child before py-spy could write.
+        with _sigint_blocked():
+            self._proc = subprocess.Popen(
+                with_sigint(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )  # fmt: skip
 
     def close(self) -> list[PendingOutput]:
         if self._proc.poll() is None:

@@ -225,9 +225,11 @@ def traces(
             api, "/api/v1/traces", limit, cursor, everything, session_id=session
         )
         if session is not None and not data:  # an unknown session is a 404, not "none"
-            api.get(f"/api/v1/sessions/{session}")
+            from urllib.parse import quote
+
+            api.get(f"/api/v1/sessions/{quote(session, safe='')}")
         if download is not None:
-            failed = download_traces(api, data, download)
+            failed = download_traces(api, data, download, per_session=session is None)
     except CliError as exc:
         fail(exc)
     hint = (
@@ -246,7 +248,7 @@ def traces(
     if download is None:
         return
     done = len(data) - len(failed)
-    folders = " (a folder per session)" if len({t["session_id"] for t in data}) > 1 else ""
+    folders = " (a folder per session)" if session is None and data else ""
     (err_console if as_json else console).print(
         f"downloaded {done} file(s) into {download}{folders}", markup=False, highlight=False
     )

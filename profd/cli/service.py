@@ -239,7 +239,7 @@ def _choose_cluster(
     if recorded and address in (None, recorded):
         if gcs_reachable(recorded, timeout=2.0):
             console.print(f"Rejoining the Ray cluster recorded in the state file: {recorded}")
-            connect_ray(recorded)
+            connect_ray(recorded, quiet=True)
             return _Target(recorded, True), previous.started_ray, previous.ray_temp_dir
         if address == recorded:
             err_console.print(f"[red]no Ray cluster answers at {recorded}[/red]")
@@ -364,7 +364,7 @@ def _join_or_start_ray(address: str | None, num_cpus: int | None) -> tuple[str, 
     if address is None:
         console.print("Starting a local Ray head on 127.0.0.1 ...")
         address, temp_dir = start_local_ray(num_cpus)
-    connect_ray(address)
+    connect_ray(address, quiet=True)
     return address, started, temp_dir
 
 

@@ -103,7 +103,7 @@ def _join_for_down(state: Any, target: str | None, *, refuse: bool) -> bool:
         # before Ray is imported: a token-auth cluster refuses a driver without it
         os.environ["RAY_AUTH_MODE"] = state.ray_auth_mode
     try:
-        connect_ray(target)
+        connect_ray(target, quiet=True)
         return True
     except Exception as exc:  # the cluster may already be gone
         if refuse and _still_running(state):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -99,25 +100,24 @@ def print_traces(
 
 
 def session_folder(session_id: str) -> str:
-    """The folder a session's downloads go in when several sessions are downloaded at once
-    (one folder each, so `profd merge DIR/<session>` merges one session, not several)."""
+    """The folder a session's downloads go in when the download is not of one session (a
+    folder each, so `profd merge DIR/<session>` merges one session, never several)."""
     name = session_id.replace("/", "_").replace("\\", "_")
     return name if name not in ("", ".", "..") else f"session-{name}"
 
 
 def download_traces(
-    api: ApiClient, traces: list[dict[str, Any]], into: Path
+    api: ApiClient, traces: list[dict[str, Any]], into: Path, per_session: bool = True
 ) -> list[tuple[dict[str, Any], str]]:
-    """Download each trace into ``into`` (traces of several sessions: into a folder per
-    session; through a ``.part`` file, so a failed one leaves nothing behind); the ones that
-    failed, with the reason. Stops only when the sidecar
+    """Download each trace into ``into`` (``per_session``: into a folder per session, the
+    same layout whatever the listing holds; through a ``.part`` file, so a failed one
+    leaves nothing behind); the ones that failed, with the reason. Stops only when the sidecar
     cannot be reached at all (raises)."""
     try:
         into.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CliError(f"cannot create {into}: {exc.strerror or exc}") from None
     failed: list[tuple[dict[str, Any], str]] = []
-    per_session = len({t["session_id"] for t in traces}) > 1
     for t in traces:
         folder = into / session_folder(t["session_id"]) if per_session else into
         dest = folder / t["file_name"]
@@ -126,12 +126,16 @@ def download_traces(
             folder.mkdir(exist_ok=True)
             api.download(f"/api/v1/traces/{t['trace_id']}/download", part)
             part.replace(dest)
+            continue
         except CliError as exc:
-            part.unlink(missing_ok=True)
             if exc.exit_code == EXIT_UNREACHABLE:
+                part.unlink(missing_ok=True)
                 raise
             failed.append((t, str(exc)))
         except OSError as exc:
-            part.unlink(missing_ok=True)
             failed.append((t, f"cannot write {dest}: {exc.strerror or exc}"))
+        part.unlink(missing_ok=True)
+        if folder != into:  # a session's folder holds only what was downloaded
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # (only when empty)
     return failed

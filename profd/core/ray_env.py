@@ -162,8 +162,10 @@ def join_or_start_ray(address: str | None = None, num_cpus: int = 4) -> None:
         connect_ray(address)
 
 
-def connect_ray(address: str | None) -> None:
-    """Join the cluster at ``address`` (``auto`` = the one on this node).
+def connect_ray(address: str | None, quiet: bool = False) -> None:
+    """Join the cluster at ``address`` (``auto`` = the one on this node); ``quiet``: Ray's
+    own INFO lines ("Connecting to existing Ray cluster ...") are not shown (profd's CLI:
+    they are not its output); a user's driver keeps them.
 
     For a cluster on this machine the loopback settings are applied *before* Ray is imported
     (Ray reads them at import); for remote clusters nothing is changed.
@@ -175,13 +177,11 @@ def connect_ray(address: str | None) -> None:
     import ray
 
     if not ray.is_initialized():
-        # Ray's own INFO lines ("Connecting to existing Ray cluster ...") are not profd's
-        # output: only its warnings reach the user.
         ray.init(
             address=address or "auto",
             namespace=NAMESPACE,
             log_to_driver=False,
-            logging_level=logging.WARNING,
+            logging_level=logging.WARNING if quiet else logging.INFO,
         )
 
 

@@ -138,6 +138,7 @@ class RolloutService:
         for t in self._timed:
             t.join(timeout)
         if self._channel.connected:
+            self._channel.leave()
             self._emit(AgentEvent(EventKind.CLOSED))
             self._channel.flush(min(10.0, timeout))
         self._channel.stop()

@@ -1,65 +1,113 @@
-"""An agent that closes stays closed: told "unknown" while it closes (its relay dropped it
-once the coordinator had its ``closed`` event), it does not register again."""
+"""An agent that closes stays closed, and still gets its last events through.
+
+Once the coordinator has an agent's ``closed`` event it answers "unknown" for it (its relay
+drops it); a closing agent answered so must not register again. But an "unknown" that
+comes *before* the coordinator took the event (a coordinator restarted while the job ended)
+must still lead to a registration, or the ``closed`` event and the last window's events are
+never sent."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
-from profd.agent import ProfilerAgent
-from profd.core.protocol import AgentEvent, EventKind, PollReply
-from profd.core.states import AgentState
-from profd.testing.coordinator import LocalLink
+from profd.agent.channel import Channel
+from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, PollReply
 
 from helpers import wait_until
 
+INFO = AgentInfo("actor-0-x", "actor", 0, 1, {}, "h", 1)
 
-class ClosingRaceLink(LocalLink):
-    """Once the coordinator has applied the agent's ``closed`` event, its poll is answered
-    "unknown" at once (a relay told to drop the agent wakes its parked poll so), and the
-    answer to that report waits until the poller has acted on it: the window in which the
-    agent's ``close()`` has not stopped its channel yet."""
 
-    def __init__(self, owner: Any) -> None:
-        super().__init__(owner)
-        self.closed_applied = threading.Event()
-        self.registered_again = threading.Event()
-        self.poller: threading.Thread | None = None
+class Registration:
+    def __init__(self) -> None:
+        self.plan = AgentPlan(version=1)
+        self.poll_timeout_s = 1.0
 
-    def register(self, info: Any, step: int | None) -> Any:
-        if self.closed_applied.is_set():
-            self.registered_again.set()
-        return super().register(info, step)
+
+class ScriptedLink:
+    """A coordinator the test drives: it forgets the agent on ``forget()``, and answers
+    "unknown" to the agent's polls from then on until it registers again."""
+
+    def __init__(self) -> None:
+        self.known = False
+        self.registrations = 0
+        self.reported: list[AgentEvent] = []
+        self.poll_unknown = threading.Event()  # a poll was answered "unknown"
+        self.registered_after_unknown = threading.Event()
+        self.hold_closed = threading.Event()  # set: the `closed` report answers at once
+        self.hold_closed.set()
+        self._changed = threading.Condition()
+
+    def register(self, info: Any, step: int | None) -> Registration:
+        with self._changed:
+            self.known = True
+            self.registrations += 1
+            if self.poll_unknown.is_set():
+                self.registered_after_unknown.set()
+            self._changed.notify_all()
+        return Registration()
+
+    def forget(self) -> None:
+        with self._changed:
+            self.known = False
+            self._changed.notify_all()
 
     def poll(self, agent_id: str, version: int, step: int | None, timeout: float) -> PollReply:
-        if self.closed_applied.wait(timeout):
-            return PollReply(plan=None, known=False)
-        return super().poll(agent_id, version, step, timeout)
+        with self._changed:
+            self._changed.wait_for(lambda: not self.known, timeout)
+            if self.known:
+                return PollReply(plan=None)
+        self.poll_unknown.set()
+        return PollReply(plan=None, known=False)
 
     def report(self, agent_id: str, events: list[AgentEvent]) -> bool:
-        known = super().report(agent_id, events)
-        if any(ev.kind is EventKind.CLOSED for ev in events):
-            self.closed_applied.set()
-            poller = self.poller
-            assert poller is not None
-            wait_until(
-                lambda: self.registered_again.is_set() or not poller.is_alive(),
-                10,
-                0.01,
-                what="the poller to act on the unknown answer",
-            )
-        return known
+        if not self.known:
+            return False
+        self.reported.extend(events)
+        if any(e.kind is EventKind.CLOSED for e in events):
+            self.forget()  # the coordinator took it: it forgets the agent ...
+            # ... and its answer to the relay's sync may reach the poller first
+            assert self.hold_closed.wait(10)
+        return True
+
+    def clock_ns(self) -> int:
+        raise RuntimeError("no clock here")
 
 
-def test_an_agent_told_unknown_while_it_closes_does_not_register_again(
-    local_coordinator,
-) -> None:
-    owner = local_coordinator
-    link = ClosingRaceLink(owner)
-    agent = ProfilerAgent("actor", 0, 1, find_link=lambda: link, mark_times=False).start()
-    wait_until(lambda: agent.connected, 10, what="registration")
-    link.poller = next(t for t in agent._channel._threads if t.name == "profd-poller")
-    assert agent.close(timeout=10)
-    assert link.closed_applied.is_set() and not link.registered_again.is_set()
-    view = next(a for a in owner.call("list_agents") if a.agent_id == agent.agent_id)
-    assert view.state is AgentState.CLOSED
+def channel(link: ScriptedLink) -> Channel:
+    made = Channel(INFO, lambda: link, lambda: None, lambda plan: None, retry_s=(0.01, 0.05))
+    made.start()
+    wait_until(lambda: made.connected, 10, 0.01, what="registration")
+    return made
+
+
+def test_told_unknown_once_the_coordinator_took_closed_it_does_not_register_again() -> None:
+    link = ScriptedLink()
+    ch = channel(link)
+    poller = next(t for t in ch._threads if t.name == "profd-poller")
+    link.hold_closed.clear()  # the `closed` report's answer waits for the poller's "unknown"
+    ch.leave()
+    ch.send(AgentEvent(EventKind.CLOSED))
+    assert link.poll_unknown.wait(10)
+    link.hold_closed.set()  # now the reporter hears that the coordinator took it
+    assert ch.flush(10)
+    poller.join(10)
+    assert not poller.is_alive() and link.registrations == 1
+    assert not link.registered_after_unknown.is_set()
+    ch.stop()
+
+
+def test_told_unknown_before_closed_got_through_it_registers_and_sends_it() -> None:
+    """A coordinator restarted while the job ended: it knows no agent, so the poll and the
+    report are both refused; the agent registers again and delivers ``closed``."""
+    link = ScriptedLink()
+    ch = channel(link)
+    ch.leave()
+    link.forget()
+    assert link.poll_unknown.wait(10)
+    ch.send(AgentEvent(EventKind.CLOSED))
+    assert ch.flush(10), "the closed event never got through"
+    assert link.registered_after_unknown.is_set() and link.registrations == 2
+    assert [e.kind for e in link.reported] == [EventKind.CLOSED]
+    ch.stop()

@@ -144,12 +144,12 @@ def test_py_spy_window_samples_the_worker(local_coordinator) -> None:
     agent.close()
 
 
-def test_py_spy_started_with_sigint_blocked_and_stopped_at_once_still_writes(
-    tmp_path: Path,
-) -> None:
-    """As in a Ray worker: the thread that starts py-spy has SIGINT blocked (a child
-    inherits that across exec), and a window a few milliseconds long sends its SIGINT
-    before py-spy handles it. Either one left no profile (120 s wait, or py-spy killed)."""
+@pytest.mark.parametrize("blocked", [True, False], ids=["ray-worker", "plain-process"])
+def test_py_spy_stopped_at_once_still_writes(tmp_path: Path, blocked: bool) -> None:
+    """As in a Ray worker, the thread that starts py-spy has SIGINT blocked (a child
+    inherits that across exec); in any process, a window a few milliseconds long sends its
+    SIGINT before py-spy handles it. Either one left no profile (a 120 s wait, or py-spy
+    ended by the signal before it wrote)."""
     import signal
 
     from profd.backends.py_spy import PySpyBackend
@@ -157,7 +157,8 @@ def test_py_spy_started_with_sigint_blocked_and_stopped_at_once_still_writes(
     opened: list[Any] = []
 
     def start_as_a_ray_worker() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         opened.append(PySpyBackend({"idle": True}).open(spec(tmp_path, "quick")))
 
     t = threading.Thread(target=start_as_a_ray_worker)

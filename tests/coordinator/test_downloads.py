@@ -237,5 +237,6 @@ def test_cli_download_goes_on_past_a_failure_and_reports_it(
     assert "1 of 2 trace(s) could not be downloaded" in err
     assert f"trace {theirs['trace_id']} ({theirs['file_name']}): HTTP 404:" in err
     assert "is gone from" in err
-    assert sorted(p.name for p in dest.iterdir()) == [mine["file_name"]]  # no .part left
-    assert (dest / mine["file_name"]).read_bytes() == Path(mine["path"]).read_bytes()
+    folder = dest / mine["session_id"]  # no --session: a folder per session
+    assert sorted(p.name for p in folder.iterdir()) == [mine["file_name"]]  # no .part left
+    assert (folder / mine["file_name"]).read_bytes() == Path(mine["path"]).read_bytes()

@@ -283,5 +283,6 @@ def test_cli_shows_the_newest_page_and_how_to_see_more(
     dest = tmp_path / "all"
     r = cli(["traces", "--url", url, "--limit", "1", "--download", str(dest)], tmp_path)
     assert r.returncode == 0, r.stderr
-    assert len(list(dest.iterdir())) == 4  # every page, whatever --limit says
+    # every page, whatever --limit says; without --session, in the session's folder
+    assert [p.name for p in dest.iterdir()] == [sid] and len(list((dest / sid).iterdir())) == 4
     assert "downloaded 4 file(s)" in r.stdout
