@@ -167,7 +167,7 @@ def test_down_joins_with_the_auth_mode_up_recorded(tmp_path: Path, monkeypatch) 
     )
     seen: list[str | None] = []
 
-    def fake_connect(address: str | None) -> None:
+    def fake_connect(address: str | None, quiet: bool = False) -> None:
         seen.append(os.environ.get("RAY_AUTH_MODE"))
         raise ConnectionError("unreachable in this test")
 
@@ -202,7 +202,7 @@ def test_down_refuses_when_it_cannot_join_a_ray_it_started_that_still_runs(
     )
     stopped: list[str] = []
 
-    def fail(address: str | None) -> None:
+    def fail(address: str | None, quiet: bool = False) -> None:
         raise RuntimeError("version mismatch")
 
     monkeypatch.setattr("profd.core.ray_env.connect_ray", fail)

@@ -531,7 +531,7 @@ def test_status_after_down_names_the_port_that_was_in_use(tmp_path: Path, monkey
         ),
     )
 
-    def gone(address: str | None) -> None:
+    def gone(address: str | None, quiet: bool = False) -> None:
         raise ConnectionError("the cluster is gone in this test")
 
     monkeypatch.setattr("profd.core.ray_env.connect_ray", gone)
