@@ -27,7 +27,7 @@ from profd.core.protocol import (
     TraceWritten,
     fast_pickle,
 )
-from profd.core.states import AgentLink, AgentState
+from profd.core.states import AgentLink
 
 if TYPE_CHECKING:
     from profd.actors.mark_stats import MarkStats
@@ -149,8 +149,7 @@ class AgentDesk:
         self, agent_id: str, known_version: int, step: int | None, timeout: float
     ) -> PollReply:
         rec = self._registry.get(agent_id)
-        # gone: a live one registers again (a false "gone"); closed: it is not seen again
-        if rec is None or rec.gone or rec.state is AgentState.CLOSED:
+        if rec is None or rec.retired:
             return PollReply(plan=None, known=False)
         rec.touch(self._clock(), step)
         rec.link = AgentLink.DIRECT
@@ -196,9 +195,7 @@ class AgentDesk:
         woken = self._plans.take_woken(known)
         for aid, version in known.items():
             rec = self._registry.get(aid)
-            # The relay stops carrying it (a live one registers again); one that closed is
-            # not seen again (a relay's sync still carries it until the relay drops it).
-            if rec is None or rec.gone or rec.state is AgentState.CLOSED:
+            if rec is None or rec.retired:  # the relay stops carrying it
                 unknown[aid] = PollReply(plan=None, known=False)
                 continue
             rec.touch(now, steps.get(aid))

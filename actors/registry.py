@@ -28,6 +28,12 @@ class AgentRecord:
     #: registration. A relay's poll may still carry it after it died.
     gone: bool = False
 
+    @property
+    def retired(self) -> bool:
+        """Known gone, or closed: polls and syncs that still carry it are answered "unknown"
+        (a live one registers again), and it is not seen again."""
+        return self.gone or self.state is AgentState.CLOSED
+
     def touch(self, now: float, step: int | None, revive: bool = True) -> None:
         """Heard from now. ``revive=False`` for the end of a long-poll parked before the
         agent was found dead: only a new call from the agent brings a lost agent back, and

@@ -245,12 +245,23 @@ def traces(
     else:
         print_traces(data, total, total_bytes, session)
         _say_more(*hint, cursor is not None, to_stderr=False)
-    if download is None:
-        return
+    if download is not None:
+        _report_downloads(download, data, failed, per_session=session is None, as_json=as_json)
+
+
+def _report_downloads(
+    into: Path,
+    data: list[dict[str, Any]],
+    failed: list[tuple[dict[str, Any], str]],
+    *,
+    per_session: bool,
+    as_json: bool,
+) -> None:
+    """What `profd traces --download` wrote, and each trace it could not (exit 1)."""
     done = len(data) - len(failed)
-    folders = " (a folder per session)" if session is None and data else ""
+    folders = " (a folder per session)" if per_session and data else ""
     (err_console if as_json else console).print(
-        f"downloaded {done} file(s) into {download}{folders}", markup=False, highlight=False
+        f"downloaded {done} file(s) into {into}{folders}", markup=False, highlight=False
     )
     if failed:
         err_console.print(

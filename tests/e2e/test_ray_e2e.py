@@ -43,6 +43,16 @@ def workers(specs: list[tuple[str, int, int]]) -> list[Any]:
     return made
 
 
+def session_end(url: str, sid: str) -> dict[str, Any]:
+    """The session's view once it ended (over HTTP)."""
+
+    def finished() -> Any:
+        v = httpx.get(f"{url}/api/v1/sessions/{sid}").json()
+        return v if v["state"] not in ("pending", "armed", "recording", "collecting") else None
+
+    return wait_until(finished, 90, 0.2, what="session end")
+
+
 def test_session_over_http_profiles_live_workers(services) -> None:
     import ray
 
@@ -71,11 +81,7 @@ def test_session_over_http_profiles_live_workers(services) -> None:
         assert {t["role_block"] for t in view["targets"]} == {"actor", "critic"}
         ray.get(budget.extend_to.remote(steps[-1] + 1))
 
-        def finished() -> Any:
-            v = httpx.get(f"{url}/api/v1/sessions/{sid}").json()
-            return v if v["state"] not in ("pending", "armed", "recording", "collecting") else None
-
-        view = wait_until(finished, 90, 0.2, what="session end")
+        view = session_end(url, sid)
         assert view["state"] == "done", view["reason"]
         results = ray.get(runs, timeout=120)
         assert all(r["traces_written"] for r in results)
@@ -137,11 +143,7 @@ def test_a_py_spy_window_in_a_ray_worker_writes_its_profile(services) -> None:
         sid, steps = r.json()["session_id"], r.json()["steps"]
         ray.get(budget.extend_to.remote(steps[-1] + 1))
 
-        def finished() -> Any:
-            v = httpx.get(f"{url}/api/v1/sessions/{sid}").json()
-            return v if v["state"] not in ("pending", "armed", "recording", "collecting") else None
-
-        view = wait_until(finished, 90, 0.2, what="session end")
+        view = session_end(url, sid)
         assert view["state"] == "done", view["reason"]
         ray.get(run, timeout=60)
     finally:
