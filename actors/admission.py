@@ -164,8 +164,12 @@ class Admission:
                 f"{i.role}{'' if i.rank is None else f' rank {i.rank}'}: {i.reason}"
                 for i in targeting.ignored
             )
+            # The field every reason is about (`roles.*.ranks` for a rank no agent has), else
+            # the request's roles as a whole.
+            about = {i.field for i in targeting.ignored}
             raise RequestInvalid.at(
-                "roles", f"no registered agent matches the request ({detail or 'no agents'})"
+                about.pop() if len(about) == 1 else "roles",
+                f"no registered agent matches the request ({detail or 'no agents'})",
             )
         check_conflicts(
             self._book.live(), self._registry, targeting.targets, timed=req.duration_s is not None

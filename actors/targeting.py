@@ -8,7 +8,7 @@ rank, tool unavailable on the agent. Nothing is dropped silently.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from profd.actors.selection import (
     WILDCARD,
@@ -39,12 +39,27 @@ class Targeting:
     ignored: tuple[Ignored, ...]
 
 
+def _about(items: Iterable[Ignored], key: str, rule: str) -> list[Ignored]:
+    """``items`` saying which field of block ``key`` they are about: ``rule`` for a rank's
+    (a rank no agent has, or whose coordinates differ), ``enable`` for the whole block."""
+    return [
+        replace(i, field=f"roles.{key}.{rule if i.rank is not None else 'enable'}")
+        if i.field == "roles"
+        else i
+        for i in items
+    ]
+
+
 def _matches(info: AgentInfo, topology: dict[str, int]) -> bool:
     return all(info.topology.get(k) == v for k, v in topology.items())
 
 
 def _by_topology(
-    role: str, block: RoleProfilerConfig, ranks: dict[int, AgentInfo], world: int | None
+    role: str,
+    key: str,
+    block: RoleProfilerConfig,
+    ranks: dict[int, AgentInfo],
+    world: int | None,
 ) -> tuple[dict[int, AgentInfo], RankSelection]:
     """Filter by parallel coordinates, then apply the rank rule; without ranks / all_ranks
     every matching agent is selected (a filter like ``tp=0`` means all of them)."""
@@ -54,7 +69,9 @@ def _by_topology(
         return keep, select_ranks(role, block, keep.keys(), world)
     if not block.ranks:
         if not keep:
-            return keep, RankSelection((), (Ignored(role, None, f"no agent has {want}"),))
+            return keep, RankSelection(
+                (), (Ignored(role, None, f"no agent has {want}", f"roles.{key}.topology"),)
+            )
         return keep, RankSelection(tuple(sorted(keep)))
     sel = select_ranks(role, block, keep.keys(), world)
     ignored = []
@@ -62,7 +79,8 @@ def _by_topology(
         info = ranks.get(item.rank) if item.rank is not None else None
         if info is not None:
             have = " ".join(f"{k}={info.topology.get(k)}" for k in block.topology)
-            item = Ignored(role, item.rank, f"rank {item.rank} has {have}, not {want}")
+            why = f"rank {item.rank} has {have}, not {want}"
+            item = Ignored(role, item.rank, why, f"roles.{key}.topology")
         ignored.append(item)
     return keep, RankSelection(sel.selected, tuple(ignored))
 
@@ -72,7 +90,7 @@ def _tool_refused(req: SessionRequest, info: AgentInfo) -> Ignored | None:
     reason = info.capabilities.get(req.tool.value, "the agent did not report this tool")
     if reason is None:
         return None
-    return Ignored(info.role, info.rank, f"tool {req.tool.value} unavailable: {reason}")
+    return Ignored(info.role, info.rank, f"tool {req.tool.value} unavailable: {reason}", "tool")
 
 
 def _is_rollout(ranks: dict[int, AgentInfo]) -> bool:
@@ -98,6 +116,7 @@ def _replicas(
                 None,
                 "topology does not apply to rollout replicas (select them by global GPU rank "
                 "with `ranks`); it was not used",
+                f"roles.{key}.topology",
             )
         )
     for replica in sel.replicas:
@@ -130,13 +149,13 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
         if _is_rollout(ranks):
             found, skipped = _replicas(req, role, key, block, ranks)
             targets.extend(found)
-            ignored.extend(skipped)
+            ignored.extend(_about(skipped, key, "ranks"))
             continue
         if block.topology:
-            ranks, sel = _by_topology(role, block, ranks, world)
+            ranks, sel = _by_topology(role, key, block, ranks, world)
         else:
             sel = select_ranks(role, block, ranks.keys(), world)
-        ignored.extend(sel.ignored)
+        ignored.extend(_about(sel.ignored, key, "ranks"))
         for rank in sel.selected:
             refused = _tool_refused(req, ranks[rank])
             if refused is not None:
@@ -152,5 +171,5 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
         else:
             known = ", ".join(sorted(by_role)) or "none"
             reason = f"no live agent has role {key} (live roles: {known})"
-        ignored.append(Ignored(key, None, reason))
+        ignored.append(Ignored(key, None, reason, f"roles.{key}"))
     return Targeting(tuple(targets), tuple(ignored))

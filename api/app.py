@@ -18,6 +18,7 @@ from profd.actors.runner import default_runner
 from profd.api import metrics
 from profd.api.client import BatchedReads, CoordinatorClient, RayCoordinatorClient, SharedReads
 from profd.api.deps import ReadTokenDep
+from profd.api.errors import error_responses
 from profd.api.routes import agents, dashboard, sessions, stacks, status, traces, triggers
 from profd.api.security import BodyLimit, HostCheck, allowed_host_names
 from profd.api.summaries import SummaryCache
@@ -62,6 +63,8 @@ def create_app(
         version=__version__,
         description=_DESCRIPTION,
         lifespan=lifespan,
+        # The Host check (security.HostCheck) answers before any route, on every route.
+        responses=error_responses(400) if "*" not in config.allowed_hosts else None,
     )
     app.state.config = config
     app.state.client = client
@@ -119,7 +122,8 @@ def _declare_security(app: FastAPI, config: SidecarConfig) -> None:
             }
             for path, ops in spec["paths"].items():
                 for method, op in ops.items():
-                    if method != "get" or (not config.loopback and path not in OPEN_PATHS):
+                    read = method in ("get", "head")
+                    if not read or (not config.loopback and path not in OPEN_PATHS):
                         op["security"] = [{"bearer": []}]
         app.openapi_schema = spec
         return spec

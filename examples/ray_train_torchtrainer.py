@@ -43,7 +43,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
-
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -96,7 +95,6 @@ def main(
     profd.join_or_start_ray(address, num_cpus=max(4, num_workers))
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-
 
     session_id = None
     if profile_steps:

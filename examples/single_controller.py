@@ -58,7 +58,6 @@ class ActorRolloutRefWorker:
     def __init__(self, rank: int, world_size: int) -> None:
         import torch
 
-
         torch.set_num_threads(1)
         torch.manual_seed(rank)
         self.torch = torch
@@ -112,7 +111,6 @@ class CriticWorker:
 
     def __init__(self, rank: int, world_size: int) -> None:
         import torch
-
 
         torch.set_num_threads(1)
         self.torch = torch
@@ -200,7 +198,6 @@ def fit(
     """The driver loop: one RL step = rollout, scoring, advantages, updates."""
     import torch
 
-
     ctl = profd.controller()
     history = []
     for step in range(1, steps + 1):
@@ -239,7 +236,6 @@ def main(
 ) -> dict[str, Any]:
     profd.join_or_start_ray(address, num_cpus=4)
     import ray
-
 
     session_id = None
     if config is not None:  # verl's own profiler config, unchanged (before the workers start)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path as FsPath
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -90,6 +90,7 @@ async def _remote_chunks(
     },
 )
 async def download_trace(
+    request: Request,
     client: ClientDep,
     runner: RunnerDep,
     locator: LocatorDep,
@@ -124,6 +125,8 @@ async def download_trace(
                 f"trace {trace_id} is gone from its node ({trace.hostname})", trace_id=trace_id
             )
         headers.update({"Content-Length": str(size), "X-Profd-Node": there})
+        if request.method == "HEAD":
+            return Response(media_type="application/gzip", headers=headers)
         return StreamingResponse(
             _remote_chunks(runner, there, trace, size),
             media_type="application/gzip",
@@ -134,3 +137,14 @@ async def download_trace(
         raise NotFoundError(f"trace {trace_id} is gone from {trace.hostname}", trace_id=trace_id)
     headers["X-Profd-Node"] = node_id or ""
     return FileResponse(path, media_type="application/gzip", headers=headers)
+
+
+# HEAD (`curl -I`, a browser's check before a download): the size and name without the bytes.
+router.add_api_route(
+    "/{trace_id}/download",
+    download_trace,
+    methods=["HEAD"],
+    operation_id="head_trace_download",
+    summary="Download Trace (headers only)",
+    responses=error_responses(404, 422),
+)

@@ -67,6 +67,12 @@ class Multiplexer:
     def close(self) -> None:
         self._stop.set()
 
+    @property
+    def polled(self) -> frozenset[str]:
+        """The agents whose plans the shared long-poll carries now."""
+        with self._lock:
+            return frozenset(self._slots)
+
     # -- used by the links ----------------------------------------------------------------------
     def _call(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
         caller = self._caller
@@ -88,7 +94,7 @@ class Multiplexer:
 
     def _wait(self, agent_id: str, version: int, step: int | None, timeout: float) -> PollReply:
         slot = self._slots.get(agent_id)
-        if slot is None:
+        if slot is None:  # never registered here, or forgotten: register (again)
             return PollReply(plan=None, known=False)
         deadline = time.monotonic() + timeout
         with slot.changed:
@@ -120,22 +126,32 @@ class Multiplexer:
                     "poll_many", known, steps, self._poll_timeout, timeout=self._poll_timeout + 30
                 )
             except LinkDown:
-                for slot in slots.values():  # every agent re-discovers and re-registers
-                    with slot.changed:
-                        slot.unknown = True
-                        slot.changed.notify_all()
+                for aid, slot in slots.items():  # every agent re-discovers and re-registers
+                    self._forget(aid, slot)
                 self._stop.wait(1.0)
                 continue
             for aid, reply in replies.items():
                 slot = slots.get(aid)
                 if slot is None:
                     continue
+                if not reply.known:
+                    self._forget(aid, slot)
+                    continue
                 with slot.changed:
-                    if not reply.known:
-                        slot.unknown = True
-                    elif reply.plan is not None:
+                    if reply.plan is not None:
                         slot.plan = reply.plan
                     slot.changed.notify_all()
+
+    def _forget(self, agent_id: str, slot: _Slot) -> None:
+        """The coordinator does not know the agent (it closed, or must register again): its
+        poll returns "unknown" and the slot goes; registering again makes a new one, so a
+        process whose agents come and go keeps no slot of a closed one."""
+        with self._lock:
+            if self._slots.get(agent_id) is slot:
+                del self._slots[agent_id]
+        with slot.changed:
+            slot.unknown = True
+            slot.changed.notify_all()
 
 
 class MultiplexedLink:

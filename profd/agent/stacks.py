@@ -39,9 +39,7 @@ def read_stack(request: int, attached: int | None) -> StackSample:
         if ident == me:
             continue
         t = known.get(ident)
-        threads.append(
-            ThreadStack(t.native_id if t else None, t.name if t else "", _frames(frame))
-        )
+        threads.append(ThreadStack(t.native_id if t else None, t.name if t else "", _frames(frame)))
     chosen = pick_thread(threads, attached)
     if chosen is None:
         return StackSample(request, (), error="no thread of the job is running")

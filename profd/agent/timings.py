@@ -350,8 +350,7 @@ class Timings:
             label = timer.label
             waiting = self._pending.setdefault(label, [])
             waiting.extend(
-                (end - d, end)
-                for d, end in _spanned(timer, first, zip(seconds, ends, strict=True))
+                (end - d, end) for d, end in _spanned(timer, first, zip(seconds, ends, strict=True))
             )
             spans = self._place(label, marks_steps, wall_base)
             stages.append(LabelDurations(label, tuple(seconds), lost=lost, spans=spans))

@@ -27,6 +27,7 @@ from profd.core.peer_rule import against_all, against_peers, late_cause_name, la
 
 __all__ = ["Lateness", "detect_stragglers", "late_cause", "late_outliers"]
 
+
 class Lateness(NamedTuple):
     index: int
     late: float

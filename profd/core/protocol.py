@@ -387,3 +387,5 @@ class Ignored:
     role: str
     rank: int | None
     reason: str
+    #: The request's dotted field the reason is about (named by a 422 when nothing matched).
+    field: str = "roles"

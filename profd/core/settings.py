@@ -108,6 +108,11 @@ class ProfdSettings(BaseSettings):
         )
 
 
+def _is_port(text: str) -> bool:
+    """Whether a Host header's port part is a TCP port (ASCII digits, at most 65535)."""
+    return text.isascii() and text.isdigit() and int(text) <= 65535
+
+
 class SidecarConfig(BaseModel):
     """How the HTTP sidecar is served."""
 
@@ -181,16 +186,17 @@ class SidecarConfig(BaseModel):
     def host_name(value: str) -> str | None:
         """A Host header value (or an ``allowed_hosts`` entry, or a bind address) as the name
         it names: lower case, no ``:port``, no IPv6 brackets, no trailing dot; ``None`` when it
-        is not one (unclosed bracket, a port that is not a number, nothing left)."""
+        is not one (unclosed bracket, a port that is not a number from 0 to 65535, nothing
+        left)."""
         v = value.strip().lower()
         if v.startswith("["):
             end = v.find("]")
             name, rest = v[1:end], v[end + 1 :]
-            if end < 0 or ":" not in name or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+            if end < 0 or ":" not in name or (rest and not (rest[0] == ":" and _is_port(rest[1:]))):
                 return None
         elif v.count(":") == 1:
             name, port = v.split(":")
-            if not port.isdigit():
+            if not _is_port(port):
                 return None
         else:  # a name, or an IPv6 address without brackets (an entry or a bind address)
             name = v

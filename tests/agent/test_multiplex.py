@@ -41,8 +41,11 @@ def test_agents_share_one_poll_and_record(local_coordinator) -> None:
             with a.step(s), a.stage("generate"):
                 torch.ones(4).sum()
     view = wait_terminal(local_coordinator, view.session_id)
+    assert mux.polled == {a.agent_id for a in agents}
     for a in agents:
         a.close()
+    # closed agents are unknown to the coordinator: the shared poll drops them
+    wait_until(lambda: not mux.polled, 10, what="closed agents' slots gone")
     mux.close()
     assert view.state.value == "done", view.reason
     assert sorted(t.rank for t in view.traces) == [0, 1, 2]

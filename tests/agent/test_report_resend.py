@@ -100,9 +100,7 @@ def test_step_times_sent_again_are_counted_once(local_coordinator) -> None:
 
 def late_answer_agents(owner: Any, lost: list[Any], kind: EventKind) -> list[ProfilerAgent]:
     agents = [
-        ProfilerAgent(
-            "actor", r, 2, find_link=lambda: LateAnswerLink(owner, lost, kind)
-        ).start()
+        ProfilerAgent("actor", r, 2, find_link=lambda: LateAnswerLink(owner, lost, kind)).start()
         for r in range(2)
     ]
     wait_until(lambda: all(a.connected for a in agents), 10, what="agents registered")

@@ -459,6 +459,33 @@ def test_requests_that_match_nothing_or_do_not_validate_are_refused(tmp_path: Pa
     run(go)
 
 
+def test_a_request_matching_nothing_names_the_field_at_fault(tmp_path: Path) -> None:
+    """``profd profile --ranks 99`` is refused naming ``roles.*.ranks``, not just ``roles``."""
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)  # actor ranks 0 and 1, world size 2
+        for roles, tool, field in [
+            ({"*": {"ranks": [99]}}, "torch", "roles.*.ranks"),
+            ({"actor": {"ranks": [5, 7]}}, "torch", "roles.actor.ranks"),
+            ({"critic": {}}, "torch", "roles.critic"),
+            ({"actor": {"topology": {"tp": 3}}}, "torch", "roles.actor.topology"),
+            ({"actor": {"ranks": [1], "topology": {"tp": 3}}}, "torch", "roles.actor.topology"),
+            ({"actor": {"enable": False}}, "torch", "roles.actor.enable"),
+            ({"actor": {"all_ranks": True}}, "py_spy", "tool"),  # no agent has py-spy
+            ({"actor": {"ranks": [9]}, "critic": {}}, "torch", "roles"),  # two fields
+        ]:
+            with pytest.raises(RequestInvalid) as err:
+                await coord.create_session({"steps": [3], "roles": roles, "tool": tool})
+            (got,) = err.value.fields
+            assert got.field == field, (roles, tool, err.value)
+            assert str(err.value).startswith(f"{field}: no registered agent matches")
+        assert await coord.list_sessions() == []
+
+    run(go)
+
+
 def test_next_steps_start_after_the_most_advanced_target(tmp_path: Path) -> None:
     async def go() -> None:
         coord, _ = make(tmp_path, align_lead_steps=1)

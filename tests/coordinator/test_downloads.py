@@ -211,6 +211,10 @@ def test_a_trace_of_an_earlier_cluster_is_read_on_the_live_node_with_its_address
         assert r.status_code == 200, r.text
         assert r.content == Path(mine["path"]).read_bytes()
         assert r.headers["x-profd-node"] == "b1" and runner.ran_on == {"b1"}
+        head = httpx.head(f"{url}/api/v1/traces/{mine['trace_id']}/download")
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == str(len(r.content))
+        assert head.headers["x-profd-node"] == "b1"
 
 
 def test_cli_download_goes_on_past_a_failure_and_reports_it(

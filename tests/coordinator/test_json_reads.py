@@ -42,17 +42,13 @@ def test_json_reads_equal_the_views_dumped_by_their_listing_models(tmp_path: Pat
         page = await coord.list_sessions(1, None)
         got = await coord.read_json("list_sessions", 1, None)
         assert isinstance(got, JsonItems) and got.count == 1 and got.total == 2
-        old = SessionList(
-            data=page.items, count=1, total=page.total, next_cursor=page.next_cursor
-        )
+        old = SessionList(data=page.items, count=1, total=page.total, next_cursor=page.next_cursor)
         body = json_listing(got, total=got.total, next_cursor=got.next_cursor)
         assert _body(body) == old.model_dump(mode="json") and got.next_cursor
 
         tpage = await coord.list_traces(None, None, None, 50, None)
         tgot = await coord.read_json("list_traces", None, None, None, 50, None)
-        old_t = TraceList(
-            data=tpage.items, count=1, total=1, next_cursor=None, bytes=tpage.bytes
-        )
+        old_t = TraceList(data=tpage.items, count=1, total=1, next_cursor=None, bytes=tpage.bytes)
         tbody = json_listing(tgot, total=tgot.total, next_cursor=tgot.next_cursor, bytes=tgot.bytes)
         assert _body(tbody) == old_t.model_dump(mode="json")
 

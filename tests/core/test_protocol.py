@@ -80,9 +80,7 @@ def test_every_message_pickles_as_its_constructor_and_its_fields() -> None:
     kinds = [
         c
         for c in vars(protocol).values()
-        if isinstance(c, type)
-        and dataclasses.is_dataclass(c)
-        and c.__module__ == protocol.__name__
+        if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == protocol.__name__
     ]
     assert len(kinds) >= 18
     for cls in [*kinds, Registration, RelayHello]:

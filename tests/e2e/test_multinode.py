@@ -105,10 +105,12 @@ def test_traces_stay_on_their_node_and_download_through_it(sidecar, ray_session)
     try:
         runs = [w.run.remote(3, 0.3, 1, budget) for w in ws]
         wait_until(  # both agents: a session targets the agents registered when it starts
-            lambda: sum(
-                1 for a in httpx.get(f"{url}/api/v1/agents").json()["data"] if a["current_step"]
-            )
-            == 2,
+            lambda: (
+                sum(
+                    1 for a in httpx.get(f"{url}/api/v1/agents").json()["data"] if a["current_step"]
+                )
+                == 2
+            ),
             60,
             what="stepping",
         )

@@ -29,8 +29,10 @@ HANG = ROOT / "examples" / "spmd_hang.py"
 #: Posted by `profd up --trigger`: the job's role watched for stragglers and memory errors
 #: (its marks keep their ends while the straggler trigger watches; a hung job fires neither).
 TRIGGERS = [
-    {"name": "late-update",
-     "when": {"kind": "straggler", "role": "trainer", "stage": "update", "min_ms": 1000}},
+    {
+        "name": "late-update",
+        "when": {"kind": "straggler", "role": "trainer", "stage": "update", "min_ms": 1000},
+    },
     {"name": "trainer-oom", "when": {"kind": "oom", "role": "trainer"}},
 ]
 

@@ -190,6 +190,11 @@ def test_traces_list_and_download(sidecar, agents) -> None:
     r = httpx.get(f"{url}/api/v1/traces/{t['trace_id']}/download")
     assert r.status_code == 200 and len(r.content) == t["bytes"]
     assert b'"distributedInfo"' in gzip.decompress(r.content)
+    # HEAD (`curl -I`): the same headers, no bytes
+    head = httpx.head(f"{url}/api/v1/traces/{t['trace_id']}/download")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == str(t["bytes"])
+    assert head.headers["content-disposition"] == r.headers["content-disposition"]
 
 
 def test_health_is_degraded_without_a_coordinator(make_sidecar) -> None:

@@ -358,17 +358,19 @@ def test_requests_naming_another_host_are_refused_on_every_route(
         f"127.0.0.1.nip.io:{port}",
         f"localhost:{port}@attacker.example",
         "[::1",
+        "localhost:99999",  # not a TCP port
+        "[::1]:65536",
+        "127.0.0.1:\u00b2",  # a digit to str.isdigit, not to a port
     ):
+        raw = host.encode("latin-1")
         for path in [*HOST_ROUTES, download, "/docs", "/api/v1/sessions"]:
-            r = httpx.get(url + path, headers={"Host": host})
+            r = httpx.get(url + path, headers={"Host": raw})
             assert_host_refused(r, host)
             assert "trace bytes" not in r.text
         # changes too, with the right token, before the body is even looked at
-        r = httpx.post(
-            f"{url}/api/v1/sessions", json={"steps": [7]}, headers={**AUTH, "Host": host}
-        )
+        r = httpx.post(f"{url}/api/v1/sessions", json={"steps": [7]}, headers={**AUTH, "Host": raw})
         assert_host_refused(r, host)
-        r = httpx.post(f"{url}/api/v1/sessions/{sid}/cancel", headers={**AUTH, "Host": host})
+        r = httpx.post(f"{url}/api/v1/sessions/{sid}/cancel", headers={**AUTH, "Host": raw})
         assert_host_refused(r, host)
     assert local_coordinator.call("list_sessions") == sessions  # nothing created or cancelled
     assert local_coordinator.call("get_session", sid).state == state
@@ -491,6 +493,7 @@ def test_allowed_hosts_entries_are_checked_and_normalised() -> None:
         ("a.example,b.example", "one per entry"),
         ("*.example", "wildcards"),
         ("profd.example:http", "port"),
+        ("profd.example:70000", "port"),
         ("[::1", "brackets"),
     ]:
         with pytest.raises(ValidationError) as info:

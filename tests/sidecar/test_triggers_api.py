@@ -82,8 +82,13 @@ def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> 
                 "--url", sidecar.url, "--json"], env)  # fmt: skip
     assert late.returncode == 0, late.stderr
     assert json.loads(late.stdout)["request"]["when"] == {
-        "kind": "straggler", "role": "actor", "stage": "update", "factor": 2.0,
-        "baseline_steps": 20, "min_ms": 50.0, "for_steps": 1,
+        "kind": "straggler",
+        "role": "actor",
+        "stage": "update",
+        "factor": 2.0,
+        "baseline_steps": 20,
+        "min_ms": 50.0,
+        "for_steps": 1,
     }  # fmt: skip  (the defaults of the fields a straggler does not use)
     oom = cli(["watch", "--role", "actor", "--oom", "--url", sidecar.url, "--json"], env)
     assert oom.returncode == 0, oom.stderr
