@@ -1002,3 +1002,38 @@ def test_dashboard_shows_trigger_firings(chrome, fired) -> None:
     check_firings_hostile(chrome, trigger)
     uncaught = [e["message"] for e in chrome.get_log("browser") if "Uncaught" in e["message"]]
     assert not uncaught
+
+
+def test_the_charts_mark_follows_the_data_until_the_user_picks_one(
+    chrome, make_sidecar, local_coordinator
+) -> None:
+    """A first answer with stage times only (a single-controller worker; or a report that
+    came between a stage's end and its step's) shows the first stage; once step times come
+    the chart shows the step, unless the user picked a mark, which then stays."""
+    from selenium.webdriver.support.ui import Select
+
+    (agent,) = start_agents(local_coordinator, 1, "actor")
+    try:
+        with make_sidecar() as srv:
+            with agent.stage("work"):  # outside any step: stage times only
+                pass
+            chrome.get(f"{srv.url}/?interval=300")
+            mark = "return document.getElementById('st-mark').value"
+            wait_until(lambda: chrome.execute_script(mark) == "work", 20, what="stage shown")
+            for n in (1, 2):
+                with agent.step(n), agent.stage("work"):
+                    pass
+            lines = wait_until(
+                lambda: chrome.execute_script(mark) == "" and chart_lines(chrome),
+                20,
+                what="the step shown once step times came",
+            )
+            assert list(lines) == ["actor 0"] and len(lines["actor 0"]) == 2
+            Select(chrome.find_element("id", "st-mark")).select_by_value("work")
+            for n in (3, 4):  # new data keeps the user's choice
+                with agent.step(n), agent.stage("work"):
+                    pass
+            wait_until(lambda: len(chart_lines(chrome).get("actor 0", ())) == 5, 20, what="5 works")
+            assert chrome.execute_script(mark) == "work"
+    finally:
+        agent.close(timeout=10)
