@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.table import Table
@@ -85,14 +86,69 @@ def wait_session(
             f"session {sid}", total=max(1, total), completed=done, label=label, state=""
         )
         poll = _SessionPoll(api, sid, quiet)
+        stall = StallWatch(api, view)
         while not SessionState(view["state"]).is_terminal:
             if time.monotonic() > deadline:
                 raise CliError(f"session {sid} still {view['state']} after {timeout:.0f} s")
             time.sleep(0.5)  # the poll interval of a person's command, not a test's wait
             view = poll.next() or view
+            if not quiet and (hint := stall.check(view)):
+                bar.console.print(hint, markup=False, highlight=False)
             done, total, label = progress_of(view)
             bar.update(task, total=max(1, total), completed=done, label=label, state=view["state"])
     return view
+
+
+#: While a session waits for its window, ``--wait`` reads its targets' steps this often...
+STALL_CHECK_S = 15.0
+#: ...and says once when none of them began a step for this long. profd does not end such a
+#: session (it does not guess how long a step may take); the hint says what to look at.
+STALL_WARN_S = 120.0
+
+
+class StallWatch:
+    """Notices a session waiting for steps its job does not reach: no target began a step
+    for :data:`STALL_WARN_S` while the window is still ahead (a hung job, a paused loop)."""
+
+    def __init__(
+        self, api: ApiClient, view: dict[str, Any], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.api, self.clock = api, clock
+        self.targets = {t["agent_id"] for t in view["targets"]}
+        self.steps: dict[str, int | None] | None = None
+        self.since = self.next_check = clock()
+        self.said = False
+
+    def check(self, view: dict[str, Any]) -> str | None:
+        """The hint, once, when the targets' steps stood still long enough; else ``None``."""
+        now = self.clock()
+        waiting = view["state"] in (SessionState.PENDING, SessionState.ARMED) and view["steps"]
+        if self.said or not waiting or now < self.next_check:
+            return None
+        self.next_check = now + STALL_CHECK_S
+        try:
+            agents = self.api.get("/api/v1/agents")["data"]
+        except CliError:  # the wait itself says when the sidecar is away
+            return None
+        steps = {a["agent_id"]: a["current_step"] for a in agents if a["agent_id"] in self.targets}
+        if steps != self.steps:
+            self.steps, self.since = steps, now
+            return None
+        if now - self.since < STALL_WARN_S:
+            return None
+        self.said = True
+        known = sorted({s for s in steps.values() if s is not None})
+        at = (
+            f"at step {known[-1]}"
+            if len(known) == 1
+            else (f"at steps {known[0]}..{known[-1]}" if known else "at no known step")
+        )
+        first = view["steps"][0]
+        return (
+            f"  no target has begun a step for {now - self.since:.0f} s ({at}; the window "
+            f"starts at step {first}): is the job stuck? `profd stacks` shows where its ranks "
+            f"wait; `profd cancel {view['session_id']}` ends the session"
+        )
 
 
 class _SessionPoll:

@@ -432,6 +432,69 @@ def test_wait_rides_out_a_sidecar_restart_and_names_its_session_first(
     assert "DONE" in outcome and "4/4 steps recorded" in outcome, out
 
 
+def test_wait_says_once_when_the_targets_steps_stand_still(local_coordinator: Any) -> None:
+    """A session waiting for step 50 of a job stuck at step 3: `--wait` says so once, after
+    STALL_WARN_S without a new step (a fake clock; the agents and sidecar are real); a step
+    begun meanwhile starts the count again. The session itself goes on waiting."""
+    from helpers import start_sidecar
+
+    from profd.cli.client import ApiClient
+    from profd.cli.session_view import STALL_CHECK_S, STALL_WARN_S, StallWatch
+
+    agents = start_agents(local_coordinator, 2, "actor")
+    run_steps(agents, range(1, 4))
+    now = [0.0]
+    try:
+        with start_sidecar(local_coordinator) as sidecar:
+            r = httpx.post(
+                f"{sidecar.url}/api/v1/sessions",
+                json={"steps": [50], "roles": {"actor": {"all_ranks": True}}},
+                headers=AUTH,
+            )
+            view = r.json()
+            watch = StallWatch(ApiClient(sidecar.url), view, clock=lambda: now[0])
+            wait_until(
+                lambda: (
+                    {
+                        a["current_step"]
+                        for a in ApiClient(sidecar.url).get("/api/v1/agents")["data"]
+                    }
+                    == {3}
+                ),
+                10,
+                what="step 3 known",
+            )
+            assert watch.check(view) is None  # the first read: steps at 3
+            now[0] += STALL_WARN_S - 1
+            assert watch.check(view) is None  # not long enough
+            run_steps(agents[:1], range(4, 5))  # rank 0 begins step 4: the count restarts
+            wait_until(
+                lambda: (
+                    4
+                    in {
+                        a["current_step"]
+                        for a in ApiClient(sidecar.url).get("/api/v1/agents")["data"]
+                    }
+                ),
+                10,
+                what="step 4 known",
+            )
+            now[0] += STALL_CHECK_S
+            assert watch.check(view) is None
+            now[0] += STALL_WARN_S
+            hint = watch.check(view)
+            assert hint is not None and "no target has begun a step for" in hint
+            assert "at steps 3..4" in hint and "starts at step 50" in hint
+            assert f"profd cancel {view['session_id']}" in hint and "profd stacks" in hint
+            now[0] += STALL_WARN_S
+            assert watch.check(view) is None  # said once
+            sid = view["session_id"]
+            assert local_coordinator.call("get_session", sid).state.value == "armed"
+    finally:
+        for a in agents:
+            a.close(timeout=10)
+
+
 # -- profd traces / status ------------------------------------------------------------------
 def test_traces_grouped_by_session_newest_first_under_the_save_root(
     sidecar: Any, local_coordinator: Any, tmp_path: Path
