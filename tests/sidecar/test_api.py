@@ -88,7 +88,7 @@ def test_create_get_list_cancel(sidecar, agents) -> None:
         ),
         ({"next_steps": 1, "roles": {"critic": {"unknown": True}}}, "roles.critic.unknown"),
         ({"next_steps": 1, "finish_hook_cmd": "aws s3 sync ."}, "finish_hook_cmd"),
-        ({"next_steps": 1, "roles": {"reward": {}}}, "roles"),
+        ({"next_steps": 1, "roles": {"reward": {}}}, "roles.reward"),  # no agent has it
     ],
 )
 def test_bad_requests_get_422_naming_the_field(sidecar, agents, body, field) -> None:
