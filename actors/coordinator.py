@@ -155,7 +155,7 @@ class ProfileCoordinator:
             self._traces,
             self._admission,
             clock,
-            self._book.live,
+            self._book.live_or_ended_since,
             self._plans,
             self._store,
         )

@@ -156,6 +156,14 @@ class SessionBook:
     def live(self) -> list[Session]:
         return [s for s in self._sessions.values() if s.is_live]
 
+    def live_or_ended_since(self, since: float) -> list[Session]:
+        """Live sessions, and those that ended at or after ``since``."""
+        return [
+            s
+            for s in self._sessions.values()
+            if s.is_live or (s.finished_at is not None and s.finished_at >= since)
+        ]
+
     def counts_by_state(self) -> dict[str, int]:
         by_state: dict[str, int] = {}
         for s in self._sessions.values():

@@ -60,7 +60,7 @@ class TriggerDesk:
         traces: TraceIndex,
         admission: Admission,
         clock: Callable[[], float],
-        live: Callable[[], Iterable[Session]] = tuple,
+        recent: Callable[[float], Iterable[Session]] = lambda since: (),
         plans: PlanBook | None = None,
         store: Store | None = None,
     ) -> None:
@@ -71,7 +71,8 @@ class TriggerDesk:
         self._traces = traces
         self._admission = admission
         self._clock = clock
-        self._live = live
+        #: Sessions live, or ended at or after the time given.
+        self._recent = recent
         self._profiled_at: dict[str, float] = {}  # agent id -> last seen in a live session
         self._oom_at: dict[str, float] = {}  # agent id -> its last out-of-memory error
         self.book = TriggerBook(clock)
@@ -287,20 +288,28 @@ class TriggerDesk:
     def _profiling_now(self) -> Callable[[str], bool]:
         """Whether an agent's durations carry a profiler's cost now: it is in a live
         session, or was within :data:`PROFILED_GRACE_S` (the last step's stop and export,
-        shipped late). The live sessions are listed once (a pass asks for every agent)."""
+        shipped late). The sessions are listed once (a pass asks for every agent)."""
         now = self._clock()
-        live = list(self._live())
-        return functools.cache(lambda agent_id: self._profiling(agent_id, live, now))
+        sessions = list(self._recent(now - PROFILED_GRACE_S))
+        return functools.cache(lambda agent_id: self._profiling(agent_id, sessions, now))
 
-    def _profiling(self, agent_id: str, live: list[Session], now: float) -> bool:
-        if any(agent_id in s.targets for s in live):
-            self._profiled_at[agent_id] = now
-            return True
-        at = self._profiled_at.get(agent_id)
-        if at is not None and now - at > PROFILED_GRACE_S:
-            del self._profiled_at[agent_id]
+    def _profiling(self, agent_id: str, sessions: list[Session], now: float) -> bool:
+        """The grace runs from the later of the session's end and the agent's last report
+        while it was live: a rank whose window's stop held its loop (and so its reports of
+        durations) for seconds is still spared the steps right after its session ended."""
+        ended = 0.0
+        for s in sessions:
+            if agent_id not in s.targets:
+                continue
+            if s.is_live:
+                self._profiled_at[agent_id] = now
+                return True
+            ended = max(ended, s.finished_at or 0.0)
+        at = max(self._profiled_at.get(agent_id, 0.0), ended)
+        if now - at > PROFILED_GRACE_S:
+            self._profiled_at.pop(agent_id, None)
             return False
-        return at is not None
+        return True
 
     def _oomed(self, agent_id: str, now: float) -> bool:
         at = self._oom_at.get(agent_id)

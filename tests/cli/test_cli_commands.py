@@ -436,10 +436,10 @@ def test_wait_says_once_when_the_targets_steps_stand_still(local_coordinator: An
     """A session waiting for step 50 of a job stuck at step 3: `--wait` says so once, after
     STALL_WARN_S without a new step (a fake clock; the agents and sidecar are real); a step
     begun meanwhile starts the count again. The session itself goes on waiting."""
-    from helpers import start_sidecar
-
     from profd.cli.client import ApiClient
     from profd.cli.session_view import STALL_CHECK_S, STALL_WARN_S, StallWatch
+
+    from helpers import start_sidecar
 
     agents = start_agents(local_coordinator, 2, "actor")
     run_steps(agents, range(1, 4))

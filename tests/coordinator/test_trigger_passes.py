@@ -208,7 +208,8 @@ def test_a_profiled_agents_grace_is_kept_by_every_report_it_sends(tmp_path, monk
         try:
             await c.add_trigger({"name": "slow", "when": {"kind": "step_time", "role": "actor"}})
             desk = c._triggers
-            desk._live = lambda: [SimpleNamespace(targets={"actor-0": None})]
+            live = SimpleNamespace(targets={"actor-0": None}, is_live=True, finished_at=None)
+            desk._recent = lambda since: [live]
             stages_only = MarkDurations(step=None, stages=(LabelDurations("gen", (0.2,)),))
             ev = AgentEvent(EventKind.TIMES, None, 3, payload=stages_only)
             assert all((await c.report_many({"actor-0": [ev], "actor-1": [ev]})).values())
@@ -219,6 +220,36 @@ def test_a_profiled_agents_grace_is_kept_by_every_report_it_sends(tmp_path, monk
 
     profiled, other = asyncio.run(run())
     assert profiled is not None and other is None
+
+
+def test_the_grace_runs_from_the_sessions_end_not_the_agents_last_report(tmp_path) -> None:
+    """A window's stop held a rank's loop, and so its reports, for 10 s; the session then
+    ended. Its durations right after the end are spared for PROFILED_GRACE_S from the end
+    (before, the grace ran from its last report, long past: a straggler trigger fired on
+    the step after profd's own session). An agent the session did not hold gets none."""
+
+    async def run() -> list[bool]:
+        c = await one_node(tmp_path, 2)
+        try:
+            desk = c._triggers
+            now = [100.0]
+            desk._clock = lambda: now[0]
+            session = SimpleNamespace(targets={"actor-1": None}, is_live=True, finished_at=None)
+            desk._recent = lambda since: [
+                s for s in [session] if s.is_live or s.finished_at >= since
+            ]
+            got = [desk._profiling_now()("actor-1")]  # a report while live (t=100)
+            now[0] = 110.0  # ten seconds of no reports: the loop is held by the stop
+            session.is_live, session.finished_at = False, 110.0
+            now[0] = 110.5  # the first report after the end
+            got += [desk._profiling_now()("actor-1"), desk._profiling_now()("actor-0")]
+            now[0] = 110.0 + triggers.PROFILED_GRACE_S + 0.1
+            got.append(desk._profiling_now()("actor-1"))
+            return got
+        finally:
+            c.close()
+
+    assert asyncio.run(run()) == [True, True, False, False]
 
 
 def test_an_event_that_cannot_be_applied_spares_the_rest_of_the_batch(
