@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from profd.actors.registry import AgentRecord, AgentRegistry
+from profd.actors.selection import WILDCARD
 from profd.actors.sessions import Part, Session
 from profd.actors.targeting import Target, resolve_targets
 from profd.core.errors import ConflictError, RequestInvalid
@@ -48,10 +49,11 @@ def _domains(info: AgentInfo) -> set[tuple[Any, ...]]:
       use too (a hybrid engine runs inside the training workers).
     """
     out: set[tuple[Any, ...]] = {("agent", info.agent_id)}
+    # Rank numbers name a job's devices: rank 0 of two Ray jobs are two devices.
     if info.replica is None:
-        return out | {("process", info.hostname, info.pid), ("device", info.rank)}
+        return out | {("process", info.hostname, info.pid), ("device", info.job_id, info.rank)}
     out.add(("engine", info.agent_id))
-    out.update(("device", g) for g in _colocated_devices(info))
+    out.update(("device", info.job_id, g) for g in _colocated_devices(info))
     return out
 
 
@@ -159,6 +161,12 @@ class Admission:
         except ValidationError as exc:
             raise RequestInvalid.from_fields(field_errors(exc)) from None
         targeting = resolve_targets(req, [r.info for r in self._registry.alive()])
+        # A role in several jobs (a named role; the wildcard entry is a job with no agents
+        # yet, which a launch-time session waits for): profiling one job's ranks and not
+        # the other's would be a guess.
+        several = [i for i in targeting.ignored if i.field == "job_id" and i.role != WILDCARD]
+        if several:
+            raise RequestInvalid.at("job_id", "; ".join(i.reason for i in several))
         if not targeting.targets and not req.wait_for_agents:
             detail = "; ".join(
                 f"{i.role}{'' if i.rank is None else f' rank {i.rank}'}: {i.reason}"

@@ -77,6 +77,7 @@ class AgentRecord:
             node_id=i.node_id,
             node_ip=i.node_ip,
             pid=i.pid,
+            job_id=i.job_id,
             state=self.state,
             current_step=step,
             step_source=source,

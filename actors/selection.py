@@ -26,6 +26,7 @@ __all__ = [
     "WILDCARD",
     "RankSelection",
     "match_role_block",
+    "rank_ranges",
     "role_components",
     "select_ranks",
 ]
@@ -97,3 +98,14 @@ def match_role_block(
     if not blocks:
         return WILDCARD, RoleProfilerConfig()
     return None
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """Ranks as ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -14,6 +14,7 @@ from profd.actors.selection import (
     WILDCARD,
     RankSelection,
     match_role_block,
+    rank_ranges,
     role_components,
     select_ranks,
 )
@@ -129,21 +130,56 @@ def _replicas(
     return out, skipped
 
 
-def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeting:
-    by_role: dict[str, dict[int, AgentInfo]] = {}
+def _by_job(
+    req: SessionRequest, agents: Iterable[AgentInfo]
+) -> tuple[dict[str, dict[str | None, dict[int, AgentInfo]]], set[str | None]]:
+    """Agents by role, then Ray job, then rank (``req.job_id``'s job only, when it names
+    one); and every job seen."""
+    by_role: dict[str, dict[str | None, dict[int, AgentInfo]]] = {}
+    jobs: set[str | None] = set()
     for info in agents:
-        # Several agents on one (role, rank) happen after a worker restart: the last wins.
-        by_role.setdefault(info.role, {})[info.rank] = info
+        jobs.add(info.job_id)
+        if req.job_id is not None and info.job_id != req.job_id:
+            continue
+        # Several agents on one (role, rank) of a job happen after a worker restart: the
+        # last wins. The same (role, rank) in two jobs are two targets, never one.
+        by_role.setdefault(info.role, {}).setdefault(info.job_id, {})[info.rank] = info
+    return by_role, jobs
+
+
+def _several_jobs(role: str, jobs: dict[str | None, dict[int, AgentInfo]]) -> Ignored:
+    each = "; ".join(
+        f"{job or 'no job'}: ranks {rank_ranges(ranks)}"
+        for job, ranks in sorted(jobs.items(), key=lambda j: j[0] or "")
+    )
+    reason = (
+        f"role {role} has agents in {len(jobs)} Ray jobs ({each}); name one with job_id "
+        "(profd profile --job)"
+    )
+    return Ignored(role, None, reason, "job_id")
+
+
+def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeting:
+    """The request's targets among live ``agents``; every requested target not used is in
+    ``ignored`` with the reason (nothing is dropped silently)."""
+    by_job, jobs = _by_job(req, agents)
+    if req.job_id is not None and req.job_id not in jobs:
+        known = ", ".join(sorted(j or "no job" for j in jobs)) or "none"
+        reason = f"no live agent of Ray job {req.job_id} (jobs with agents: {known})"
+        return Targeting((), (Ignored(WILDCARD, None, reason, "job_id"),))
     targets: list[Target] = []
     ignored: list[Ignored] = []
     used_keys: set[str] = set()
-    for role in sorted(by_role):
-        ranks = by_role[role]
+    for role in sorted(by_job):
         matched = match_role_block(role, req.roles)
         if matched is None:
             continue
         key, block = matched
         used_keys.add(key)
+        if len(by_job[role]) > 1:
+            ignored.append(_several_jobs(role, by_job[role]))
+            continue
+        (ranks,) = by_job[role].values()
         worlds = [i.world_size for i in ranks.values() if i.world_size]
         world = max(worlds) if worlds else None
         if _is_rollout(ranks):
@@ -165,11 +201,11 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
     for key in req.roles:
         if key in used_keys or key == WILDCARD:
             continue
-        hosts = [r for r in by_role if key in role_components(r)]
+        hosts = [r for r in by_job if key in role_components(r)]
         if hosts:
             reason = f"role {key} runs inside {', '.join(hosts)}, governed by another block"
         else:
-            known = ", ".join(sorted(by_role)) or "none"
+            known = ", ".join(sorted(by_job)) or "none"
             reason = f"no live agent has role {key} (live roles: {known})"
         ignored.append(Ignored(key, None, reason, f"roles.{key}"))
     return Targeting(tuple(targets), tuple(ignored))

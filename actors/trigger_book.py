@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 HOUR_S = 3600.0
 #: Firings kept per trigger for GET /api/v1/triggers (the counts cover every one).
 KEPT_FIRINGS = 50
+#: Ray jobs whose straggler verdicts a trigger keeps besides the one it judges.
+KEPT_JOBS = 16
 
 
 class FiringState(StrEnum):
@@ -168,6 +170,22 @@ class Trigger:
     #: straggler: the agents those verdicts were judged on (another job's, or a restarted
     #: rank's, start afresh: their step numbers are another run's)
     verdict_agents: frozenset[str] = frozenset()
+    #: straggler: the Ray job ``verdicts`` are of; each job's ranks are a population of
+    #: their own, and the other jobs' verdicts wait here while one is judged
+    job: str | None = None
+    other_jobs: dict[str | None, tuple[dict[int, StepVerdict], frozenset[str]]] = field(
+        default_factory=dict
+    )
+
+    def judge_job(self, job: str | None) -> None:
+        """Judge Ray job ``job``'s ranks next: its own verdicts, not another job's."""
+        if job == self.job:
+            return
+        self.other_jobs[self.job] = (self.verdicts, self.verdict_agents)
+        self.verdicts, self.verdict_agents = self.other_jobs.pop(job, ({}, frozenset()))
+        self.job = job
+        while len(self.other_jobs) > KEPT_JOBS:  # jobs end; their verdicts go, oldest first
+            del self.other_jobs[next(iter(self.other_jobs))]
 
     @property
     def fired(self) -> int:
@@ -222,6 +240,7 @@ class TriggerBook:
         step: int | None = None,
         spans: Spans | None = None,
         profiled: Callable[[str], bool] | None = None,
+        job: str | None = None,
     ) -> list[Firing]:
         """:meth:`observe_pass` of one report (``step``: the agent's current step, for the
         evidence)."""
@@ -234,6 +253,7 @@ class TriggerBook:
         history: History,
         spans: Spans | None = None,
         profiled: Callable[[str], bool] | None = None,
+        job: str | None = None,
     ) -> list[Firing]:
         """The firings that ``reports`` (their durations just added to the rolling windows)
         make due. ``spans``: the role's stage spans per rank (straggler triggers);
@@ -243,7 +263,8 @@ class TriggerBook:
         Each trigger reads its role once for the whole pass (the baseline, the ranks' spans)
         and a straggler trigger judges each step the pass completed once, so a pass over a
         fleet's reports costs one read of the role, not one per report. A trigger that
-        fails is logged and the others are judged."""
+        fails is logged and the others are judged. ``job``: the Ray job all ``reports``
+        (and ``history``, ``spans``) are of: two jobs' ranks are never pooled."""
         profiled = profiled or (lambda _aid: False)
         by_role: dict[str, list[Report]] = {}
         for r in reports:
@@ -256,6 +277,7 @@ class TriggerBook:
                 continue
             try:
                 if cond.kind is TriggerKind.STRAGGLER:
+                    t.judge_job(job)
                     firing = None if spans is None else self._straggler(t, mine, spans, profiled)
                     out += [firing] if firing is not None else []
                 else:

@@ -272,9 +272,16 @@ class TriggerDesk:
         self.passes += 1
         self._count_disk()
         profiled = self._profiling_now()
+        by_job: dict[str | None, list[Report]] = {}
         for r in pending:  # each reporting agent's grace is kept, whatever its triggers read
             profiled(r[AGENT])
-        firings = self.book.observe_pass(pending, self._history, self._spans, profiled)
+            rec = self._registry.get(r[AGENT])
+            by_job.setdefault(rec.info.job_id if rec is not None else None, []).append(r)
+        firings = []
+        for job, reports in by_job.items():  # two jobs' ranks are never one population
+            history = functools.partial(self._history, job=job)
+            spans = functools.partial(self._spans, job=job)
+            firings += self.book.observe_pass(reports, history, spans, profiled, job=job)
         if firings:
             self.fire_soon()
 
@@ -315,26 +322,28 @@ class TriggerDesk:
         at = self._oom_at.get(agent_id)
         return at is not None and now - at < OOM_UNHEALTHY_S
 
-    def _spans(self, role: str, stage: str) -> RoleSpans:
-        """The role's ranks that mark ``stage``, with its span per step: a rank whose spans
-        have not come yet (span mode just began there) is listed with none, so no step is
-        judged without it."""
+    def _spans(self, role: str, stage: str, job: str | None = None) -> RoleSpans:
+        """The role's ranks (of Ray job ``job``) that mark ``stage``, with its span per
+        step: a rank whose spans have not come yet (span mode just began there) is listed
+        with none, so no step is judged without it."""
         agents: dict[int, str] = {}
         spans: dict[int, dict[int, Any]] = {}
         for rec in self._registry.alive():
-            if rec.info.role == role:
+            if rec.info.role == role and rec.info.job_id == job:
                 aid = rec.info.agent_id
                 steps = self._times.spans(aid, stage)
                 if steps or self._times.times_stage(aid, stage):
                     agents[rec.info.rank], spans[rec.info.rank] = aid, steps
         return RoleSpans(agents, spans)
 
-    def _history(self, role: str, mark: str | None, n: int) -> dict[int, Sequence[float]]:
-        """Each rank's window itself, read only (its newest ``n`` are the tail): a pass
-        over a fleet copies none of them."""
+    def _history(
+        self, role: str, mark: str | None, n: int, job: str | None = None
+    ) -> dict[int, Sequence[float]]:
+        """Each rank's window (ranks of the role in Ray job ``job``) itself, read only (its
+        newest ``n`` are the tail): a pass over a fleet copies none of them."""
         out = {}
         for rec in self._registry.alive():
-            if rec.info.role == role:
+            if rec.info.role == role and rec.info.job_id == job:
                 values = self._times.window(rec.info.agent_id, mark)
                 if values:
                     out[rec.info.rank] = values
@@ -353,13 +362,15 @@ class TriggerDesk:
         for firing in self.book.due():
             t = self.book.get(firing.trigger_id)
             ranks = self._ranks(firing, t)
+            offender = self._registry.get(firing.evidence.agent_id)
+            job = offender.info.job_id if offender is not None else None
             origin = {
                 "trigger_id": t.trigger_id,
                 "firing_id": firing.firing_id,
                 "evidence": firing.evidence.as_dict(),
             }
             try:
-                s = await self._admission.admit(t.request.session_for(ranks), origin)
+                s = await self._admission.admit(t.request.session_for(ranks, job), origin)
             except ConflictError:
                 continue  # a live session holds the ranks: stays due, the next tick retries
             except (ProfdError, ValueError) as exc:
@@ -379,8 +390,13 @@ class TriggerDesk:
         """The offending rank, and the healthy peer: the one the condition chose
         (straggler), else the one closest to the baseline."""
         ev, cond = firing.evidence, t.request.when
+        offender = self._registry.get(ev.agent_id)
         alive = [
-            r for r in self._registry.alive() if r.info.role == ev.role and r.info.rank != ev.rank
+            r
+            for r in self._registry.alive()
+            if r.info.role == ev.role
+            and r.info.rank != ev.rank
+            and (offender is None or r.info.job_id == offender.info.job_id)  # its job's peers
         ]
         if ev.peer_rank is not None and any(r.info.rank == ev.peer_rank for r in alive):
             return ev.rank, ev.peer_rank

@@ -82,10 +82,13 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
     table = Table(
         title="Agents", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
     )
-    for col in ("role", "rank", "node", "pid", "state", "step", "via", "seen"):
+    # Several jobs on the cluster: which job each agent is in (`profd profile --job` picks).
+    jobs = len({a.get("job_id") for a in agents}) > 1
+    for col in ("job",) * jobs + ("role", "rank", "node", "pid", "state", "step", "via", "seen"):
         table.add_column(col, overflow="fold", no_wrap=col not in ("role", "node"))
     for a in agents:
         table.add_row(
+            *((a.get("job_id") or "-",) * jobs),
             a["role"],
             f"{a['rank']}/{a['world_size']}" if a["world_size"] else str(a["rank"]),
             a["node_ip"] or a["hostname"],
@@ -300,6 +303,10 @@ def profile(
     ] = [],  # noqa: B006
     ranks: Annotated[str | None, typer.Option(help="Ranks of those roles, e.g. 0,8.")] = None,
     all_ranks: Annotated[bool, typer.Option("--all-ranks", help="Every rank.")] = False,
+    job: Annotated[
+        str | None,
+        typer.Option(help="Only this Ray job's agents (`profd status` shows each one's job)."),
+    ] = None,
     discrete: Annotated[bool, typer.Option("--discrete", help="One trace per stage.")] = False,
     contents: Annotated[
         str | None, typer.Option(help="torch contents, e.g. cpu,cuda,stack.")
@@ -326,6 +333,8 @@ def profile(
         continuous,
         duration=duration,
     )
+    if job is not None:
+        body["job_id"] = job
     _start_session(url, body, wait, timeout, as_json)
 
 

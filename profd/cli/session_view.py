@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
+from profd.actors.selection import rank_ranges
 from profd.cli.client import EXIT_UNREACHABLE, ApiClient, CliError
 from profd.cli.common import (
     console,
@@ -262,14 +263,3 @@ def _target_groups(targets: list[dict[str, Any]]) -> Table:
     for (role, block, state, reason), ranks in sorted(groups.items(), key=lambda g: g[0]):
         table.add_row(role, rank_ranges(ranks), str(len(ranks)), block, state, reason)
     return table
-
-
-def rank_ranges(ranks: list[int]) -> str:
-    """Ranks as ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``."""
-    runs: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

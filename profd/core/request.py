@@ -389,6 +389,14 @@ class SessionRequest(GlobalProfilerConfig):
         description="Launch-time sessions: also target matching agents that register later, "
         "until the window begins (needs explicit steps).",
     )
+    job_id: (
+        Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z_.:-]+$")] | None
+    ) = Field(
+        None,
+        description="Only agents of this Ray job (its id as GET /api/v1/agents and `profd "
+        "status` show it). Needed when a requested role has agents in several jobs of the "
+        "cluster; a launch-time session names its own job.",
+    )
 
     @model_validator(mode="after")
     def _one_window(self) -> SessionRequest:

@@ -181,10 +181,16 @@ class TriggerRequest(_Frozen):
             raise ValueError(f"{err.field}: {err.message}") from None
         return {**v, "next_steps": n}
 
-    def session_for(self, ranks: tuple[int, ...]) -> SessionRequest:
-        """The session a firing on ``ranks`` of the watched role starts."""
-        return _build(self.session, self.when.role, ranks)
+    def session_for(self, ranks: tuple[int, ...], job_id: str | None = None) -> SessionRequest:
+        """The session a firing on ``ranks`` of the watched role (in Ray job ``job_id``, the
+        offending rank's) starts."""
+        return _build(self.session, self.when.role, ranks, job_id)
 
 
-def _build(template: dict[str, Any], role: str, ranks: tuple[int, ...]) -> SessionRequest:
-    return SessionRequest.model_validate({**template, "roles": {role: {"ranks": list(ranks)}}})
+def _build(
+    template: dict[str, Any], role: str, ranks: tuple[int, ...], job_id: str | None = None
+) -> SessionRequest:
+    body = {**template, "roles": {role: {"ranks": list(ranks)}}}
+    if job_id is not None:
+        body["job_id"] = job_id
+    return SessionRequest.model_validate(body)

@@ -68,6 +68,11 @@ class AgentView(_View):
     node_id: str | None = Field(description="Ray node id of the worker.")
     node_ip: str | None = Field(description="Ray node address of the worker.")
     pid: int = Field(description="Worker process id.")
+    job_id: str | None = Field(
+        None,
+        description="The Ray job the worker belongs to (a session's `job_id` picks it when "
+        "a role runs in several jobs); null outside Ray.",
+    )
     state: AgentState = Field(description="alive, lost (its process is gone or silent) or closed.")
     current_step: int | None = Field(
         description="The job's step on this agent: the last one it marked (SPMD loops), or, "

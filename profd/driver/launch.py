@@ -22,7 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from profd.core.errors import RequestInvalid
-from profd.core.ray_env import call_coordinator, find_coordinator, ray_up
+from profd.core.ray_env import call_coordinator, find_coordinator, ray_context, ray_up
 from profd.core.request import SessionRequest, field_errors
 from profd.core.views import SessionView
 
@@ -101,6 +101,8 @@ def start_session(
     SessionRequest.model_validate(request.model_dump())  # the copy must still be valid
     if not ray_up():
         raise RuntimeError("profd.start_session() needs Ray: call it after ray.init()")
+    if request.job_id is None:  # this job's workers, never another job's on the cluster
+        request = request.model_copy(update={"job_id": ray_context().job_id})
     handle = find_coordinator()
     if handle is None:
         # A coordinator owned by this job: it ends with the driver and persists nothing.

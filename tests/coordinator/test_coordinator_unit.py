@@ -511,6 +511,65 @@ def test_a_launch_time_session_adopts_agents_that_register_later(tmp_path: Path)
     run(go)
 
 
+def test_two_jobs_with_one_role_are_never_merged(tmp_path: Path) -> None:
+    """Two Ray jobs on one cluster both run role trainer (A: ranks 0-2, B: ranks 0-1).
+    Without a job, a request for trainer is refused naming job_id and both jobs (it used to
+    profile one job's rank 0, whichever registered last, and say nothing of the other);
+    job_id picks one; an unknown job is refused too. A role only one job has needs none."""
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        for job, n in (("0a000000", 3), ("0b000000", 2)):
+            for r in range(n):
+                agent = AgentInfo(
+                    f"{job}-t{r}", "trainer", r, n, {}, "h", 2000 + 10 * n + r, job_id=job,
+                    capabilities={"torch": None},
+                )  # fmt: skip
+                await coord.register(agent, 1)
+        await coord.register(info("c0", "critic", 0, job="0b000000"), 1)
+        for roles in ({"trainer": {"ranks": [0]}}, {"trainer": {"all_ranks": True}}, {}):
+            with pytest.raises(RequestInvalid) as err:
+                await coord.create_session({"steps": [5], "roles": roles})
+            (field,) = err.value.fields
+            assert field.field == "job_id", err.value
+            assert "0a000000: ranks 0-2" in field.message
+            assert "0b000000: ranks 0-1" in field.message
+        assert await coord.list_sessions() == []
+        a = await coord.create_session(
+            {"steps": [5], "roles": {"trainer": {"all_ranks": True}}, "job_id": "0a000000"}
+        )
+        assert sorted(t.agent_id for t in a.targets) == [f"0a000000-t{r}" for r in range(3)]
+        b = await coord.create_session(
+            {"steps": [5], "roles": {"trainer": {"ranks": [0]}}, "job_id": "0b000000"}
+        )
+        assert [t.agent_id for t in b.targets] == ["0b000000-t0"]
+        critic = await coord.create_session({"steps": [5], "roles": {"critic": {}}})
+        assert [t.agent_id for t in critic.targets] == ["c0"]  # one job has it: no job needed
+        with pytest.raises(RequestInvalid) as err:
+            await coord.create_session({"steps": [6], "job_id": "0c000000"})
+        (field,) = err.value.fields
+        assert field.field == "job_id" and "no live agent of Ray job 0c000000" in field.message
+        views = {v.agent_id: v.job_id for v in await coord.list_agents()}
+        assert views["0a000000-t1"] == "0a000000" and views["c0"] == "0b000000"
+
+    run(go)
+
+
+def test_a_launch_time_session_of_one_job_adopts_only_that_jobs_agents(tmp_path: Path) -> None:
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        req = {"steps": [3], "wait_for_agents": True, "job_id": "0a000000"}
+        view = await coord.create_session(req)  # no agent of the job yet: it waits
+        await coord.register(info("other", job="0b000000"), None)
+        await coord.register(info("mine", job="0a000000"), None)
+        targets = (await coord.get_session(view.session_id)).targets
+        assert [t.agent_id for t in targets] == ["mine"]
+
+    run(go)
+
+
 def test_a_closed_agent_ends_its_part(tmp_path: Path) -> None:
     async def go() -> None:
         coord, _ = make(tmp_path)

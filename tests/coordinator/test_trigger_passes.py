@@ -65,9 +65,9 @@ async def scenario(tmp_path: Path) -> tuple[Any, dict[str, int], list[Any]]:
         for name in reads:
             real = getattr(desk, f"_{name}")
 
-            def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            def counted(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
                 reads[_name] += 1
-                return _real(*args)
+                return _real(*args, **kw)
 
             setattr(desk, f"_{name}", counted)
         t0 = time.time()
@@ -304,3 +304,79 @@ def test_closing_the_coordinator_cancels_a_waiting_pass(tmp_path, monkeypatch) -
     waiting, after, unjudged = asyncio.run(run())
     assert waiting is not None and waiting.cancelled()
     assert after is None and unjudged == 0
+
+
+def test_two_jobs_of_one_role_are_judged_apart_and_fire_in_their_own_job(
+    tmp_path, monkeypatch
+) -> None:
+    """Two Ray jobs run role actor, ranks 0-2 each: job A's steps take 1 s, job B's 0.1 s
+    but its rank 1's 0.3 s. Pooled (and keyed by rank, as before), B's rank 1 is under the
+    median and A's and B's ranks overwrite each other; judged per job, B's rank 1 is 3x its
+    job's baseline. The firing's session is in job B: B's rank 1 and a B peer. A straggler
+    trigger keeps each job's verdicts apart (judging one never clears the other's)."""
+    monkeypatch.setattr(triggers, "OBSERVE_COALESCE_S", 3600.0)  # passes run when called
+
+    async def run() -> tuple[Any, Any]:
+        c = ProfileCoordinator(coordinator_settings(tmp_path, tick_s=3600.0))
+        await c.start()
+        try:
+            caps = {t.value: None for t in ToolKind}
+            for job in ("0a000000", "0b000000"):
+                for r in range(3):
+                    info = AgentInfo(
+                        f"{job}-{r}", "actor", r, 3, {}, "host", 100 + r, node_id="n0",
+                        capabilities=caps, job_id=job,
+                    )  # fmt: skip
+                    await c.register(info, 0)
+            trig = await c.add_trigger({
+                "name": "slow", "when": {"kind": "step_time", "role": "actor", "factor": 2.0,
+                "baseline_steps": 6}, "session": {"next_steps": 1}, "cooldown_s": 3600,
+            })  # fmt: skip
+            for step in range(1, 5):
+                batch = {}
+                for job, base in (("0a000000", 1.0), ("0b000000", 0.1)):
+                    for r in range(3):
+                        took = base * (3 if job == "0b000000" and r == 1 and step >= 3 else 1)
+                        d = MarkDurations(step=LabelDurations("step", (took,)), stages=())
+                        batch[f"{job}-{r}"] = [AgentEvent(EventKind.TIMES, None, step, payload=d)]
+                assert all((await c.report_many(batch)).values())
+                c._triggers.judge_pending()
+            for _ in range(200):
+                view = await c.get_trigger(trig.trigger_id)
+                if view.firings and view.firings[0].session_id:
+                    break
+                await asyncio.sleep(0.02)
+            session = await c.get_session(view.firings[0].session_id)
+            return view, session
+        finally:
+            c.close()
+
+    view, session = asyncio.run(run())
+    (firing,) = view.firings
+    assert firing.evidence["rank"] == 1 and firing.evidence["agent_id"] == "0b000000-1"
+    assert session.request["job_id"] == "0b000000"
+    assert sorted(t.agent_id for t in session.targets)[0] == "0b000000-0"
+    assert {t.agent_id for t in session.targets} <= {"0b000000-0", "0b000000-1", "0b000000-2"}
+    assert "0b000000-1" in {t.agent_id for t in session.targets}
+
+
+def test_a_straggler_trigger_keeps_each_jobs_verdicts() -> None:
+    from profd.actors.trigger_book import KEPT_JOBS, Trigger
+    from profd.core.trigger_request import TriggerRequest
+
+    req = TriggerRequest.model_validate(
+        {"name": "late", "when": {"kind": "straggler", "role": "actor", "stage": "update"}}
+    )
+    t = Trigger("t1", req, 0.0)
+    t.judge_job("a")
+    t.verdicts[5], t.verdict_agents = "A5", frozenset({"a0"})  # type: ignore[assignment]
+    t.judge_job("b")
+    assert t.verdicts == {} and t.verdict_agents == frozenset()
+    t.verdicts[9] = "B9"  # type: ignore[assignment]
+    t.judge_job("a")
+    assert t.verdicts == {5: "A5"} and t.verdict_agents == {"a0"}
+    t.judge_job("b")
+    assert t.verdicts == {9: "B9"}
+    for n in range(KEPT_JOBS + 5):  # many jobs come and go: a bounded number is kept
+        t.judge_job(f"j{n}")
+    assert len(t.other_jobs) <= KEPT_JOBS
