@@ -135,10 +135,16 @@ def up(
         tuple(allow_host),
     )
     settings = _settings()
+    _check_trigger_files(trigger)  # before anything starts: a bad file starts nothing
     previous = load_state(settings.state_dir)
     health = _health(previous.url) if previous is not None else None
     if previous is not None and health is not None and health.get("coordinator"):
-        _say_already_up(previous, flags.given or save_root is not None)
+        unused = {"--address": address, "--num-cpus": num_cpus, "--save-root": save_root}
+        ignored = [k for k, v in unused.items() if v is not None]
+        _say_already_up(previous, ignored + (["sidecar flags"] if flags.given else []))
+        if trigger:  # the one thing a running profd takes: triggers, posted over HTTP
+            token, _ = read_or_create_token(settings.state_dir)
+            _watch(previous.url, token, trigger)
         return
     target, started_ray, temp_dir = _choose_cluster(previous, address, num_cpus)
     token, token_path = read_or_create_token(settings.state_dir)
@@ -159,14 +165,25 @@ def up(
     _report_join(state.ray_address)
 
 
-def _say_already_up(previous: Any, flags_given: bool) -> None:
-    console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to do)")
-    if flags_given:
+def _say_already_up(previous: Any, ignored: list[str]) -> None:
+    console.print(f"profd is already up at [cyan]{previous.url}[/cyan] (nothing to start)")
+    if ignored:
         err_console.print(
-            "  the flags given were not applied to the running profd: `profd down "
+            f"  not applied to the running profd: {', '.join(ignored)}; `profd down "
             "--keep-ray`, then `profd up` with them"
         )
     _report_join(previous.ray_address)
+
+
+def _check_trigger_files(files: list[Path]) -> None:
+    from profd.cli.client import CliError
+    from profd.cli.watch_view import checked_triggers
+
+    try:
+        for path in files:
+            checked_triggers(path)
+    except CliError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trigger") from None
 
 
 def _watch(url: str, token: str, files: list[Path]) -> None:
@@ -177,7 +194,7 @@ def _watch(url: str, token: str, files: list[Path]) -> None:
         for line in post_trigger_files(ApiClient(url, token), files):
             console.print(f"  {line}")
     except CliError as exc:  # profd is up; say what was not watched, and fail
-        err_console.print(f"[red]--trigger: {exc}[/red] (profd itself is up)")
+        err_console.print(f"--trigger: {exc} (profd itself is up)", style="red", markup=False)
         raise typer.Exit(1) from None
 
 

@@ -25,19 +25,19 @@ def trigger_body(
     options: dict[str, Any],
     kind: str | None = None,
 ) -> dict[str, Any]:
-    """The POST /api/v1/triggers body of the command line's options. ``kind``: straggler or
-    oom (else step_time, or stage_time with a stage); only the fields a kind uses are sent."""
-    kind = kind or ("stage_time" if stage else "step_time")
+    """The POST /api/v1/triggers body of the command line's options (``None``: not given).
+    ``kind``: step_time (the default), stage_time, straggler or oom."""
+    kind = kind or "step_time"
     when: dict[str, Any] = {"kind": kind, "role": role}
+    # Only what the command line gave: an option this kind does not use is the server's
+    # 422 naming it (`--stage` on a step-time trigger), never dropped on the way.
+    given = {"factor": factor, "stage": stage}
+    given |= {k: options[k] for k in ("baseline_steps", "min_ms", "for_steps")}
+    when.update({k: v for k, v in given.items() if v is not None})
     if kind in ("step_time", "stage_time"):
-        when.update(
-            factor=factor, stage=stage, baseline_steps=options["baseline_steps"],
-            min_ms=options["min_ms"], for_steps=options["for_steps"],
-        )  # fmt: skip
-        mark = f"stage-{stage}" if stage else "step"
+        mark = f"stage-{stage}" if kind == "stage_time" else "step"
         default_name = f"{role}-{mark}-x{factor:g}"
     elif kind == "straggler":
-        when.update(stage=stage, min_ms=options["min_ms"], for_steps=options["for_steps"])
         default_name = f"{role}-{stage}-straggler"
     else:
         default_name = f"{role}-oom"
@@ -103,9 +103,15 @@ def watch(
     ] = False,
     oom: Annotated[bool, typer.Option(help="Fire when a rank runs out of CUDA memory.")] = False,
     next_steps: Annotated[int, typer.Option(help="Steps profiled when it fires.")] = 2,
-    baseline_steps: Annotated[int, typer.Option(help="Durations per rank in the median.")] = 20,
-    min_ms: Annotated[float, typer.Option(help="Never fire below this duration.")] = 0.0,
-    for_steps: Annotated[int, typer.Option(help="Slow durations in a row needed.")] = 1,
+    baseline_steps: Annotated[
+        int | None, typer.Option(help="Durations per rank in the median (default 20).")
+    ] = None,
+    min_ms: Annotated[
+        float | None, typer.Option(help="Never fire below this duration (default 0).")
+    ] = None,
+    for_steps: Annotated[
+        int | None, typer.Option(help="Slow durations in a row needed (default 1).")
+    ] = None,
     cooldown_s: Annotated[float, typer.Option("--cooldown", help="Quiet seconds after.")] = 300,
     max_per_hour: Annotated[int, typer.Option(help="Firings in any 60 minutes.")] = 4,
     max_disk_mb: Annotated[float, typer.Option(help="Trace budget of its sessions.")] = 1024,
@@ -127,6 +133,7 @@ def watch(
     profd watch --role actor --stage update_actor --stage-time 1.5 --min-ms 500;
     profd watch --role actor --stage update_actor --straggler --min-ms 50;
     profd watch --role actor --oom; profd watch --list; profd watch --delete TRIGGER_ID."""
+    _one_mode(locals())
     try:
         api = sidecar_client(url)
         if list_:
@@ -137,8 +144,12 @@ def watch(
             view = api.request("DELETE", f"/api/v1/triggers/{quote(delete, safe='')}")
             print_json(view) if as_json else console.print(f"deleted {view['trigger_id']}")
             return
-        bodies = _bodies(role, step_time, stage_time, stage, next_steps, from_file, locals())
-        made = [api.post("/api/v1/triggers", b) for b in bodies]
+        if from_file is not None:
+            checked = checked_triggers(from_file)
+        else:
+            body = _body(role, step_time, stage_time, stage, next_steps, locals())
+            checked = [("the command line", body)]
+        made = post_triggers(api, checked, new_names_only=True)
     except CliError as exc:
         fail(exc)
     if as_json:
@@ -148,17 +159,38 @@ def watch(
         console.print(f"watching: {view['trigger_id']} ({view['name']})")
 
 
-def _bodies(
+#: ``profd watch``'s options that make a trigger (any one given: the command makes one).
+_MAKING = ("role", "step_time", "stage_time", "stage", "straggler", "oom", "baseline_steps",
+           "min_ms", "for_steps", "name")  # fmt: skip
+
+
+def _one_mode(opts: dict[str, Any]) -> None:
+    """One thing per command: list, delete, post a file, or make a trigger from options."""
+    modes = [
+        flag
+        for flag, on in (
+            ("--list", opts["list_"]),
+            ("--delete", opts["delete"] is not None),
+            ("--file", opts["from_file"] is not None),
+            ("a trigger's options", any(opts[k] not in (None, False) for k in _MAKING)),
+        )
+        if on
+    ]
+    if len(modes) > 1:
+        raise typer.BadParameter(
+            f"{' and '.join(modes)} do not go together: give one of --list, --delete ID, "
+            "--file FILE, or a trigger's options (--role with --step-time, ...)"
+        )
+
+
+def _body(
     role: str | None,
     step_time: float | None,
     stage_time: float | None,
     stage: str | None,
     next_steps: int,
-    from_file: Path | None,
     opts: dict[str, Any],
-) -> list[dict[str, Any]]:
-    if from_file is not None:
-        return load_trigger_file(from_file)
+) -> dict[str, Any]:
     kinds = [k for k, on in (("step_time", step_time is not None),
              ("stage_time", stage_time is not None), ("straggler", opts["straggler"]),
              ("oom", opts["oom"])) if on]  # fmt: skip
@@ -169,10 +201,65 @@ def _bodies(
     (kind,) = kinds
     if kind in ("stage_time", "straggler") and stage is None:
         raise typer.BadParameter(f"--{kind.replace('_', '-')} needs --stage", param_hint="--stage")
-    if kind in ("straggler", "oom"):
-        return [trigger_body(role, None, stage, next_steps, opts, kind=kind)]
     factor = step_time if step_time is not None else stage_time
-    return [trigger_body(role, factor, stage if stage_time else None, next_steps, opts)]
+    return trigger_body(role, factor, stage, next_steps, opts, kind=kind)
+
+
+def checked_triggers(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """A file's triggers, each checked here as the sidecar will check it, with where it is
+    written (``FILE (trigger 2 of 3)``): one bad trigger, and nothing is posted."""
+    from pydantic import ValidationError
+
+    from profd.core.request import field_errors
+    from profd.core.trigger_request import TriggerRequest
+
+    items = load_trigger_file(path)
+    out = []
+    for i, body in enumerate(items, 1):
+        where = str(path) if len(items) == 1 else f"{path} (trigger {i} of {len(items)})"
+        try:
+            TriggerRequest.model_validate(body)
+        except ValidationError as exc:
+            errs = "; ".join(f"{e.field or 'body'}: {e.message}" for e in field_errors(exc))
+            raise CliError(f"{where}: {errs}; no trigger was posted") from None
+        out.append((where, body))
+    return out
+
+
+def post_triggers(
+    api: Any,
+    checked: list[tuple[str, dict[str, Any]]],
+    *,
+    new_names_only: bool = False,
+    replaces: dict[str, dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """POST each trigger; all or none: when the sidecar refuses one, those this call made
+    are deleted again and the error names the one refused. ``new_names_only``: a name
+    already watched is refused before anything is posted. ``replaces``: name -> the trigger
+    a posted one replaces, deleted only once every POST succeeded. Returns the views."""
+    names = [body.get("name") for _, body in checked]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CliError(f"trigger name(s) {', '.join(map(str, twice))} given twice; none posted")
+    if new_names_only:
+        have = {t["name"]: t for t in api.get("/api/v1/triggers")["data"]}
+        taken = [f"{n} ({have[n]['trigger_id']})" for n in names if n in have]
+        if taken:
+            raise CliError(
+                f"already watching a trigger named {', '.join(taken)}: `profd watch --delete "
+                "ID` first, or give another --name; none posted"
+            )
+    made: list[dict[str, Any]] = []
+    for where, body in checked:
+        try:
+            made.append(api.post("/api/v1/triggers", body))
+        except CliError as exc:
+            for view in made:  # all or none
+                api.request("DELETE", f"/api/v1/triggers/{quote(view['trigger_id'], safe='')}")
+            raise CliError(f"{where}: {exc}; no trigger was kept", exc.exit_code) from None
+    for old in (replaces or {}).values():
+        api.request("DELETE", f"/api/v1/triggers/{quote(old['trigger_id'], safe='')}")
+    return made
 
 
 def load_trigger_file(path: Path) -> list[dict[str, Any]]:
@@ -190,32 +277,26 @@ def load_trigger_file(path: Path) -> list[dict[str, Any]]:
 def post_trigger_files(api: Any, files: list[Path]) -> list[str]:
     """``profd up --trigger FILE``: post each file's triggers. One whose name the
     coordinator already watches (it kept its triggers, or restored them from its state) is
-    left as it is when the file says the same, and replaced when the file changed it.
-    Returns a line per trigger."""
-    from pydantic import ValidationError
-
+    left as it is when the file says the same, and replaced when the file changed it: the
+    new one is posted first, the old one deleted after, so a refused file deletes nothing.
+    Every file is checked before anything is posted. Returns a line per trigger."""
     from profd.core.trigger_request import TriggerRequest
 
+    checked = [item for path in files for item in checked_triggers(path)]
     have = {t["name"]: t for t in api.get("/api/v1/triggers")["data"]}
-    lines = []
-    for path in files:
-        for body in load_trigger_file(path):
-            old = have.get(body.get("name"))
-            verb = "watching"
-            if old is not None:
-                try:
-                    same = (
-                        TriggerRequest.model_validate(body).model_dump(mode="json")
-                        == old["request"]
-                    )
-                except ValidationError:
-                    same = False  # the POST below says what is wrong with it
-                if same:
-                    lines.append(f"trigger {body['name']}: already watching")
-                    continue
-                api.request("DELETE", f"/api/v1/triggers/{quote(old['trigger_id'], safe='')}")
-                verb = f"replaced {old['trigger_id']} (the file changed it), watching"
-            view = api.post("/api/v1/triggers", body)
-            have[view["name"]] = view
-            lines.append(f"trigger {view['name']}: {verb} ({view['trigger_id']})")
+    lines, todo, replaces = [], [], {}
+    for where, body in checked:
+        old = have.get(body["name"])
+        if old is None:
+            todo.append((where, body))
+        elif TriggerRequest.model_validate(body).model_dump(mode="json") == old["request"]:
+            lines.append(f"trigger {body['name']}: already watching")
+        else:
+            todo.append((where, body))
+            replaces[body["name"]] = old
+    for view in post_triggers(api, todo, replaces=replaces):
+        old = replaces.get(view["name"])
+        verb = f"replaced {old['trigger_id']} (the file changed it), watching" if old else ""
+        verb = verb or "watching"
+        lines.append(f"trigger {view['name']}: {verb} ({view['trigger_id']})")
     return lines

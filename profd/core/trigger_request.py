@@ -67,6 +67,10 @@ _USES: dict[TriggerKind, frozenset[str]] = {
 }
 
 
+def _a(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
 class TriggerCondition(_Frozen):
     """When a trigger holds: one rank's newest duration against its role's rolling median
     (step_time, stage_time), one rank's stage ending late against its peers' in the same
@@ -126,7 +130,7 @@ class TriggerCondition(_Frozen):
                 continue  # the default, as a listed trigger shows it: posting it back is fine
             users = sorted(k.value for k, f in _USES.items() if name in f)
             raise ValueError(
-                f"{name}: not used by a {self.kind.value} trigger (only {', '.join(users)})"
+                f"{name}: not used by {_a(self.kind.value)} trigger (only {', '.join(users)})"
             )
         return self
 

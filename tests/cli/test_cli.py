@@ -78,6 +78,20 @@ def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_p
 
     again = cli(["up", "--address", address, "--port", "0"], cli_env)
     assert again.returncode == 0 and "already up" in again.stdout
+    flat = " ".join(again.stderr.split())
+    assert "not applied to the running profd: --address, sidecar flags" in flat, again.stderr
+    # a running profd takes --trigger (posted over HTTP); a bad file is refused up front
+    triggers = tmp_path / "triggers.json"
+    triggers.write_text(json.dumps({"name": "slow", "when": {"kind": "step_time", "role": "x"}}))
+    posted = cli(["up", "--trigger", str(triggers)], cli_env)
+    assert posted.returncode == 0, posted.stderr
+    assert "already up" in posted.stdout and "trigger slow: watching (trg-" in posted.stdout
+    assert "not applied" not in posted.stderr
+    triggers.write_text(json.dumps({"name": "bad", "when": {"kind": "oom", "stage": "x"}}))
+    refused = cli(["up", "--trigger", str(triggers)], cli_env)
+    assert refused.returncode == 2 and "when.role" in refused.stderr, refused.stderr
+    listed = cli(["watch", "--list", "--json"], cli_env, timeout=60)
+    assert [t["name"] for t in json.loads(listed.stdout)] == ["slow"]
     # the record is lost while the services run: `up` replaces the sidecar it cannot vouch
     # for, so the CLI's token works again (the coordinator and its sessions stay)
     (state_dir / "sidecar.json").unlink()

@@ -42,7 +42,7 @@ def test_bad_triggers_are_422_naming_the_field_and_changes_need_the_token(sideca
     assert "required for a straggler trigger" in got["when.stage"]
     oom = {"kind": "oom", "role": "actor", "stage": "update"}
     got = fields(httpx.post(url, json={**GOOD, "when": oom}, headers=AUTH))
-    assert "not used by a oom trigger" in got["when.stage"]
+    assert "not used by an oom trigger" in got["when.stage"]
     hook = {**GOOD, "session": {"finish_hook_cmd": "echo hi"}}
     assert "disabled" in fields(httpx.post(url, json=hook, headers=AUTH))["session.finish_hook_cmd"]
     away = {**GOOD, "session": {"save_path": "/etc/profd"}}
@@ -101,6 +101,27 @@ def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> 
     assert bad.returncode == 2 and "--step-time" in bad.stderr
     two = cli(["watch", "--role", "actor", "--oom", "--straggler", "--url", sidecar.url], env)
     assert two.returncode == 2 and "one of" in two.stderr
+    # an option the kind does not use is refused naming it, never dropped on the way
+    for extra, field in [
+        (["--step-time", "3", "--stage", "update"], "when.stage: not used by a step_time"),
+        (["--oom", "--baseline-steps", "5"], "when.baseline_steps: not used by an oom"),
+        (["--oom", "--min-ms", "10"], "when.min_ms: not used by an oom"),
+        (["--stage", "update", "--straggler", "--baseline-steps", "5"], "when.baseline_steps"),
+    ]:
+        r = cli(["watch", "--role", "critic", *extra, "--url", sidecar.url], env)
+        assert r.returncode == 1 and field in " ".join(r.stderr.split()), (extra, r.stderr)
+    # one thing per command
+    for args in (["--list", "--delete", "x"], ["--file", "t.json", "--role", "a", "--oom"]):
+        r = cli(["watch", *args, "--url", sidecar.url], env)
+        assert r.returncode == 2 and "do not go together" in r.stderr, (args, r.stderr)
+    # the same trigger twice: the second is refused naming the first
+    again = cli(["watch", "--role", "actor", "--oom", "--url", sidecar.url], env)
+    assert again.returncode == 1
+    assert (
+        f"already watching a trigger named actor-oom ({json.loads(oom.stdout)['trigger_id']})"
+        in (" ".join(again.stderr.split()))
+    )
+    assert httpx.get(f"{sidecar.url}/api/v1/triggers").json()["count"] == 3
     for t in (late, oom):
         tid = json.loads(t.stdout)["trigger_id"]
         assert cli(["watch", "--delete", tid, "--url", sidecar.url], env).returncode == 0
@@ -130,6 +151,43 @@ def test_profd_up_trigger_files_keep_what_is_watched_and_replace_what_changed(
     assert f"replaced {old_id} (the file changed it)" in changed
     (now,) = httpx.get(f"{sidecar.url}/api/v1/triggers").json()["data"]
     assert now["trigger_id"] != old_id and now["request"]["when"]["factor"] == 3.0
+
+
+def test_trigger_files_are_all_or_nothing(sidecar: Any, tmp_path: Path) -> None:
+    """A file of triggers: one bad (checked here) or refused (by the sidecar: hook commands
+    are off) and none is kept, the error naming which one; `profd up --trigger` with an
+    edited trigger the sidecar refuses keeps the one watched (it used to delete it first)."""
+    from profd.cli.client import ApiClient, CliError
+    from profd.cli.watch_view import post_trigger_files
+
+    url = f"{sidecar.url}/api/v1/triggers"
+    other = {**GOOD, "name": "other"}
+    bad = {**GOOD, "name": "bad", "when": {**GOOD["when"], "stage": "update"}}
+    hook = {**GOOD, "name": "hook", "session": {"finish_hook_cmd": "echo hi"}}
+    for items, said in [
+        ([other, bad], "(trigger 2 of 2): when.stage: not used by a step_time"),
+        ([other, hook], "(trigger 2 of 2): HTTP 422: session.finish_hook_cmd"),
+        ([other, other], "trigger name(s) other given twice"),
+    ]:
+        path = tmp_path / "many.json"
+        path.write_text(json.dumps(items))
+        r = cli(["watch", "--file", str(path), "--url", sidecar.url], tmp_path)
+        assert r.returncode == 1 and said in " ".join(r.stderr.split()), r.stderr
+        assert httpx.get(url).json()["count"] == 0  # nothing half-applied
+    path.write_text(json.dumps([other, GOOD]))
+    r = cli(["watch", "--file", str(path), "--url", sidecar.url], tmp_path)
+    assert r.returncode == 0 and r.stdout.count("watching: trg-") == 2, r.stderr
+    # `profd up --trigger`: an edit the sidecar refuses deletes nothing
+    api = ApiClient(sidecar.url, TOKEN)
+    before = {t["trigger_id"] for t in httpx.get(url).json()["data"]}
+    edited = {**GOOD, "when": {**GOOD["when"], "factor": 3.0}, "session": hook["session"]}
+    path.write_text(json.dumps(edited))
+    try:
+        post_trigger_files(api, [path])
+        raise AssertionError("the refused edit was posted")
+    except CliError as exc:
+        assert "session.finish_hook_cmd" in str(exc) and "no trigger was kept" in str(exc)
+    assert {t["trigger_id"] for t in httpx.get(url).json()["data"]} == before
 
 
 def test_stacks_route_bad_input_and_no_agents(sidecar: Any) -> None:
