@@ -41,7 +41,14 @@ def load_request(config: Mapping[str, Any] | SessionRequest | str | Path) -> Ses
     if isinstance(config, SessionRequest):
         return config
     if isinstance(config, str | Path):
-        config = yaml.safe_load(Path(config).read_text()) or {}
+        path = Path(config)
+        try:
+            config = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:  # named by its file, not "<unicode string>"
+            where = getattr(exc, "problem_mark", None)
+            at = f" line {where.line + 1}, column {where.column + 1}" if where else ""
+            problem = getattr(exc, "problem", None) or exc
+            raise RequestInvalid.at("config", f"{path}{at}: {problem}") from None
     config = resolve_interpolations(config)
     if not isinstance(config, Mapping):
         raise RequestInvalid.at(

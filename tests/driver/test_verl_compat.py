@@ -276,3 +276,17 @@ def test_role_own_values_still_win_over_inherited_ones() -> None:
     assert rollout.ranks == (3,) and rollout.tool_config.torch.contents == ("cuda",)
     assert rollout.tool_config.torch_memory.stack_depth == 4  # not global_tool_config's 8
     assert rollout.tool_config.torch_memory.trace_alloc_max_entries == 5000
+
+
+def test_a_broken_or_missing_yaml_file_is_named_with_its_line(tmp_path) -> None:
+    from profd.driver.launch import load_request
+
+    broken = tmp_path / "verl.yaml"
+    broken.write_text("global_profiler:\n  steps: [1, 2\n  tool: torch\n")
+    with pytest.raises(RequestInvalid) as info:
+        load_request(broken)
+    (err,) = info.value.fields
+    assert err.field == "config" and str(broken) in err.message and "line 3" in err.message
+    assert "unicode string" not in err.message
+    with pytest.raises(RequestInvalid, match=r"config: .*nowhere\.yaml.*No such file"):
+        load_request(tmp_path / "nowhere.yaml")
