@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
 from profd.core.files import publish_unique, temp_path
 from profd.core.request import PySpyToolConfig, ToolKind
@@ -154,8 +156,26 @@ class _PySpyOutput(PendingOutput):
         if not self._tmp.exists() or self._tmp.stat().st_size == 0:
             msg = (err or b"").decode(errors="replace").strip()[-500:]
             raise RuntimeError(f"py-spy wrote no profile (exit {self._proc.returncode}): {msg}")
+        notes = () if _has_samples(self._tmp) else (NO_SAMPLES,)
         final = publish_unique(self._tmp, self._spec.save_dir, self._spec.stem, "", EXT)
-        return [WrittenFile(final, final.stat().st_size)]
+        return [WrittenFile(final, final.stat().st_size, warnings=notes)]
+
+
+#: Said with a profile py-spy wrote without a sample: py-spy leaves idle threads out.
+NO_SAMPLES = (
+    "no samples: every thread was idle (sleeping or waiting) throughout; "
+    "tool_config.py_spy.idle: true samples idle threads too"
+)
+
+
+def _has_samples(path: Path) -> bool:
+    """Whether a speedscope file holds at least one sample (a file that cannot be read is
+    given the benefit of the doubt: it is published either way)."""
+    try:
+        profiles = orjson.loads(path.read_bytes()).get("profiles") or []
+        return any(p.get("samples") or p.get("events") for p in profiles)
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 class _PySpyCollection(Collection):

@@ -208,6 +208,16 @@ def print_outcome(view: dict[str, Any], details: bool = False) -> None:
         n = len(view.get("traces") or ())
         console.print(f"  {view['reason'] or state}", markup=False, highlight=False)
         console.print(f"  {n} trace(s) in {view['save_dir']}", markup=False, highlight=False)
+        _print_warnings(view)
+
+
+def _print_warnings(view: dict[str, Any]) -> None:
+    warnings = view.get("warnings") or []
+    for w in warnings[:MAX_WARNINGS_SHOWN]:
+        console.print(f"  warning: {w}", style="yellow", markup=False, highlight=False)
+    if len(warnings) > MAX_WARNINGS_SHOWN:
+        more = len(warnings) - MAX_WARNINGS_SHOWN
+        console.print(f"  ... {more} more warning(s) (--json lists each one)", markup=False)
 
 
 def print_session(view: dict[str, Any]) -> None:
@@ -228,7 +238,11 @@ def print_session(view: dict[str, Any]) -> None:
     for ig in view["ignored"]:
         rank = "" if ig["rank"] is None else f" rank {ig['rank']}"
         console.print(f"  ignored {ig['role']}{rank}: {ig['reason']}")
+    _print_warnings(view)
 
+
+#: A session's warnings shown after its outcome (a fleet's can be one per rank).
+MAX_WARNINGS_SHOWN = 5
 
 #: Up to this many targets get a row each; more (a fleet-wide session: thousands) are
 #: grouped by role, block, state and reason, their ranks as ranges.

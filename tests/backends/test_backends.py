@@ -141,6 +141,29 @@ def test_py_spy_window_samples_the_worker(local_coordinator) -> None:
     assert "speedscope" in profile["$schema"]
     frames = {f["name"] for f in profile["shared"]["frames"]}
     assert "busy_python_work" in frames
+    assert view.warnings == []
+    agent.close()
+
+
+def test_a_py_spy_window_of_an_idle_thread_says_it_has_no_samples(local_coordinator) -> None:
+    """py-spy leaves idle threads out: a step that only sleeps gives a profile without a
+    sample. It is kept, and the session says so (it was DONE with a full bar, silently)."""
+    (agent,) = start_agents(local_coordinator, role="reward")
+    with agent.step(0):
+        pass
+    view = local_coordinator.call(
+        "create_session", {"tool": "py_spy", "steps": [1], "roles": {"reward": {}}}
+    )
+    wait_armed(agent, view.session_id)
+    with agent.step(1):
+        time.sleep(1.0)
+    with agent.step(2):
+        pass
+    view = wait_terminal(local_coordinator, view.session_id, timeout=60)
+    (trace,) = view.traces
+    assert json.loads(Path(trace.path).read_text())["profiles"] == []
+    (warning,) = view.warnings
+    assert "no samples" in warning and "py_spy.idle: true" in warning
     agent.close()
 
 

@@ -184,6 +184,11 @@ def test_a_fleet_wide_session_prints_its_targets_grouped_with_rank_ranges(
     view["targets"] = view["targets"][: session_view.MAX_TARGET_ROWS]
     rows = [ln for ln in printed(view).splitlines() if "actor" in ln]
     assert len(rows) == session_view.MAX_TARGET_ROWS
+    # its warnings (one per rank's empty py-spy profile, say): the first few, then a count
+    view["warnings"] = [f"actor rank {r} x.speedscope.json: no samples" for r in range(7)]
+    lines = [ln for ln in printed(view).splitlines() if "warning" in ln]
+    assert len(lines) == session_view.MAX_WARNINGS_SHOWN + 1
+    assert "no samples" in lines[0] and "2 more warning(s)" in lines[-1]
 
 
 def test_trace_paths_are_shown_under_their_save_root() -> None:
