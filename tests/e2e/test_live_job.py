@@ -172,6 +172,41 @@ def test_lists_are_paged_newest_first(live: tuple[Home, Job]) -> None:
     assert len(json.loads(everything.stdout)) == first["total"]
 
 
+def test_a_second_job_on_the_cluster_is_never_merged_with_the_first(
+    live: tuple[Home, Job],
+) -> None:
+    """A second run of the same job joins the cluster: the same roles and ranks. A request
+    for critic is refused naming job_id and both jobs (it profiled whichever critic had
+    registered last, silently); `--job` picks one; status shows each agent's job."""
+    home, _ = live
+    second = Job(home, home.state()["ray_address"], step_seconds=0.05)
+    try:
+        second.wait_step(3)
+        wait_until(lambda: len(home.agents()) == 6, 60, what="the second job's agents")
+        jobs = sorted({a["job_id"] for a in home.agents()})
+        assert len(jobs) == 2 and None not in jobs, jobs
+        r = home.http("POST", "/api/v1/sessions", json={"next_steps": 1, "roles": {"critic": {}}})
+        assert r.status_code == 422, r.text
+        (f,) = r.json()["fields"]
+        assert f["field"] == "job_id" and all(f"{j}: ranks 0" in f["message"] for j in jobs)
+        newest = jobs[-1]  # Ray's job ids count up: the second job's
+        prof = home.cli("profile", "--next-steps", "1", "--role", "critic", "--job", newest,
+                        "--wait", "--json")  # fmt: skip
+        assert prof.returncode == 0, prof.stdout + prof.stderr
+        view = json.loads(prof.stdout)
+        (target,) = view["targets"]
+        mine = {a["agent_id"]: a["job_id"] for a in home.agents()}
+        assert mine[target["agent_id"]] == newest and view["request"]["job_id"] == newest
+        table = home.cli("status").stdout
+        assert any(ln.split()[:2] == ["job", "role"] for ln in table.splitlines()), table
+        rows = [ln for ln in table.splitlines() if " alive " in ln]
+        assert len(rows) == 6 and all(any(j in ln for j in jobs) for ln in rows), table
+    finally:
+        second.stop()
+    wait_until(lambda: len({a["job_id"] for a in home.agents() if a["state"] == "alive"}) == 1,
+               60, what="the second job's agents gone")  # fmt: skip
+
+
 def test_a_killed_worker_stops_being_a_target_within_seconds(live: tuple[Home, Job]) -> None:
     """Killed without close(): Ray's node knows the process is gone long before the 30 s
     heartbeat timeout would say so. (Last in this module: the job loses a worker.)"""
@@ -188,4 +223,4 @@ def test_a_killed_worker_stops_being_a_target_within_seconds(live: tuple[Home, J
     assert time.monotonic() - killed < 15  # the heartbeat timeout is 30 s
     r = home.http("POST", "/api/v1/sessions", json={"next_steps": 1, "roles": {"critic": {}}})
     assert r.status_code == 422, r.text
-    assert r.json()["fields"][0]["field"] == "roles"
+    assert r.json()["fields"][0]["field"] == "roles.critic"

@@ -169,7 +169,7 @@ def test_errors_cross_the_actor_boundary_with_their_status(services) -> None:
             json={"next_steps": 1, "roles": {"nobody": {}}},
             headers=headers,
         )
-        assert r.status_code == 422 and r.json()["fields"][0]["field"] == "roles"
+        assert r.status_code == 422 and r.json()["fields"][0]["field"] == "roles.nobody"
         assert httpx.get(f"{url}/api/v1/sessions/missing").status_code == 404
     finally:
         for w in ws:
