@@ -188,8 +188,8 @@ def sessions(
         _say_more(*hint, cursor is not None, to_stderr=True)
         return
     table = Table(title="Sessions")
-    for col in ("session", "state", "tool", "steps", "targets", "traces", "reason"):
-        table.add_column(col, overflow="fold", no_wrap=col == "session")  # ids stay whole
+    for col in ("session", "state", "tool", "steps", "targets", "traces", "by", "reason"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("session", "by"))  # ids whole
     for s in data:
         table.add_row(
             s["session_id"],
@@ -198,6 +198,7 @@ def sessions(
             str(s["steps"]),
             str(len(s["targets"])),
             str(len(s["traces"])),
+            s.get("trigger_id") or "request",  # what started it: a trigger (profd watch)
             s["reason"],
         )
     console.print(table)

@@ -562,6 +562,7 @@ def test_traces_grouped_by_session_newest_first_under_the_save_root(
     assert f"session {first}: 4 trace(s)" in r.stdout and second not in r.stdout
     r = cli(["sessions", "--url", url], env)  # 80 columns (a pipe's): ids whole, to copy
     assert r.returncode == 0 and first in r.stdout and second in r.stdout, r.stdout
+    assert " by " in r.stdout and "request" in r.stdout  # started by a request, not a trigger
     r = cli(["traces", "--url", url, "--session", "20990101-000000-nope"], env)
     assert r.returncode == 1 and "HTTP 404" in r.stderr, r.stdout + r.stderr
 
