@@ -40,6 +40,7 @@ from profd.agent.timings import UNTIMED, TimedRange, Timings, mark_clock
 from profd.agent.window_state import IDLE, ArmedPlan
 from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
 from profd.backends.nvtx_guard import apply_guard as apply_nvtx_guard
+from profd.backends.torch_backend import warm_up_profiler
 from profd.core.naming import sanitize
 from profd.core.protocol import (
     AgentEvent,
@@ -49,6 +50,7 @@ from profd.core.protocol import (
     MarkDurations,
 )
 from profd.core.ray_env import process_start, ray_context, ray_up
+from profd.core.request import ToolKind
 
 __all__ = ["ProfilerAgent", "is_out_of_memory"]
 
@@ -366,6 +368,8 @@ class ProfilerAgent:
         for w in plan.windows:
             if w.session_id not in old:
                 self._emit(AgentEvent(EventKind.ARMED, w.session_id, self._current_step))
+                if w.tool == ToolKind.TORCH:
+                    warm_up_profiler()  # the first start's imports, off the training thread
 
     def _attend(self) -> None:
         """Training thread, at a mark: follow the driver's step, open or close timed windows."""

@@ -53,6 +53,29 @@ __all__ = ["KINETO_GATE", "KinetoGate", "TorchBackend", "torch_profiler_kwargs"]
 log = logging.getLogger(__name__)
 
 
+_warm_started = threading.Event()
+
+
+def warm_up_profiler() -> None:
+    """Import on a daemon thread, once per process, what the first ``torch.profiler`` start
+    imports: ``prepare_trace`` asks ``hasattr(torch, "_inductor")``, which imports inductor
+    and dynamo, 1.2-2 s that blocked the training thread at its first window. Called when a
+    torch window is planned (steps ahead, as a rule); the imports then share the GIL with
+    training (its longest wait measured here: 72 ms) and that start takes milliseconds. A
+    window that starts before the imports finish waits for them, as it did before."""
+    if _warm_started.is_set():
+        return
+    _warm_started.set()
+
+    def run() -> None:
+        try:
+            import torch._inductor.config  # noqa: F401  (what prepare_trace would import)
+        except Exception as exc:  # never-break-training boundary: the start imports it anyway
+            log.debug("profd: warming the profiler up failed: %r", exc)
+
+    threading.Thread(target=run, name="profd-profiler-warm-up", daemon=True).start()
+
+
 def torch_profiler_kwargs(options: TorchToolConfig, cuda_available: bool) -> dict[str, Any]:
     """Map ``contents`` to torch.profiler arguments (the user's list is never modified)."""
     import torch.profiler as tp

@@ -470,3 +470,56 @@ def test_an_agent_that_finds_no_coordinator_says_so_once(caplog) -> None:
     assert "actor-0-x" in said[0] and "`profd up`" in said[0] and "RAY_ADDRESS" in said[0]
     assert "(Ray cluster " in said[0]  # which one it looked in (none, in this test process)
     assert not channel.connected
+
+
+WARM_UP_SCRIPT = """
+import sys, time
+from pathlib import Path
+import torch
+from profd.actors.coordinator import ProfileCoordinator
+from profd.agent import ProfilerAgent
+from profd.core.settings import CoordinatorSettings
+from profd.testing.coordinator import InProcessCoordinator
+
+root = Path(sys.argv[1])
+settings = CoordinatorSettings(save_root=str(root / "p"), base_dir=str(root), poll_timeout_s=1.0)
+owner = InProcessCoordinator(ProfileCoordinator(settings))
+agent = ProfilerAgent("actor", 0, 1, find_link=owner.link, poll_timeout_s=1.0).start()
+with agent.step(1):
+    pass
+before = "torch._inductor" in sys.modules
+view = owner.call("create_session", {"tool": sys.argv[2], "steps": [50]})
+deadline = time.monotonic() + 60
+while not agent.plan.windows and time.monotonic() < deadline:
+    time.sleep(0.05)
+if sys.argv[2] != "torch":  # no warm-up to wait for: give a wrong one time to show
+    deadline = time.monotonic() + 2
+while "torch._inductor" not in sys.modules and time.monotonic() < deadline:
+    time.sleep(0.05)  # this thread marks nothing and imports nothing meanwhile
+print(before, bool(agent.plan.windows), "torch._inductor" in sys.modules)
+agent.close()
+owner.close()
+"""
+
+
+@pytest.mark.parametrize("tool", ["torch", "py_spy"])
+def test_a_planned_torch_window_warms_the_profiler_up_off_the_training_thread(
+    tmp_path: Path, tool: str
+) -> None:
+    """torch.profiler's first start imports inductor and dynamo (1.2-2 s on the training
+    thread, measured by bench/first_window.py): a torch window, once planned, has them
+    imported on a thread of profd's while the training thread does nothing; another tool's
+    window does not."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "warm.py"
+    script.write_text(WARM_UP_SCRIPT)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), tool],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    before, planned, after = r.stdout.split()
+    assert (before, planned) == ("False", "True"), r.stdout
+    assert after == ("True" if tool == "torch" else "False"), r.stdout
