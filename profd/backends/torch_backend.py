@@ -73,7 +73,10 @@ def warm_up_profiler() -> None:
         except Exception as exc:  # never-break-training boundary: the start imports it anyway
             log.debug("profd: warming the profiler up failed: %r", exc)
 
-    threading.Thread(target=run, name="profd-profiler-warm-up", daemon=True).start()
+    try:
+        threading.Thread(target=run, name="profd-profiler-warm-up", daemon=True).start()
+    except RuntimeError as exc:  # no thread to be had: the window's start imports them
+        log.debug("profd: no thread to warm the profiler up: %r", exc)
 
 
 def torch_profiler_kwargs(options: TorchToolConfig, cuda_available: bool) -> dict[str, Any]:
