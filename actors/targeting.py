@@ -137,9 +137,10 @@ def _by_job(
     one); and every job seen."""
     by_role: dict[str, dict[str | None, dict[int, AgentInfo]]] = {}
     jobs: set[str | None] = set()
+    want = None if req.job_id == NO_JOB else req.job_id
     for info in agents:
         jobs.add(info.job_id)
-        if req.job_id is not None and info.job_id != req.job_id:
+        if req.job_id is not None and info.job_id != want:
             continue
         # Several agents on one (role, rank) of a job happen after a worker restart: the
         # last wins. The same (role, rank) in two jobs are two targets, never one.
@@ -147,9 +148,13 @@ def _by_job(
     return by_role, jobs
 
 
+#: ``job_id`` of agents outside any Ray job (a process that attached without Ray).
+NO_JOB = "none"
+
+
 def _several_jobs(role: str, jobs: dict[str | None, dict[int, AgentInfo]]) -> Ignored:
     each = "; ".join(
-        f"{job or 'no job'}: ranks {rank_ranges(ranks)}"
+        f"{job or f'{NO_JOB} (outside Ray)'}: ranks {rank_ranges(ranks)}"
         for job, ranks in sorted(jobs.items(), key=lambda j: j[0] or "")
     )
     reason = (
@@ -163,8 +168,8 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
     """The request's targets among live ``agents``; every requested target not used is in
     ``ignored`` with the reason (nothing is dropped silently)."""
     by_job, jobs = _by_job(req, agents)
-    if req.job_id is not None and req.job_id not in jobs:
-        known = ", ".join(sorted(j or "no job" for j in jobs)) or "none"
+    if req.job_id is not None and (None if req.job_id == NO_JOB else req.job_id) not in jobs:
+        known = ", ".join(sorted(j or NO_JOB for j in jobs)) or "no agent at all"
         reason = f"no live agent of Ray job {req.job_id} (jobs with agents: {known})"
         return Targeting((), (Ignored(WILDCARD, None, reason, "job_id"),))
     targets: list[Target] = []
@@ -177,7 +182,12 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
         key, block = matched
         used_keys.add(key)
         if len(by_job[role]) > 1:
-            ignored.append(_several_jobs(role, by_job[role]))
+            if not block.enable:  # a block that profiles nothing is in no job
+                ignored.append(
+                    Ignored(role, None, "role block has enable=false", f"roles.{key}.enable")
+                )
+            else:
+                ignored.append(_several_jobs(role, by_job[role]))
             continue
         (ranks,) = by_job[role].values()
         worlds = [i.world_size for i in ranks.values() if i.world_size]

@@ -120,6 +120,8 @@ class Evidence:
     # oom
     error: str | None = None
     snapshot_path: str | None = None
+    #: the Ray job of the rank (its peers and its session are that job's)
+    job_id: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -128,6 +130,8 @@ class Evidence:
             "factor": self.factor, "baseline_samples": self.baseline_samples, "step": self.step,
             "kind": self.kind,
         }  # fmt: skip
+        if self.job_id is not None:
+            out["job_id"] = self.job_id
         if self.kind == TriggerKind.STRAGGLER:
             out.update(
                 peer_rank=self.peer_rank, late_s=_r(self.late_s), threshold_s=_r(self.threshold_s),
@@ -245,7 +249,7 @@ class TriggerBook:
         """:meth:`observe_pass` of one report (``step``: the agent's current step, for the
         evidence)."""
         one = report(agent_id, role, rank, times, step)
-        return self.observe_pass([one], history, spans, profiled)
+        return self.observe_pass([one], history, spans, profiled, job)
 
     def observe_pass(
         self,
@@ -278,16 +282,23 @@ class TriggerBook:
             try:
                 if cond.kind is TriggerKind.STRAGGLER:
                     t.judge_job(job)
-                    firing = None if spans is None else self._straggler(t, mine, spans, profiled)
+                    firing = (
+                        None if spans is None else self._straggler(t, mine, spans, profiled, job)
+                    )
                     out += [firing] if firing is not None else []
                 else:
-                    out += self._slow(t, mine, history, profiled)
+                    out += self._slow(t, mine, history, profiled, job)
             except Exception:  # one trigger must not keep the others from being judged
                 log.exception("trigger %s: judging the live times failed", t.request.name)
         return out
 
     def _slow(
-        self, t: Trigger, reports: list[Report], history: History, profiled: Callable[[str], bool]
+        self,
+        t: Trigger,
+        reports: list[Report],
+        history: History,
+        profiled: Callable[[str], bool],
+        job: str | None = None,
     ) -> list[Firing]:
         """A step / stage time trigger: each report's rank against the role's baseline."""
         cond = t.request.when
@@ -309,13 +320,18 @@ class TriggerBook:
                 r[ROLE], r[RANK], r[AGENT], cond.mark or "step", newest[-1], baseline,
                 cond.factor, pooled, r[STEP], kind=cond.kind.value,
             )  # fmt: skip
-            firing = self._hold(t, evidence)
+            firing = self._hold(t, evidence, job)
             if firing is not None:
                 out.append(firing)
         return out
 
     def _straggler(
-        self, t: Trigger, reports: list[Report], spans: Spans, profiled: Callable[[str], bool]
+        self,
+        t: Trigger,
+        reports: list[Report],
+        spans: Spans,
+        profiled: Callable[[str], bool],
+        job: str | None = None,
     ) -> Firing | None:
         """Judge the steps of the watched stage that ``reports`` completed (every rank that
         reports the stage has its end there), then, for each of them oldest first, whether
@@ -336,7 +352,7 @@ class TriggerBook:
         for step in judge_new_steps(t.verdicts, new, role_spans.steps):
             evidence = self._late_up_to(t, step, role_spans, profiled)
             if evidence is not None:  # one rank held a pass: fired, or suppressed
-                return self._hold(t, evidence)
+                return self._hold(t, evidence, job)
         return None
 
     @staticmethod
@@ -368,7 +384,13 @@ class TriggerBook:
         )  # fmt: skip
 
     def out_of_memory(
-        self, agent_id: str, role: str, rank: int, oom: OutOfMemory, step: int | None = None
+        self,
+        agent_id: str,
+        role: str,
+        rank: int,
+        oom: OutOfMemory,
+        step: int | None = None,
+        job: str | None = None,
     ) -> list[Firing]:
         """The firings an out-of-memory error on ``agent_id`` makes due."""
         out = []
@@ -380,12 +402,13 @@ class TriggerBook:
                 role, rank, agent_id, oom.stage or "step", 0.0, 0.0, None, 0, step,
                 kind=cond.kind.value, error=oom.error, snapshot_path=oom.snapshot_path,
             )  # fmt: skip
-            firing = self._hold(t, evidence)
+            firing = self._hold(t, evidence, job)
             if firing is not None:
                 out.append(firing)
         return out
 
-    def _hold(self, t: Trigger, evidence: Evidence) -> Firing | None:
+    def _hold(self, t: Trigger, evidence: Evidence, job: str | None = None) -> Firing | None:
+        evidence = replace(evidence, job_id=job)
         now = self._clock()
         while t.fired_at and now - t.fired_at[0] > HOUR_S:
             t.fired_at.popleft()

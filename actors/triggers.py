@@ -233,7 +233,7 @@ class TriggerDesk:
             return
         self._count_disk()
         info = rec.info
-        if self.book.out_of_memory(agent_id, info.role, info.rank, oom, event.step):
+        if self.book.out_of_memory(agent_id, info.role, info.rank, oom, event.step, info.job_id):
             self.fire_soon()
 
     def on_times(self, agent_id: str, times: MarkDurations, step: int | None = None) -> None:
@@ -322,7 +322,7 @@ class TriggerDesk:
         at = self._oom_at.get(agent_id)
         return at is not None and now - at < OOM_UNHEALTHY_S
 
-    def _spans(self, role: str, stage: str, job: str | None = None) -> RoleSpans:
+    def _spans(self, role: str, stage: str, *, job: str | None) -> RoleSpans:
         """The role's ranks (of Ray job ``job``) that mark ``stage``, with its span per
         step: a rank whose spans have not come yet (span mode just began there) is listed
         with none, so no step is judged without it."""
@@ -337,7 +337,7 @@ class TriggerDesk:
         return RoleSpans(agents, spans)
 
     def _history(
-        self, role: str, mark: str | None, n: int, job: str | None = None
+        self, role: str, mark: str | None, n: int, *, job: str | None
     ) -> dict[int, Sequence[float]]:
         """Each rank's window (ranks of the role in Ray job ``job``) itself, read only (its
         newest ``n`` are the tail): a pass over a fleet copies none of them."""
@@ -362,8 +362,7 @@ class TriggerDesk:
         for firing in self.book.due():
             t = self.book.get(firing.trigger_id)
             ranks = self._ranks(firing, t)
-            offender = self._registry.get(firing.evidence.agent_id)
-            job = offender.info.job_id if offender is not None else None
+            job = firing.evidence.job_id
             origin = {
                 "trigger_id": t.trigger_id,
                 "firing_id": firing.firing_id,
@@ -390,14 +389,11 @@ class TriggerDesk:
         """The offending rank, and the healthy peer: the one the condition chose
         (straggler), else the one closest to the baseline."""
         ev, cond = firing.evidence, t.request.when
-        offender = self._registry.get(ev.agent_id)
         alive = [
             r
             for r in self._registry.alive()
-            if r.info.role == ev.role
-            and r.info.rank != ev.rank
-            and (offender is None or r.info.job_id == offender.info.job_id)  # its job's peers
-        ]
+            if r.info.role == ev.role and r.info.rank != ev.rank and r.info.job_id == ev.job_id
+        ]  # its job's peers
         if ev.peer_rank is not None and any(r.info.rank == ev.peer_rank for r in alive):
             return ev.rank, ev.peer_rank
         now = self._clock()

@@ -80,4 +80,5 @@ def build_spec(
         metadata=trace_metadata(info, window, scope, step, group, clock),
         schedule=schedule,
         name_mini_batches=name_mini_batches,
+        thread_id=info.thread_id,
     )

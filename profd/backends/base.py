@@ -45,6 +45,9 @@ class CollectionSpec:
     schedule: Mapping[str, int] | None = None
     #: Name saved windows by their mini-batches (discrete update stages).
     name_mini_batches: bool = False
+    #: Native id of the job's training thread (the one that attached), when known: a
+    #: sampling tool says when that thread got no sample.
+    thread_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,10 +131,19 @@ def _sigint_blocked() -> Iterator[None]:
 
 
 class _PySpyOutput(PendingOutput):
-    def __init__(self, proc: subprocess.Popen, tmp: Path, spec: CollectionSpec) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        tmp: Path,
+        spec: CollectionSpec,
+        idle: bool = False,
+        thread: int | None = None,
+    ) -> None:
         self._proc = proc
         self._tmp = tmp
         self._spec = spec
+        self._idle = idle
+        self._thread = thread
 
     def write(self) -> list[WrittenFile]:
         deadline = time.monotonic() + WRITE_TIMEOUT_S
@@ -156,23 +165,31 @@ class _PySpyOutput(PendingOutput):
         if not self._tmp.exists() or self._tmp.stat().st_size == 0:
             msg = (err or b"").decode(errors="replace").strip()[-500:]
             raise RuntimeError(f"py-spy wrote no profile (exit {self._proc.returncode}): {msg}")
-        notes = () if _has_samples(self._tmp) else (NO_SAMPLES,)
+        sampled = _has_samples(self._tmp, self._thread)
+        notes = () if sampled else (NO_SAMPLES_IDLE if self._idle else NO_SAMPLES,)
         final = publish_unique(self._tmp, self._spec.save_dir, self._spec.stem, "", EXT)
         return [WrittenFile(final, final.stat().st_size, warnings=notes)]
 
 
-#: Said with a profile py-spy wrote without a sample: py-spy leaves idle threads out.
+#: Said with a profile py-spy wrote without a sample of the thread that opened the window
+#: (the training thread): py-spy leaves idle threads out.
 NO_SAMPLES = (
-    "no samples: every thread was idle (sleeping or waiting) throughout; "
+    "no samples of the training thread: it was idle (sleeping or waiting) throughout; "
     "tool_config.py_spy.idle: true samples idle threads too"
 )
+NO_SAMPLES_IDLE = "no samples of the training thread: the window was too short for one"
 
 
-def _has_samples(path: Path) -> bool:
-    """Whether a speedscope file holds at least one sample (a file that cannot be read is
-    given the benefit of the doubt: it is published either way)."""
+def _has_samples(path: Path, thread: int | None) -> bool:
+    """Whether a speedscope file holds a sample of native thread ``thread`` (py-spy names a
+    thread's profile ``Thread <id> "<name>"``; an idle thread gets none at all), or of any
+    thread when ``thread`` is None or the profiles are not named that way. A file that
+    cannot be read is given the benefit of the doubt."""
     try:
         profiles = orjson.loads(path.read_bytes()).get("profiles") or []
+        names = [str(p.get("name", "")).split(" ")[:2] for p in profiles]
+        if thread is not None and all(n[:1] == ["Thread"] for n in names):
+            profiles = [p for p, n in zip(profiles, names, strict=True) if n[1:] == [str(thread)]]
         return any(p.get("samples") or p.get("events") for p in profiles)
     except (OSError, ValueError, AttributeError):
         return True
@@ -182,6 +199,8 @@ class _PySpyCollection(Collection):
     def __init__(self, exe: str, spec: CollectionSpec, options: PySpyToolConfig) -> None:
         spec.save_dir.mkdir(parents=True, exist_ok=True)
         self._spec = spec
+        self._idle = options.idle
+        self._thread = spec.thread_id
         self._tmp = temp_path(spec.save_dir, spec.stem, EXT)
         cmd = py_spy_command(exe, os.getpid(), self._tmp, options)
         self._started = time.monotonic()
@@ -197,7 +216,7 @@ class _PySpyCollection(Collection):
     def close(self) -> list[PendingOutput]:
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-        return [_PySpyOutput(self._proc, self._tmp, self._spec)]
+        return [_PySpyOutput(self._proc, self._tmp, self._spec, self._idle, self._thread)]
 
 
 class PySpyBackend(Backend):

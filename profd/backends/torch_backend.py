@@ -63,9 +63,16 @@ def warm_up_profiler() -> None:
     torch window is planned (steps ahead, as a rule); the imports then share the GIL with
     training (its longest wait measured here: 72 ms) and that start takes milliseconds. A
     window that starts before the imports finish waits for them, as it did before."""
+    import sys
+
     if _warm_started.is_set():
         return
     _warm_started.set()
+    if "torch._dynamo" in sys.modules or "torch._inductor" in sys.modules:
+        # Imported (nothing to do), or being imported by the job itself (torch.compile):
+        # a second thread importing those packages, which import each other, could meet
+        # it in CPython's import locks, and its import fail in the user's thread.
+        return
 
     def run() -> None:
         try:

@@ -105,17 +105,19 @@ STALL_CHECK_S = 15.0
 #: ...and says once when none of them began a step for this long. profd does not end such a
 #: session (it does not guess how long a step may take); the hint says what to look at.
 STALL_WARN_S = 120.0
+#: ... or for this many of the slowest target's median step, when that is longer.
+STALL_STEPS = 5
 
 
 class StallWatch:
     """Notices a session waiting for steps its job does not reach: no target began a step
-    for :data:`STALL_WARN_S` while the window is still ahead (a hung job, a paused loop)."""
+    for :data:`STALL_WARN_S` (or :data:`STALL_STEPS` of its slowest target's median steps)
+    while the window is still ahead (a hung job, a paused loop)."""
 
     def __init__(
         self, api: ApiClient, view: dict[str, Any], clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.api, self.clock = api, clock
-        self.targets = {t["agent_id"] for t in view["targets"]}
         self.steps: dict[str, int | None] | None = None
         self.since = self.next_check = clock()
         self.said = False
@@ -131,11 +133,15 @@ class StallWatch:
             agents = self.api.get("/api/v1/agents")["data"]
         except CliError:  # the wait itself says when the sidecar is away
             return None
-        steps = {a["agent_id"]: a["current_step"] for a in agents if a["agent_id"] in self.targets}
+        targets = {t["agent_id"] for t in view["targets"]}  # a launch-time one's grow
+        mine = [a for a in agents if a["agent_id"] in targets]
+        steps = {a["agent_id"]: a["current_step"] for a in mine}
         if steps != self.steps:
             self.steps, self.since = steps, now
             return None
-        if now - self.since < STALL_WARN_S:
+        # RL steps can take minutes: a stall is a while longer than the slowest one's steps
+        medians = [a.get("median_step_s") or 0.0 for a in mine]
+        if now - self.since < max(STALL_WARN_S, STALL_STEPS * max(medians, default=0.0)):
             return None
         self.said = True
         known = sorted({s for s in steps.values() if s is not None})
@@ -146,7 +152,7 @@ class StallWatch:
         )
         first = view["steps"][0]
         return (
-            f"  no target has begun a step for {now - self.since:.0f} s ({at}; the window "
+            f"  no target has begun a new step for {now - self.since:.0f} s ({at}; the window "
             f"starts at step {first}): is the job stuck? `profd stacks` shows where its ranks "
             f"wait; `profd cancel {view['session_id']}` ends the session"
         )

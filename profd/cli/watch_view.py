@@ -254,12 +254,29 @@ def post_triggers(
         try:
             made.append(api.post("/api/v1/triggers", body))
         except CliError as exc:
-            for view in made:  # all or none
-                api.request("DELETE", f"/api/v1/triggers/{quote(view['trigger_id'], safe='')}")
-            raise CliError(f"{where}: {exc}; no trigger was kept", exc.exit_code) from None
-    for old in (replaces or {}).values():
-        api.request("DELETE", f"/api/v1/triggers/{quote(old['trigger_id'], safe='')}")
+            left = _delete_triggers(api, made)  # all or none
+            kept = f"; could not remove {', '.join(left)}" if left else "; no trigger was kept"
+            raise CliError(f"{where}: {exc}{kept}", exc.exit_code) from None
+    left = _delete_triggers(api, list((replaces or {}).values()))
+    if left:
+        raise CliError(
+            f"posted {', '.join(v['trigger_id'] for v in made)}, but could not delete the "
+            f"one(s) they replace: {', '.join(left)} (`profd watch --delete ID`)"
+        )
     return made
+
+
+def _delete_triggers(api: Any, views: list[dict[str, Any]]) -> list[str]:
+    """Delete each trigger (one already gone is fine); the ids that could not be, with why."""
+    left = []
+    for view in views:
+        tid = view["trigger_id"]
+        try:
+            api.request("DELETE", f"/api/v1/triggers/{quote(tid, safe='')}")
+        except CliError as exc:
+            if exc.status != 404:
+                left.append(f"{tid} ({exc})")
+    return left
 
 
 def load_trigger_file(path: Path) -> list[dict[str, Any]]:

@@ -394,8 +394,8 @@ class SessionRequest(GlobalProfilerConfig):
     ) = Field(
         None,
         description="Only agents of this Ray job (its id as GET /api/v1/agents and `profd "
-        "status` show it). Needed when a requested role has agents in several jobs of the "
-        "cluster; a launch-time session names its own job.",
+        "status` show it; 'none': agents outside Ray). Needed when a requested role has "
+        "agents in several jobs of the cluster; a launch-time session names its own job.",
     )
 
     @model_validator(mode="after")

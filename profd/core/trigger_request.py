@@ -41,7 +41,7 @@ __all__ = [
 #: Durations an agent keeps per mark at the coordinator (profd.actors.mark_stats.WINDOW).
 MAX_BASELINE_STEPS = 256
 #: Keys of a session request the trigger decides itself.
-_CHOSEN_AT_FIRING = ("steps", "next_steps", "duration_s", "roles", "wait_for_agents")
+_CHOSEN_AT_FIRING = ("steps", "next_steps", "duration_s", "roles", "wait_for_agents", "job_id")
 
 
 class _Frozen(BaseModel):

@@ -494,9 +494,12 @@ while not agent.plan.windows and time.monotonic() < deadline:
     time.sleep(0.05)
 if sys.argv[2] != "torch":  # no warm-up to wait for: give a wrong one time to show
     deadline = time.monotonic() + 2
-while "torch._inductor" not in sys.modules and time.monotonic() < deadline:
+while not hasattr(sys.modules.get("torch._inductor.config"), "triton"):
+    if time.monotonic() > deadline:
+        break
     time.sleep(0.05)  # this thread marks nothing and imports nothing meanwhile
-print(before, bool(agent.plan.windows), "torch._inductor" in sys.modules)
+config = sys.modules.get("torch._inductor.config")
+print(before, bool(agent.plan.windows), hasattr(config, "triton"))  # imported in full
 agent.close()
 owner.close()
 """

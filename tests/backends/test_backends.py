@@ -161,9 +161,11 @@ def test_a_py_spy_window_of_an_idle_thread_says_it_has_no_samples(local_coordina
         pass
     view = wait_terminal(local_coordinator, view.session_id, timeout=60)
     (trace,) = view.traces
-    assert json.loads(Path(trace.path).read_text())["profiles"] == []
+    me = f"Thread {threading.get_native_id()} "  # this thread, the one that marks steps
+    profiles = json.loads(Path(trace.path).read_text())["profiles"]
+    assert not [p for p in profiles if p["name"].startswith(me)]  # profd's threads may be
     (warning,) = view.warnings
-    assert "no samples" in warning and "py_spy.idle: true" in warning
+    assert "no samples of the training thread" in warning and "py_spy.idle: true" in warning
     agent.close()
 
 

@@ -488,7 +488,7 @@ def test_wait_says_once_when_the_targets_steps_stand_still(local_coordinator: An
             assert watch.check(view) is None
             now[0] += STALL_WARN_S
             hint = watch.check(view)
-            assert hint is not None and "no target has begun a step for" in hint
+            assert hint is not None and "no target has begun a new step for" in hint
             assert "at steps 3..4" in hint and "starts at step 50" in hint
             assert f"profd cancel {view['session_id']}" in hint and "profd stacks" in hint
             now[0] += STALL_WARN_S
@@ -498,6 +498,27 @@ def test_wait_says_once_when_the_targets_steps_stand_still(local_coordinator: An
     finally:
         for a in agents:
             a.close(timeout=10)
+
+
+def test_the_stall_hint_waits_longer_for_a_job_of_slow_steps() -> None:
+    """An RL job whose steps take a minute each: two minutes without a new step is not a
+    stall; five of its steps are."""
+    from profd.cli.session_view import STALL_STEPS, StallWatch
+
+    class Api:  # the sidecar's answer, as GET /api/v1/agents gives it
+        def get(self, path: str) -> dict[str, Any]:
+            assert path == "/api/v1/agents"
+            return {"data": [{"agent_id": "a", "current_step": 7, "median_step_s": 60.0}]}
+
+    now = [0.0]
+    view = {"session_id": "s", "state": "armed", "steps": [9], "targets": [{"agent_id": "a"}]}
+    watch = StallWatch(Api(), view, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert watch.check(view) is None
+    now[0] = 130.0
+    assert watch.check(view) is None  # two of its steps
+    now[0] = STALL_STEPS * 60.0 + 1
+    hint = watch.check(view)
+    assert hint is not None and "at step 7" in hint and "starts at step 9" in hint
 
 
 # -- profd traces / status ------------------------------------------------------------------

@@ -552,6 +552,17 @@ def test_two_jobs_with_one_role_are_never_merged(tmp_path: Path) -> None:
         assert field.field == "job_id" and "no live agent of Ray job 0c000000" in field.message
         views = {v.agent_id: v.job_id for v in await coord.list_agents()}
         assert views["0a000000-t1"] == "0a000000" and views["c0"] == "0b000000"
+        # a block that profiles nothing is in no job: the trainer's two jobs do not matter
+        await coord.cancel_session(critic.session_id)
+        req = {"steps": [7], "roles": {"trainer": {"enable": False}, "critic": {}}}
+        assert [t.agent_id for t in (await coord.create_session(req)).targets] == ["c0"]
+        # a trainer outside Ray (no job): named "none"
+        await coord.register(info("loose", "trainer", 5), 1)
+        with pytest.raises(RequestInvalid) as err:
+            await coord.create_session({"steps": [8], "roles": {"trainer": {"ranks": [5]}}})
+        assert "none (outside Ray): ranks 5" in err.value.fields[0].message
+        req = {"steps": [8], "roles": {"trainer": {"ranks": [5]}}, "job_id": "none"}
+        assert [t.agent_id for t in (await coord.create_session(req)).targets] == ["loose"]
 
     run(go)
 

@@ -61,7 +61,9 @@ def test_bad_triggers_name_the_field_and_the_rule() -> None:
         in errors({**base, "when": {**late, "factor": 3.0}})["when.factor"]
     )
     oom = {**base["when"], "kind": "oom"}
-    assert "not used by a oom" in errors({**base, "when": {**oom, "stage": "update"}})["when.stage"]
+    assert (
+        "not used by an oom" in errors({**base, "when": {**oom, "stage": "update"}})["when.stage"]
+    )
     assert "when.for_steps" in errors({**base, "when": {**oom, "for_steps": 2}})
     assert "step_time" in errors({**base, "when": {**base["when"], "stage": "x"}})["when.stage"]
     made = TriggerRequest.model_validate({**base, "when": {**late, "min_ms": 50, "for_steps": 2}})

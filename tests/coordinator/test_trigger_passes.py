@@ -354,6 +354,7 @@ def test_two_jobs_of_one_role_are_judged_apart_and_fire_in_their_own_job(
     view, session = asyncio.run(run())
     (firing,) = view.firings
     assert firing.evidence["rank"] == 1 and firing.evidence["agent_id"] == "0b000000-1"
+    assert firing.evidence["job_id"] == "0b000000"  # kept: the offender may be gone by then
     assert session.request["job_id"] == "0b000000"
     assert sorted(t.agent_id for t in session.targets)[0] == "0b000000-0"
     assert {t.agent_id for t in session.targets} <= {"0b000000-0", "0b000000-1", "0b000000-2"}

@@ -45,6 +45,9 @@ def test_bad_triggers_are_422_naming_the_field_and_changes_need_the_token(sideca
     assert "not used by an oom trigger" in got["when.stage"]
     hook = {**GOOD, "session": {"finish_hook_cmd": "echo hi"}}
     assert "disabled" in fields(httpx.post(url, json=hook, headers=AUTH))["session.finish_hook_cmd"]
+    job = {**GOOD, "session": {"job_id": "0a000000"}}  # the offender's job, at firing
+    got = fields(httpx.post(url, json=job, headers=AUTH))
+    assert "chosen when the trigger fires" in got["session.job_id"]
     away = {**GOOD, "session": {"save_path": "/etc/profd"}}
     assert "session.save_path" in fields(httpx.post(url, json=away, headers=AUTH))
     assert httpx.post(url, json=GOOD).status_code == 401
