@@ -201,3 +201,40 @@ def test_stacks_route_bad_input_and_no_agents(sidecar: Any) -> None:
     assert r.status_code == 404 and "role: no live agent has role 'actor'" in r.text
     view = httpx.get(f"{sidecar.url}/api/v1/stacks").json()
     assert view["groups"] == [] and view["notes"] == ["no agent is attached"]
+
+
+def test_a_clean_up_that_fails_names_what_was_left() -> None:
+    """The sidecar refuses the second trigger and then goes away: the first cannot be
+    removed again, and the error says so, naming it (it said "no trigger was kept", or
+    raised the DELETE's error alone). A replaced trigger already deleted by someone else
+    is fine."""
+    from profd.cli.client import CliError
+    from profd.cli.watch_view import post_triggers
+
+    class Api:
+        def __init__(self, delete_fails_with: int | None) -> None:
+            self.deletes: list[str] = []
+            self.fail = delete_fails_with
+
+        def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            if body["name"] == "refused":
+                raise CliError("HTTP 422: when.factor: ...", 1, 422)
+            return {"trigger_id": f"trg-{body['name']}", "name": body["name"]}
+
+        def request(self, method: str, path: str) -> Any:
+            self.deletes.append(path.rsplit("/", 1)[-1])
+            if self.fail is not None:
+                raise CliError("gone", 3 if self.fail == 0 else 1, self.fail or None)
+            return {}
+
+    items = [("f (trigger 1 of 2)", {"name": "ok"}), ("f (trigger 2 of 2)", {"name": "refused"})]
+    api = Api(delete_fails_with=0)  # unreachable
+    try:
+        post_triggers(api, items)  # type: ignore[arg-type]
+        raise AssertionError("posted")
+    except CliError as exc:
+        assert "f (trigger 2 of 2): HTTP 422" in str(exc)
+        assert "could not remove trg-ok" in str(exc) and "no trigger was kept" not in str(exc)
+    api = Api(delete_fails_with=404)  # the replaced one is already gone: fine
+    made = post_triggers(api, items[:1], replaces={"ok": {"trigger_id": "trg-old"}})  # type: ignore[arg-type]
+    assert [m["trigger_id"] for m in made] == ["trg-ok"] and api.deletes == ["trg-old"]
