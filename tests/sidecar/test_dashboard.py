@@ -153,6 +153,7 @@ def check_live_times(chrome: Any) -> None:
     )
     assert min(lines["actor 1"]) >= LATE_S
     cells = {(r[0], r[1]): r[8] for r in rows(chrome, "agents")}
+    assert {r[9] for r in rows(chrome, "agents")} == {"-"}  # no Ray job: in-process agents
     assert " / " in cells[("actor", "1")] and cells[("actor", "1")].endswith("ms")
     Select(chrome.find_element("id", "st-mark")).select_by_value("update")
     update = wait_until(
@@ -182,6 +183,14 @@ def check_form(chrome: Any, owner: Any, sid: str) -> str:
     chrome.find_element(By.ID, "use-token").click()
     assert chrome.execute_script("return sessionStorage.getItem('profd-token')") == TOKEN
     assert field.get_attribute("value") == "" and TOKEN not in chrome.page_source
+    # a Ray job none of the agents is in: refused, naming job_id (these agents have none)
+    job = chrome.find_element(By.ID, "f-job")
+    job.send_keys("0a000000")
+    chrome.find_element(By.ID, "f-submit").click()
+    wait_until(lambda: "job_id" in result.text, 10, what="the job refused")
+    assert "no live agent of Ray job 0a000000" in result.text
+    assert len(owner.call("list_sessions")) == 1
+    job.clear()
     chrome.find_element(By.ID, "f-submit").click()
     wait_until(lambda: "armed" in result.text, 10, what="session created")
     new_sid = result.get_attribute("data-session-id")
