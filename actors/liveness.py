@@ -81,8 +81,10 @@ async def find_gone(agents: Iterable[Any], runner: Any, timeout_s: float = 10.0)
 
 async def _ask(runner: Any, node_id: str | None, recs: list[Any], timeout_s: float) -> list[str]:
     probes = [ProcessProbe(r.info.agent_id, r.info.pid, r.info.pid_start) for r in recs]
+    ask = getattr(runner, "exited", None)  # without a Ray task, where the runner can
+    call = ask(node_id, probes) if ask is not None else runner.run(node_id, exited, probes)
     try:
-        return await asyncio.wait_for(runner.run(node_id, exited, probes), timeout_s)
+        return await asyncio.wait_for(call, timeout_s)
     except Exception as exc:  # the node is busy or going away: ask again next time
         log.debug("liveness check on node %s failed: %r", node_id, exc)
         return []

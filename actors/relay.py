@@ -254,6 +254,15 @@ class NodeRelay:
             self._serve_socket = self._socket is not None  # tried once
         return RelayHello(str(self._socket.path) if self._socket is not None else None)
 
+    async def exited(self, probes: list[Any]) -> list[str]:
+        """Of ``probes`` (:class:`~profd.actors.liveness.ProcessProbe` of agents on this
+        node), the agents whose process is gone: the coordinator's liveness check, asked
+        of a process that already runs here (a Ray task for it started a worker process on
+        the node every few seconds, which the job's own steps felt)."""
+        from profd.actors.liveness import exited
+
+        return await asyncio.to_thread(exited, probes)
+
     async def close(self) -> None:
         """Stop serving the socket (its file removed)."""
         if self._socket is not None:

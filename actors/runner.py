@@ -116,6 +116,11 @@ class LocalRunner:
     async def run(self, node_id: str | None, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
 
+    async def exited(self, node_id: str | None, probes: list[Any]) -> list[str]:
+        from profd.actors.liveness import exited
+
+        return await asyncio.to_thread(exited, probes)
+
     async def nodes(self, max_age_s: float | None = None) -> list[NodeAddress] | None:
         """Unknown: without Ray there are no other nodes to run on."""
         return None
@@ -139,6 +144,35 @@ class RayNodeRunner:
     def __init__(self) -> None:
         self._remote: dict[Callable[..., Any], Any] = {}
         self._nodes: tuple[float, list[NodeAddress]] | None = None
+        self._here: str | None = None  # this process's node, once asked
+        self._relays: dict[str, Any] = {}
+
+    async def exited(self, node_id: str | None, probes: list[Any]) -> list[str]:
+        """The liveness check of ``probes`` on node ``node_id``, without a Ray task: here
+        when the node is this one, else by the node's relay (an actor already running
+        there). A task (a worker process started for it, every few seconds: the job's steps
+        felt each one) only for a node without a relay."""
+        from profd.actors.liveness import exited
+        from profd.actors.relay import relay_name
+        from profd.core.ray_env import find_actor
+
+        if self._here is None:
+            self._here = _this_node()
+        if node_id is None or node_id == self._here:
+            return await asyncio.to_thread(exited, probes)
+        relay = self._relays.get(node_id)
+        if relay is None:
+            relay = await asyncio.to_thread(find_actor, relay_name(node_id))
+        if relay is not None:
+            try:
+                got = await relay.exited.remote(probes)
+                self._relays[node_id] = relay
+                return got
+            except Exception as exc:  # dead or restarting: found again next time
+                self._relays.pop(node_id, None)
+                log.debug("liveness: the relay of node %s did not answer: %r", node_id, exc)
+                return []
+        return await self.run(node_id, exited, probes)
 
     async def nodes(self, max_age_s: float | None = None) -> list[NodeAddress] | None:
         """The cluster's live nodes (a listing at most ``max_age_s`` old, by default
@@ -166,6 +200,15 @@ class RayNodeRunner:
         if node_id:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return await remote.options(**opts).remote(*args)
+
+
+def _this_node() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # not in Ray after all: every node is "elsewhere"
+        return ""
 
 
 class TraceLocator:

@@ -14,6 +14,8 @@ from profd.actors.runner import LocalRunner, NodeAddress
 from profd.core.protocol import AgentInfo
 from profd.core.ray_env import process_start
 
+from helpers import wait_until
+
 
 @dataclass
 class Rec:
@@ -45,9 +47,9 @@ class Runner(LocalRunner):
     async def nodes(self, max_age_s: float | None = None) -> list[NodeAddress] | None:
         return None if self.live is None else [NodeAddress(n) for n in self.live]
 
-    async def run(self, node_id: str | None, fn: Any, *args: Any) -> Any:
+    async def exited(self, node_id: str | None, probes: list[Any]) -> list[str]:
         self.ran.append(node_id)
-        return await super().run(node_id, fn, *args)
+        return await super().exited(node_id, probes)
 
 
 def test_find_gone_by_node_and_by_process() -> None:
@@ -68,7 +70,7 @@ def test_find_gone_by_node_and_by_process() -> None:
 
 def test_a_node_that_cannot_answer_says_nothing() -> None:
     class Broken(Runner):
-        async def run(self, node_id: str | None, fn: Any, *args: Any) -> Any:
+        async def exited(self, node_id: str | None, probes: list[Any]) -> list[str]:
             raise TimeoutError("busy")
 
     agents = [rec("a", 2**22 + 1, 5)]
@@ -119,3 +121,54 @@ def test_a_dead_agent_stays_lost_when_a_relay_still_polls_for_it(tmp_path) -> No
     states, after = asyncio.run(run())
     assert states == {"critic-0": "lost", "actor-0": "alive"}
     assert after == {"critic-0": "alive", "actor-0": "alive"}
+
+
+def test_processes_are_checked_without_a_ray_task(ray_session: Any) -> None:
+    """Every few seconds, per node: a Ray task for it started a worker process each time
+    (Ray kept none idle beside the job's actors), and the job's steps felt each start. On
+    the coordinator's own node the check runs in its process; on another node, in that
+    node's relay; a task only where a node has no relay."""
+    import ray
+
+    from profd.actors.relay import NodeRelay, relay_name
+    from profd.actors.runner import RayNodeRunner
+    from profd.core.constants import NAMESPACE
+
+    me = os.getpid()
+    probes = [ProcessProbe("alive", me, process_start(me)), ProcessProbe("dead", me, 1)]
+
+    class NoTasks(RayNodeRunner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tasks: list[str | None] = []
+
+        async def run(self, node_id: str | None, fn: Any, *args: Any) -> Any:
+            self.tasks.append(node_id)
+            return ["from-a-task"]
+
+    relay = (
+        ray.remote(NodeRelay)
+        .options(name=relay_name("f" * 56), namespace=NAMESPACE, num_cpus=0)
+        .remote("f" * 56)
+    )
+    try:
+        runner = NoTasks()
+
+        async def go() -> list[list[str]]:
+            return [
+                await runner.exited(ray_session.node_id, probes),  # here
+                await runner.exited("f" * 56, probes),  # its relay
+                await runner.exited("e" * 56, probes),  # no relay there: a task
+            ]
+
+        here, by_relay, by_task = asyncio.run(go())
+        assert here == ["dead"] and by_relay == ["dead"] and by_task == ["from-a-task"]
+        assert runner.tasks == ["e" * 56]  # only where no relay runs
+        ray.kill(relay)  # without its relay, that node is asked by a task again
+        assert asyncio.run(runner.exited("f" * 56, probes)) == []  # this pass: unknown
+        wait_until(
+            lambda: asyncio.run(runner.exited("f" * 56, probes)) == ["from-a-task"], 30,
+            what="a task once the relay is gone",
+        )  # fmt: skip
+    finally:
+        ray.kill(relay)
