@@ -169,8 +169,9 @@ def resolve_targets(req: SessionRequest, agents: Iterable[AgentInfo]) -> Targeti
     ``ignored`` with the reason (nothing is dropped silently)."""
     by_job, jobs = _by_job(req, agents)
     if req.job_id is not None and (None if req.job_id == NO_JOB else req.job_id) not in jobs:
-        known = ", ".join(sorted(j or NO_JOB for j in jobs)) or "no agent at all"
-        reason = f"no live agent of Ray job {req.job_id} (jobs with agents: {known})"
+        known = ", ".join(sorted(j or NO_JOB for j in jobs))
+        among = f"jobs with agents: {known}" if known else "no agent is registered"
+        reason = f"no live agent of Ray job {req.job_id} ({among})"
         return Targeting((), (Ignored(WILDCARD, None, reason, "job_id"),))
     targets: list[Target] = []
     ignored: list[Ignored] = []

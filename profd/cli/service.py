@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,17 @@ class SidecarFlags:
     @property
     def given(self) -> bool:
         return self != SidecarFlags()
+
+    def named(self, running_port: int | None = None) -> list[str]:
+        """The flags given, by their names (a --port the sidecar already has, or 0, any
+        free one, left out)."""
+        unset = SidecarFlags()
+        names = [
+            "--" + f.name.replace("_", "-")
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(unset, f.name)
+        ]
+        return [n for n in names if not (n == "--port" and self.port in (0, running_port))]
 
 
 def _sidecar_config(
@@ -141,7 +153,7 @@ def up(
     if previous is not None and health is not None and health.get("coordinator"):
         unused = {"--address": address, "--num-cpus": num_cpus, "--save-root": save_root}
         ignored = [k for k, v in unused.items() if v is not None]
-        _say_already_up(previous, ignored + (["sidecar flags"] if flags.given else []))
+        _say_already_up(previous, ignored + flags.named(_port_of(previous.url)))
         if trigger:  # the one thing a running profd takes: triggers, posted over HTTP
             token, _ = read_or_create_token(settings.state_dir)
             _watch(previous.url, token, trigger)
@@ -163,6 +175,15 @@ def up(
     if trigger:
         _watch(services.address["url"], token, trigger)
     _report_join(state.ray_address)
+
+
+def _port_of(url: str) -> int | None:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return None
 
 
 def _say_already_up(previous: Any, ignored: list[str]) -> None:

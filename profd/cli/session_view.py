@@ -90,7 +90,10 @@ def wait_session(
         stall = StallWatch(api, view)
         while not SessionState(view["state"]).is_terminal:
             if time.monotonic() > deadline:
-                raise CliError(f"session {sid} still {view['state']} after {timeout:.0f} s")
+                raise CliError(
+                    f"session {sid} still {view['state']} after {timeout:.0f} s; it goes on "
+                    f"(`profd cancel {sid}` ends it)"
+                )
             time.sleep(0.5)  # the poll interval of a person's command, not a test's wait
             view = poll.next() or view
             if not quiet and (hint := stall.check(view)):

@@ -195,8 +195,10 @@ def _body(
              ("stage_time", stage_time is not None), ("straggler", opts["straggler"]),
              ("oom", opts["oom"])) if on]  # fmt: skip
     if role is None or len(kinds) != 1:
+        given = [f"--{k.replace('_', '-')}" for k in kinds]
+        why = f" (got {' and '.join(given)})" if len(given) > 1 else ""
         raise typer.BadParameter(
-            "give --role and one of --step-time, --stage-time, --straggler or --oom"
+            f"give --role and one of --step-time, --stage-time, --straggler or --oom{why}"
         )
     (kind,) = kinds
     if kind in ("stage_time", "straggler") and stage is None:
@@ -286,8 +288,12 @@ def load_trigger_file(path: Path) -> list[dict[str, Any]]:
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot read triggers from {path}: {exc}") from None
     items = data if isinstance(data, list) else [data]
-    if not all(isinstance(i, dict) for i in items):
-        raise CliError(f"{path}: a trigger object, or a list of them")
+    for i, item in enumerate(items, 1):
+        if not isinstance(item, dict):
+            where = (
+                f" (item {i} of {len(items)}: {json.dumps(item)[:40]})" if len(items) > 1 else ""
+            )
+            raise CliError(f"{path}{where}: a trigger object, or a list of them")
     return items
 
 

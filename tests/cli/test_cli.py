@@ -79,7 +79,10 @@ def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_p
     again = cli(["up", "--address", address, "--port", "0"], cli_env)
     assert again.returncode == 0 and "already up" in again.stdout
     flat = " ".join(again.stderr.split())
-    assert "not applied to the running profd: --address, sidecar flags" in flat, again.stderr
+    assert "not applied to the running profd: --address;" in flat, again.stderr  # --port 0
+    other = cli(["up", "--port", "1", "--allow-host", "x.example"], cli_env)
+    flat = " ".join(other.stderr.split())
+    assert "not applied to the running profd: --port, --allow-host;" in flat, other.stderr
     # a running profd takes --trigger (posted over HTTP); a bad file is refused up front
     triggers = tmp_path / "triggers.json"
     triggers.write_text(json.dumps({"name": "slow", "when": {"kind": "step_time", "role": "x"}}))

@@ -104,6 +104,7 @@ def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> 
     assert bad.returncode == 2 and "--step-time" in bad.stderr
     two = cli(["watch", "--role", "actor", "--oom", "--straggler", "--url", sidecar.url], env)
     assert two.returncode == 2 and "one of" in two.stderr
+    assert "(got --straggler and --oom)" in " ".join(two.stderr.split())
     # an option the kind does not use is refused naming it, never dropped on the way
     for extra, field in [
         (["--step-time", "3", "--stage", "update"], "when.stage: not used by a step_time"),
@@ -171,6 +172,7 @@ def test_trigger_files_are_all_or_nothing(sidecar: Any, tmp_path: Path) -> None:
         ([other, bad], "(trigger 2 of 2): when.stage: not used by a step_time"),
         ([other, hook], "(trigger 2 of 2): HTTP 422: session.finish_hook_cmd"),
         ([other, other], "trigger name(s) other given twice"),
+        ([1, other], "(item 1 of 2: 1): a trigger object"),
     ]:
         path = tmp_path / "many.json"
         path.write_text(json.dumps(items))
