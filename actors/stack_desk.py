@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from profd.actors.targeting import NO_JOB
 from profd.core.errors import ConflictError, NotFoundError
 from profd.core.protocol import StackFrame, StackSample
 from profd.core.stacks import (
@@ -139,6 +140,15 @@ class StackDesk:
 
     def _targets(self, query: StackQuery) -> tuple[list[AgentRecord], list[StackMissingView]]:
         alive = self._registry.alive()
+        if query.job_id is not None:
+            job = None if query.job_id == NO_JOB else query.job_id
+            alive = [r for r in alive if r.info.job_id == job]
+            if not alive:
+                jobs = sorted({r.info.job_id or NO_JOB for r in self._registry.alive()})
+                raise NotFoundError(
+                    f"job_id: no live agent of Ray job {query.job_id!r} (jobs attached: "
+                    f"{', '.join(jobs) or 'none'})"
+                )
         if query.role is not None:
             alive = [r for r in alive if r.info.role == query.role]
             if not alive:

@@ -47,6 +47,9 @@ async def get_stacks(
     ranks: Annotated[
         list[str] | None, Query(description="Only these ranks: `0,2` or repeated.")
     ] = None,
+    job_id: Annotated[
+        str | None, Query(description="Only this Ray job's processes ('none': outside Ray).")
+    ] = None,
     native: Annotated[bool, Query(description="Native frames too (py-spy only).")] = False,
     method: Annotated[
         StackMethod,
@@ -60,7 +63,12 @@ async def get_stacks(
     identical stack, the smallest (odd) groups first. Works with no session and no step
     marks: a hung job makes none. Processes that gave no stack are in `missing`, with why."""
     query = StackQuery.parse(
-        role=role, ranks=_ranks(ranks), native=native, method=method, timeout_s=timeout_s
+        role=role,
+        ranks=_ranks(ranks),
+        job_id=job_id,
+        native=native,
+        method=method,
+        timeout_s=timeout_s,
     )
     view = await client.call("stacks", query)
     return model_response(view)

@@ -61,6 +61,9 @@ def print_stacks(view: dict[str, Any], depth: int | None = None) -> None:
 def stacks(
     role: Annotated[str | None, typer.Option(help="Only this role's processes.")] = None,
     ranks: Annotated[str | None, typer.Option(help="Only these ranks, e.g. 0,2.")] = None,
+    job: Annotated[
+        str | None, typer.Option(help="Only this Ray job's processes (`profd status`).")
+    ] = None,
     native: Annotated[bool, typer.Option(help="Native frames too (py-spy only).")] = False,
     method: Annotated[
         str, typer.Option(help="auto (py-spy where it can attach, else the agents), py_spy, agent.")
@@ -79,6 +82,8 @@ def stacks(
         params["role"] = role
     if ranks:
         params["ranks"] = ranks
+    if job:
+        params["job_id"] = job
     if native:
         params["native"] = "true"
     try:

@@ -69,6 +69,9 @@ class StackQuery(BaseModel):
 
     role: str | None = Field(None, min_length=1, description="Only this role's processes.")
     ranks: tuple[int, ...] | None = Field(None, description="Only these ranks.")
+    job_id: str | None = Field(
+        None, min_length=1, description="Only this Ray job's processes ('none': outside Ray)."
+    )
     native: bool = Field(False, description="Native frames too (py-spy only).")
     method: StackMethod = Field(StackMethod.AUTO, description="Who reads the stacks.")
     timeout_s: float = Field(5.0, gt=0, le=60, description="How long to wait for answers.")

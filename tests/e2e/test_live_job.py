@@ -197,6 +197,11 @@ def test_a_second_job_on_the_cluster_is_never_merged_with_the_first(
         (target,) = view["targets"]
         mine = {a["agent_id"]: a["job_id"] for a in home.agents()}
         assert mine[target["agent_id"]] == newest and view["request"]["job_id"] == newest
+        st = home.cli("stacks", "--job", newest, "--method", "agent", "--json")
+        assert st.returncode == 0, st.stderr
+        pids = {r["pid"] for g in json.loads(st.stdout)["groups"] for r in g["ranks"]}
+        theirs = {a["pid"] for a in home.agents() if a["job_id"] == newest}
+        assert pids == theirs and len(pids) == 3, (pids, theirs)  # that job's ranks only
         table = home.cli("status").stdout
         assert any(ln.split()[:2] == ["job", "role"] for ln in table.splitlines()), table
         rows = [ln for ln in table.splitlines() if " alive " in ln]
