@@ -426,6 +426,7 @@ class ProfileCoordinator:
             state_last_error=self._store.last_error,
             driver_step=driver[0] if driver else None,
             driver_seen_s=driver[1] if driver else None,
+            driver_steps={j or "none": s for j, (s, _) in self._drivers.fresh().items()},
             ray_address=self._ray_address,
         )
 

@@ -158,6 +158,15 @@ class DriverTable:
         last = max(fresh, key=lambda h: (h.at, h.step))
         return last.step, round(now - last.at, 3)
 
+    def fresh(self) -> dict[str | None, tuple[int, float]]:
+        """Each announcing driver's Ray job -> (step, seconds since)."""
+        now = self._clock()
+        return {
+            job: (h.step, round(now - h.at, 3))
+            for job, h in self._heard.items()
+            if now - h.at <= self._silence_s
+        }
+
     def job_step(self, rec: AgentRecord) -> int | None:
         """The job's step on a registered agent: its own, else its driver's."""
         return rec.step(self.driver_step(rec.info.job_id))

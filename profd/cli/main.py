@@ -70,7 +70,11 @@ def status(url: UrlOpt = None, as_json: JsonOpt = False) -> None:
         # never registers here: this is the address it must join.
         hint = "" if st["agents"] else f" (jobs join it with RAY_ADDRESS={st['ray_address']})"
         console.print(f"Ray cluster {st['ray_address']}{hint}")
-    if st.get("driver_step") is not None:
+    drivers = st.get("driver_steps") or {}
+    if len(drivers) > 1:  # two jobs, two drivers: each one's step
+        each = ", ".join(f"job {j} at step {s}" for j, s in sorted(drivers.items()))
+        console.print(f"drivers (profd.controller()): {each}")
+    elif st.get("driver_step") is not None:
         console.print(
             f"driver (profd.controller()) at step {st['driver_step']}, "
             f"{st['driver_seen_s']:.1f}s ago"

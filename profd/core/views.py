@@ -224,6 +224,11 @@ class StatusView(_View):
     driver_seen_s: float | None = Field(
         None, description="Seconds since that driver's last announcement."
     )
+    driver_steps: dict[str, int] = Field(
+        default_factory=dict,
+        description="Each announcing driver's Ray job ('none': outside Ray) -> its step: two "
+        "jobs on the cluster, two drivers.",
+    )
     ray_address: str | None = Field(
         None,
         description="GCS address of the Ray cluster the coordinator runs in: a job's agents "

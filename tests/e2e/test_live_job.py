@@ -206,6 +206,8 @@ def test_a_second_job_on_the_cluster_is_never_merged_with_the_first(
         assert any(ln.split()[:2] == ["job", "role"] for ln in table.splitlines()), table
         rows = [ln for ln in table.splitlines() if " alive " in ln]
         assert len(rows) == 6 and all(any(j in ln for j in jobs) for ln in rows), table
+        (line,) = [ln for ln in table.splitlines() if ln.startswith("drivers (profd.")]
+        assert all(f"job {j} at step" in line for j in jobs), table  # each job's driver
     finally:
         second.stop()
     wait_until(lambda: len({a["job_id"] for a in home.agents() if a["state"] == "alive"}) == 1,
