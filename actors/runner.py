@@ -140,18 +140,22 @@ def ray_nodes() -> list[NodeAddress]:
 class RayNodeRunner:
     #: How long a listing of the live nodes is reused (downloads come in bursts).
     NODES_TTL_S = 5.0
+    #: A node without a relay is checked by a Ray task (a worker process started for it) at
+    #: most this often: the heartbeat timeout is the bound there.
+    TASK_CHECK_S = 30.0
 
     def __init__(self) -> None:
         self._remote: dict[Callable[..., Any], Any] = {}
         self._nodes: tuple[float, list[NodeAddress]] | None = None
         self._here: str | None = None  # this process's node, once asked
         self._relays: dict[str, Any] = {}
+        self._tasked: dict[str, float] = {}  # node -> its last liveness task
 
     async def exited(self, node_id: str | None, probes: list[Any]) -> list[str]:
         """The liveness check of ``probes`` on node ``node_id``, without a Ray task: here
         when the node is this one, else by the node's relay (an actor already running
         there). A task (a worker process started for it, every few seconds: the job's steps
-        felt each one) only for a node without a relay."""
+        felt each one) only for a node without a relay, at most every ``TASK_CHECK_S``."""
         from profd.actors.liveness import exited
         from profd.actors.relay import relay_name
         from profd.core.ray_env import find_actor
@@ -172,6 +176,10 @@ class RayNodeRunner:
                 self._relays.pop(node_id, None)
                 log.debug("liveness: the relay of node %s did not answer: %r", node_id, exc)
                 return []
+        now = time.monotonic()
+        if now - self._tasked.get(node_id, -self.TASK_CHECK_S) < self.TASK_CHECK_S:
+            return []  # asked by a task lately: the heartbeat timeout covers the meantime
+        self._tasked[node_id] = now
         return await self.run(node_id, exited, probes)
 
     async def nodes(self, max_age_s: float | None = None) -> list[NodeAddress] | None:

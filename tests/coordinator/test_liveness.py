@@ -164,6 +164,9 @@ def test_processes_are_checked_without_a_ray_task(ray_session: Any) -> None:
         here, by_relay, by_task = asyncio.run(go())
         assert here == ["dead"] and by_relay == ["dead"] and by_task == ["from-a-task"]
         assert runner.tasks == ["e" * 56]  # only where no relay runs
+        assert asyncio.run(runner.exited("e" * 56, probes)) == []  # and not again at once
+        assert runner.tasks == ["e" * 56]
+        runner.TASK_CHECK_S = 0.0  # the next relay-less check may use a task again
         ray.kill(relay)  # without its relay, that node is asked by a task again
         assert asyncio.run(runner.exited("f" * 56, probes)) == []  # this pass: unknown
         wait_until(

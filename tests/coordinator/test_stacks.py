@@ -145,11 +145,13 @@ def test_filters_a_silent_agent_and_py_spy_turned_off(
     assert [(m.rank, m.reason) for m in view.missing] == [(5, "no live agent has this rank")]
     with pytest.raises(NotFoundError, match="role: no live agent has role 'critic'"):
         owner.call("stacks", {"role": "critic"})
-    # a job: these in-process agents are in none ("none"); a Ray job's id matches none here
-    view = owner.call("stacks", {"method": "agent", "ranks": [1], "job_id": "none"})
+    # a job: these in-process agents are in this process's (none outside Ray); another's id
+    # matches none of them
+    (job,) = {a.job_id or "none" for a in owner.call("list_agents")}
+    view = owner.call("stacks", {"method": "agent", "ranks": [1], "job_id": job})
     assert [[r.rank for r in g.ranks] for g in view.groups] == [[1]]
-    with pytest.raises(NotFoundError, match="job_id: no live agent of Ray job '0a000000'"):
-        owner.call("stacks", {"job_id": "0a000000"})
+    with pytest.raises(NotFoundError, match="job_id: no live agent of Ray job 'ffffffff'"):
+        owner.call("stacks", {"job_id": "ffffffff"})
     with pytest.raises(ValueError, match="native"):
         owner.call("stacks", {"native": True, "method": "agent"})
 

@@ -140,7 +140,7 @@ def chart_lines(chrome: Any) -> dict[str, list[float]]:
     return {track: values for track, values, _ in got}
 
 
-def check_live_times(chrome: Any) -> None:
+def check_live_times(chrome: Any, url: str) -> None:
     """The live chart plots every rank's real step durations; choosing a stage plots that
     stage, where rank 1's ``update`` (which sleeps ``LATE_S``) stands out."""
     from selenium.webdriver.support.ui import Select
@@ -153,7 +153,8 @@ def check_live_times(chrome: Any) -> None:
     )
     assert min(lines["actor 1"]) >= LATE_S
     cells = {(r[0], r[1]): r[8] for r in rows(chrome, "agents")}
-    assert {r[9] for r in rows(chrome, "agents")} == {"-"}  # no Ray job: in-process agents
+    jobs = {a["job_id"] or "-" for a in httpx.get(f"{url}/api/v1/agents").json()["data"]}
+    assert {r[9] for r in rows(chrome, "agents")} == jobs  # their Ray job (this process's)
     assert " / " in cells[("actor", "1")] and cells[("actor", "1")].endswith("ms")
     Select(chrome.find_element("id", "st-mark")).select_by_value("update")
     update = wait_until(
@@ -183,12 +184,12 @@ def check_form(chrome: Any, owner: Any, sid: str) -> str:
     chrome.find_element(By.ID, "use-token").click()
     assert chrome.execute_script("return sessionStorage.getItem('profd-token')") == TOKEN
     assert field.get_attribute("value") == "" and TOKEN not in chrome.page_source
-    # a Ray job none of the agents is in: refused, naming job_id (these agents have none)
+    # a Ray job none of the agents is in: refused, naming job_id
     job = chrome.find_element(By.ID, "f-job")
-    job.send_keys("0a000000")
+    job.send_keys("ffffffff")
     chrome.find_element(By.ID, "f-submit").click()
     wait_until(lambda: "job_id" in result.text, 10, what="the job refused")
-    assert "no live agent of Ray job 0a000000" in result.text
+    assert "no live agent of Ray job ffffffff" in result.text
     assert len(owner.call("list_sessions")) == 1
     job.clear()
     chrome.find_element(By.ID, "f-submit").click()
@@ -732,7 +733,7 @@ def test_dashboard_in_chromium(chrome, recorded, tmp_path: Path) -> None:
     chrome.get(f"{url}/?interval=500")
     assert chrome.title == "profd dashboard"
     check_tables(chrome, url, owner, sid)
-    check_live_times(chrome)
+    check_live_times(chrome, url)
     new_sid = check_form(chrome, owner, sid)
 
     ARTIFACTS.mkdir(exist_ok=True)
