@@ -152,11 +152,7 @@ def up(
     health = _health(previous.url) if previous is not None else None
     if previous is not None and health is not None and health.get("coordinator"):
         unused = {"--address": address, "--num-cpus": num_cpus, "--save-root": save_root}
-        ignored = [k for k, v in unused.items() if v is not None]
-        _say_already_up(previous, ignored + flags.named(_port_of(previous.url)))
-        if trigger:  # the one thing a running profd takes: triggers, posted over HTTP
-            token, _ = read_or_create_token(settings.state_dir)
-            _watch(previous.url, token, trigger)
+        _already_up(settings, previous, unused, flags, trigger)
         return
     target, started_ray, temp_dir = _choose_cluster(previous, address, num_cpus)
     token, token_path = read_or_create_token(settings.state_dir)
@@ -175,6 +171,20 @@ def up(
     if trigger:
         _watch(services.address["url"], token, trigger)
     _report_join(state.ray_address)
+
+
+def _already_up(
+    settings: Any, previous: Any, unused: dict[str, Any], flags: SidecarFlags, trigger: list[Path]
+) -> None:
+    """profd runs: say which flags it did not take; post the triggers (the one thing a
+    running profd takes, over HTTP)."""
+    from profd.cli.ray_cluster import read_or_create_token
+
+    ignored = [k for k, v in unused.items() if v is not None]
+    _say_already_up(previous, ignored + flags.named(_port_of(previous.url)))
+    if trigger:
+        token, _ = read_or_create_token(settings.state_dir)
+        _watch(previous.url, token, trigger)
 
 
 def _port_of(url: str) -> int | None:

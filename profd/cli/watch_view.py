@@ -136,13 +136,8 @@ def watch(
     _one_mode(locals())
     try:
         api = sidecar_client(url)
-        if list_:
-            triggers = api.get("/api/v1/triggers")["data"]
-            print_json(triggers) if as_json else print_triggers(triggers)
-            return
-        if delete is not None:
-            view = api.request("DELETE", f"/api/v1/triggers/{quote(delete, safe='')}")
-            print_json(view) if as_json else console.print(f"deleted {view['trigger_id']}")
+        if list_ or delete is not None:
+            _list_or_delete(api, delete, as_json)
             return
         if from_file is not None:
             checked = checked_triggers(from_file)
@@ -157,6 +152,15 @@ def watch(
         return
     for view in made:
         console.print(f"watching: {view['trigger_id']} ({view['name']})")
+
+
+def _list_or_delete(api: Any, delete: str | None, as_json: bool) -> None:
+    if delete is None:
+        triggers = api.get("/api/v1/triggers")["data"]
+        print_json(triggers) if as_json else print_triggers(triggers)
+        return
+    view = api.request("DELETE", f"/api/v1/triggers/{quote(delete, safe='')}")
+    print_json(view) if as_json else console.print(f"deleted {view['trigger_id']}")
 
 
 #: ``profd watch``'s options that make a trigger (any one given: the command makes one).

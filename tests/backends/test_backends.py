@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,19 +122,23 @@ def test_py_spy_command_options() -> None:
     assert cmd[cmd.index("--rate") + 1] == "50" and cmd[cmd.index("--format") + 1] == "speedscope"
 
 
-def test_py_spy_window_samples_the_worker(local_coordinator) -> None:
-    (agent,) = start_agents(local_coordinator, role="reward")
+def py_spy_step(owner: Any, work: Callable[[], Any]) -> tuple[Any, Any]:
+    """One reward agent's step 1 under a py_spy window, doing ``work``: (its agent, the
+    session at its end)."""
+    (agent,) = start_agents(owner, role="reward")
     with agent.step(0):
         pass
-    view = local_coordinator.call(
-        "create_session", {"tool": "py_spy", "steps": [1], "roles": {"reward": {}}}
-    )
+    view = owner.call("create_session", {"tool": "py_spy", "steps": [1], "roles": {"reward": {}}})
     wait_armed(agent, view.session_id)
     with agent.step(1), agent.stage("compute_reward"):
-        busy_python_work(1.5)
+        work()
     with agent.step(2):
         pass
-    view = wait_terminal(local_coordinator, view.session_id, timeout=60)
+    return agent, wait_terminal(owner, view.session_id, timeout=60)
+
+
+def test_py_spy_window_samples_the_worker(local_coordinator) -> None:
+    agent, view = py_spy_step(local_coordinator, lambda: busy_python_work(1.5))
     assert view.state.value == "done", view.reason
     (trace,) = view.traces
     assert trace.file_name.endswith(".speedscope.json") and trace.tool == "py_spy"
@@ -148,18 +153,7 @@ def test_py_spy_window_samples_the_worker(local_coordinator) -> None:
 def test_a_py_spy_window_of_an_idle_thread_says_it_has_no_samples(local_coordinator) -> None:
     """py-spy leaves idle threads out: a step that only sleeps gives a profile without a
     sample. It is kept, and the session says so (it was DONE with a full bar, silently)."""
-    (agent,) = start_agents(local_coordinator, role="reward")
-    with agent.step(0):
-        pass
-    view = local_coordinator.call(
-        "create_session", {"tool": "py_spy", "steps": [1], "roles": {"reward": {}}}
-    )
-    wait_armed(agent, view.session_id)
-    with agent.step(1):
-        time.sleep(1.0)
-    with agent.step(2):
-        pass
-    view = wait_terminal(local_coordinator, view.session_id, timeout=60)
+    agent, view = py_spy_step(local_coordinator, lambda: time.sleep(1.0))
     (trace,) = view.traces
     me = f"Thread {threading.get_native_id()} "  # this thread, the one that marks steps
     profiles = json.loads(Path(trace.path).read_text())["profiles"]
