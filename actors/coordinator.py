@@ -283,6 +283,9 @@ class ProfileCoordinator:
     async def add_trigger(self, request: dict | TriggerRequest) -> TriggerView:
         return self._triggers.add(request)
 
+    async def replace_trigger(self, trigger_id: str, request: dict | TriggerRequest) -> TriggerView:
+        return self._triggers.replace(trigger_id, request)
+
     async def list_triggers(self) -> list[TriggerView]:
         """Every trigger, newest first."""
         return self._triggers.views()

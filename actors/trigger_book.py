@@ -154,6 +154,21 @@ class TriggerBook:
         t = self._triggers[tid] = Trigger(tid, request, self._clock())
         return t
 
+    def replace(self, trigger_id: str, request: TriggerRequest) -> Trigger:
+        """Trigger ``trigger_id`` watches ``request`` from now on, under the same id. Its
+        firings stay (cooldown, the hourly cap and the disk budget count them) and so does a
+        firing still due; what it judged on (straggler verdicts) starts afresh."""
+        t = self.get(trigger_id)
+        fresh = Trigger(trigger_id, request, t.created_at)
+        fresh.firings, fresh.fired_at, fresh.last_fired_at = t.firings, t.fired_at, t.last_fired_at
+        fresh.suppressed, fresh.disk_bytes, fresh.due = t.suppressed, t.disk_bytes, t.due
+        self._triggers[trigger_id] = fresh
+        return fresh
+
+    def named(self, name: str) -> Trigger | None:
+        """The trigger called ``name`` (names are unique among those added by request)."""
+        return next((t for t in self._triggers.values() if t.request.name == name), None)
+
     def remove(self, trigger_id: str) -> Trigger:
         try:
             return self._triggers.pop(trigger_id)

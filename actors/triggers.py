@@ -86,15 +86,40 @@ class TriggerDesk:
 
     # -- the API -------------------------------------------------------------------------
     def add(self, request: TriggerRequest | dict) -> TriggerView:
-        if not isinstance(request, TriggerRequest):
-            request = TriggerRequest.model_validate(request)
+        """A new trigger; its name must be free (a file re-posted finds its triggers by
+        name: two of one name would be changed or deleted at random)."""
+        request = self._checked(request, None)
         t = self.book.add(request)
         self._sessions[t.trigger_id] = []
         log.info("trigger %s (%s) added: %s", t.trigger_id, request.name, request.when)
+        self._save(t)
+        return self.view(t)
+
+    def replace(self, trigger_id: str, request: TriggerRequest | dict) -> TriggerView:
+        """Trigger ``trigger_id`` watches ``request`` instead, at once and under the same id
+        (``PUT``): never a moment with neither, nor with both."""
+        self.get(trigger_id)  # 404 before any other complaint
+        t = self.book.replace(trigger_id, self._checked(request, trigger_id))
+        log.info("trigger %s (%s) replaced: %s", trigger_id, t.request.name, t.request.when)
+        self._save(t)
+        return self.view(t)
+
+    def _checked(self, request: TriggerRequest | dict, trigger_id: str | None) -> TriggerRequest:
+        if not isinstance(request, TriggerRequest):
+            request = TriggerRequest.model_validate(request)
+        same = self.book.named(request.name)
+        if same is not None and same.trigger_id != trigger_id:
+            raise ConflictError(
+                f"name: a trigger named {request.name!r} exists ({same.trigger_id}); "
+                f"PUT /api/v1/triggers/{same.trigger_id} replaces it",
+                trigger_id=same.trigger_id,
+            )
+        return request
+
+    def _save(self, t: Trigger) -> None:
         if self._store is not None:  # a restarted coordinator watches it again
             self._store.save_trigger(t.trigger_id, _saved(t))
         self._sync_spans()
-        return self.view(t)
 
     def restore(self, saved: Iterable[dict[str, Any]], sessions: Iterable[Session] = ()) -> int:
         """The triggers a previous incarnation persisted; the number restored. A row this

@@ -11,7 +11,6 @@ from profd.api.deps import ClientDep
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
 from profd.core.errors import RequestInvalid
-from profd.core.request import FieldError
 from profd.core.stacks import StackMethod, StackQuery
 from profd.core.views import StacksView
 
@@ -23,8 +22,9 @@ router = APIRouter(
 
 
 def _ranks(raw: list[str] | None) -> tuple[int, ...] | None:
-    """``ranks=0,2`` or ``ranks=0&ranks=2``."""
-    if not raw:
+    """``ranks=0,2`` or ``ranks=0&ranks=2``; a ``ranks=`` naming none is refused (it reads
+    as "these ranks", and every rank would be a surprise)."""
+    if raw is None:
         return None
     out = []
     for part in ",".join(raw).split(","):
@@ -32,12 +32,11 @@ def _ranks(raw: list[str] | None) -> tuple[int, ...] | None:
         if not part:
             continue
         if not (part.isascii() and part.isdigit() and len(part) <= 9):
-            raise RequestInvalid(
-                f"ranks: {part[:20]!r} is not a rank (an int >= 0)",
-                [FieldError(field="ranks", message=f"{part[:20]!r} is not a rank (an int >= 0)")],
-            )
+            raise RequestInvalid.at("ranks", f"{part[:20]!r} is not a rank (an int >= 0)")
         out.append(int(part))
-    return tuple(out) or None
+    if not out:
+        raise RequestInvalid.at("ranks", "names no rank (leave it out for every rank)")
+    return tuple(out)
 
 
 @router.get("", response_model=StacksView, responses=error_responses(404, 409, 422))

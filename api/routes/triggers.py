@@ -75,13 +75,37 @@ async def create_trigger(
     """Watch one role's live step (or stage) times; when a rank's newest duration exceeds
     `factor` x the role's rolling median (and `min_ms`), profile the next `next_steps` steps
     of that rank and one healthy peer. The session template is checked now, with the rules
-    of POST /api/v1/sessions (422 naming the field)."""
+    of POST /api/v1/sessions (422 naming the field). Names are unique: a name already
+    watched is 409 (PUT /api/v1/triggers/{id} changes that trigger)."""
+    await _check_template(body, client, config)
+    return await client.call("add_trigger", body)
+
+
+@router.put(
+    "/{trigger_id}",
+    response_model=TriggerView,
+    dependencies=[TokenDep],
+    responses=error_responses(404, 409, 413, 422),
+)
+async def replace_trigger(
+    body: Annotated[TriggerRequest, Body(openapi_examples=EXAMPLES)],
+    client: ClientDep,
+    config: ConfigDep,
+    trigger_id: str = TriggerId,
+) -> TriggerView:
+    """Change a trigger at once, under the same id: its firings so far stay (cooldown, the
+    hourly cap and the disk budget count them); what it judged on starts afresh. Checked as
+    POST is; the name may be kept or changed to one no other trigger has (409)."""
+    await _check_template(body, client, config)
+    return await client.call("replace_trigger", trigger_id, body)
+
+
+async def _check_template(body: TriggerRequest, client: ClientDep, config: ConfigDep) -> None:
     try:
         template = body.session_for((0,))
     except ValidationError as exc:  # checked by the model already; never a 500 regardless
         raise RequestInvalid.from_fields(field_errors(exc, root="session")) from None
     await check_session_fields(template, client, config, root="session")
-    return await client.call("add_trigger", body)
 
 
 @router.get("", response_model=TriggerList)

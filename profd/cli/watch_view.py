@@ -239,10 +239,11 @@ def post_triggers(
     new_names_only: bool = False,
     replaces: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """POST each trigger; all or none: when the sidecar refuses one, those this call made
-    are deleted again and the error names the one refused. ``new_names_only``: a name
-    already watched is refused before anything is posted. ``replaces``: name -> the trigger
-    a posted one replaces, deleted only once every POST succeeded. Returns the views."""
+    """POST each trigger (PUT, for one ``replaces`` names: name -> the trigger it changes);
+    all or none: when the sidecar refuses one, those this call made are deleted again, those
+    it changed get their old request back, and the error names the one refused.
+    ``new_names_only``: a name already watched is refused before anything is posted.
+    Returns the views."""
     names = [body.get("name") for _, body in checked]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -255,21 +256,38 @@ def post_triggers(
                 f"already watching a trigger named {', '.join(taken)}: `profd watch --delete "
                 "ID` first, or give another --name; none posted"
             )
+    replaces = replaces or {}
     made: list[dict[str, Any]] = []
+    changed: list[dict[str, Any]] = []  # the old views of the triggers changed so far
     for where, body in checked:
+        old = replaces.get(body["name"])
         try:
-            made.append(api.post("/api/v1/triggers", body))
+            if old is None:
+                made.append(api.post("/api/v1/triggers", body))
+            else:
+                made.append(_put_trigger(api, old["trigger_id"], body))
+                changed.append(old)
         except CliError as exc:
-            left = _delete_triggers(api, made)  # all or none
-            kept = f"; could not remove {', '.join(left)}" if left else "; no trigger was kept"
+            left = _undo(api, [v for v in made if v["name"] not in replaces], changed)
+            kept = f"; could not undo {', '.join(left)}" if left else "; nothing was changed"
             raise CliError(f"{where}: {exc}{kept}", exc.exit_code) from None
-    left = _delete_triggers(api, list((replaces or {}).values()))
-    if left:
-        raise CliError(
-            f"posted {', '.join(v['trigger_id'] for v in made)}, but could not delete the "
-            f"one(s) they replace: {', '.join(left)} (`profd watch --delete ID`)"
-        )
     return made
+
+
+def _put_trigger(api: Any, trigger_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return api.request("PUT", f"/api/v1/triggers/{quote(trigger_id, safe='')}", json=body)
+
+
+def _undo(api: Any, made: list[dict[str, Any]], changed: list[dict[str, Any]]) -> list[str]:
+    """Delete the triggers ``made``, put back the requests of those ``changed``; the ids
+    that could not be, with why."""
+    left = _delete_triggers(api, made)
+    for old in changed:
+        try:
+            _put_trigger(api, old["trigger_id"], old["request"])
+        except CliError as exc:
+            left.append(f"{old['trigger_id']} ({exc})")
+    return left
 
 
 def _delete_triggers(api: Any, views: list[dict[str, Any]]) -> list[str]:
@@ -304,8 +322,8 @@ def load_trigger_file(path: Path) -> list[dict[str, Any]]:
 def post_trigger_files(api: Any, files: list[Path]) -> list[str]:
     """``profd up --trigger FILE``: post each file's triggers. One whose name the
     coordinator already watches (it kept its triggers, or restored them from its state) is
-    left as it is when the file says the same, and replaced when the file changed it: the
-    new one is posted first, the old one deleted after, so a refused file deletes nothing.
+    left as it is when the file says the same, and changed in place (PUT, same id) when the
+    file changed it; a refused file changes nothing.
     Every file is checked before anything is posted. Returns a line per trigger."""
     from profd.core.trigger_request import TriggerRequest
 
@@ -322,8 +340,6 @@ def post_trigger_files(api: Any, files: list[Path]) -> list[str]:
             todo.append((where, body))
             replaces[body["name"]] = old
     for view in post_triggers(api, todo, replaces=replaces):
-        old = replaces.get(view["name"])
-        verb = f"replaced {old['trigger_id']} (the file changed it), watching" if old else ""
-        verb = verb or "watching"
-        lines.append(f"trigger {view['name']}: {verb} ({view['trigger_id']})")
+        verb = "changed (the file changed it), watching" if view["name"] in replaces else ""
+        lines.append(f"trigger {view['name']}: {verb or 'watching'} ({view['trigger_id']})")
     return lines

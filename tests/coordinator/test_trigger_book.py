@@ -127,6 +127,29 @@ def test_a_slow_rank_fires_once_then_cooldown_hourly_cap_and_disk_suppress() -> 
     assert t.suppressed[Suppressed.DISK_BUDGET] == 1
 
 
+def test_a_replaced_trigger_keeps_its_id_firings_and_cooldown() -> None:
+    """PUT: the condition changes at once; the firings so far still hold it back (else an
+    edit would be a way round the cooldown and the hourly cap)."""
+    clock = Clock()
+    book = TriggerBook(clock)
+    t = book.add(request(cooldown_s=60))
+    samples = {r: [0.10] * 8 for r in range(4)}
+    samples[2].append(0.31)
+    [firing] = book.observe("a2", "actor", 2, step(0.31), history_of(samples))
+    book.fired(firing, "s-1")
+    same = book.replace(t.trigger_id, request(cooldown_s=60, when={"factor": 5.0}))
+    assert same.trigger_id == t.trigger_id and same.created_at == t.created_at
+    assert book.get(t.trigger_id) is same and same.request.when.factor == 5.0
+    assert same.fired == 1 and [f.session_id for f in same.firings] == ["s-1"]
+    assert book.observe("a2", "actor", 2, step(0.31), history_of(samples)) == []  # 3.1x < 5x
+    samples[2].append(0.6)
+    assert book.observe("a2", "actor", 2, step(0.6), history_of(samples)) == []
+    assert same.suppressed == {Suppressed.COOLDOWN: 1}  # slow enough now, but in cooldown
+    assert book.named("slow") is same and book.named("other") is None
+    with pytest.raises(KeyError):
+        book.replace("trg-none", request())
+
+
 def test_not_armed_without_history_and_min_ms_and_other_roles_ignored() -> None:
     book = TriggerBook(Clock())
     book.add(request(when={"min_ms": 500, "baseline_steps": 8}))

@@ -32,6 +32,8 @@ def test_a_restarted_coordinator_watches_the_same_triggers(tmp_path: Path) -> No
         late = first.call("add_trigger", STRAGGLER)
         oom = first.call("add_trigger", OOM)
         first.call("delete_trigger", oom.trigger_id)
+        edit = {**STRAGGLER, "when": {**STRAGGLER["when"], "min_ms": 80}}
+        late = first.call("replace_trigger", late.trigger_id, edit)  # saved as changed
         assert first.call("flush_state", 5.0)
     finally:
         first.close()
@@ -41,6 +43,7 @@ def test_a_restarted_coordinator_watches_the_same_triggers(tmp_path: Path) -> No
         (back,) = again.call("list_triggers")
         assert back.trigger_id == late.trigger_id and back.name == "late-update"
         assert back.request == late.request and back.created_at == late.created_at
+        assert back.request["when"]["min_ms"] == 80
         assert back.fired == 0 and back.firings == []  # it started no session
         (agent,) = start_agents(again, 1, "actor")
         assert agent._timings.spans  # the straggler trigger's role keeps its marks' ends

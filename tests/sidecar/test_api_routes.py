@@ -198,6 +198,7 @@ def test_openapi_describes_every_field_parameter_and_error(local_coordinator) ->
         ("post", "/api/v1/sessions"),
         ("post", "/api/v1/sessions/{session_id}/cancel"),
         ("post", "/api/v1/triggers"),
+        ("put", "/api/v1/triggers/{trigger_id}"),
         ("delete", "/api/v1/triggers/{trigger_id}"),
     }  # on loopback only changes need the token
     post = spec["paths"]["/api/v1/sessions"]["post"]["responses"]

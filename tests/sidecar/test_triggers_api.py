@@ -65,7 +65,7 @@ def test_bad_triggers_are_422_naming_the_field_and_changes_need_the_token(sideca
         assert r.status_code == 201, r.text
         listed = r.json()["request"]
         assert listed["when"]["kind"] == when["kind"]
-        again = httpx.post(url, json={**listed, "name": "again"}, headers=AUTH)
+        again = httpx.post(url, json={**listed, "name": f"again-{when['kind']}"}, headers=AUTH)
         assert again.status_code == 201 and again.json()["request"]["when"] == listed["when"]
     assert httpx.get(url).json()["count"] == 4
 
@@ -152,9 +152,40 @@ def test_profd_up_trigger_files_keep_what_is_watched_and_replace_what_changed(
     old_id = httpx.get(f"{sidecar.url}/api/v1/triggers").json()["data"][0]["trigger_id"]
     path.write_text(json.dumps({**GOOD, "when": {**GOOD["when"], "factor": 3.0}}))
     (changed,) = post_trigger_files(api, [path])
-    assert f"replaced {old_id} (the file changed it)" in changed
+    assert changed == f"trigger slow-actor: changed (the file changed it), watching ({old_id})"
     (now,) = httpx.get(f"{sidecar.url}/api/v1/triggers").json()["data"]
-    assert now["trigger_id"] != old_id and now["request"]["when"]["factor"] == 3.0
+    assert now["trigger_id"] == old_id and now["request"]["when"]["factor"] == 3.0
+
+
+def test_names_are_unique_and_put_changes_a_trigger_in_place(sidecar: Any) -> None:
+    """Over HTTP as through the CLI: a second trigger of a name is 409 naming the first (a
+    file re-posted finds its triggers by name); PUT changes one under its id, checked as
+    POST is, and may not take another's name."""
+    url = f"{sidecar.url}/api/v1/triggers"
+    first = httpx.post(url, json=GOOD, headers=AUTH)
+    assert first.status_code == 201, first.text
+    tid = first.json()["trigger_id"]
+    again = httpx.post(url, json=GOOD, headers=AUTH)
+    assert again.status_code == 409 and again.json()["detail"] == {"trigger_id": tid}
+    assert f"a trigger named 'slow-actor' exists ({tid})" in again.json()["message"]
+    other = httpx.post(url, json={**GOOD, "name": "other"}, headers=AUTH).json()
+    edit = {**GOOD, "when": {**GOOD["when"], "factor": 4.0}}
+    assert httpx.put(f"{url}/{tid}", json=edit).status_code == 401  # a change: the token
+    put = httpx.put(f"{url}/{tid}", json=edit, headers=AUTH)
+    assert put.status_code == 200 and put.json()["trigger_id"] == tid, put.text
+    assert put.json()["request"]["when"]["factor"] == 4.0
+    assert put.json()["created_at"] == first.json()["created_at"]
+    taken = httpx.put(f"{url}/{tid}", json={**edit, "name": "other"}, headers=AUTH)
+    assert taken.status_code == 409 and other["trigger_id"] in taken.json()["message"]
+    bad = httpx.put(f"{url}/{tid}", json={**edit, "session": {"tool": "nope"}}, headers=AUTH)
+    assert "session.tool" in fields(bad)
+    hook = httpx.put(f"{url}/{tid}", json={**edit, "session": {"finish_hook_cmd": "x"}},
+                     headers=AUTH)  # fmt: skip
+    assert "session.finish_hook_cmd" in fields(hook)
+    gone = httpx.put(f"{url}/trg-none", json=edit, headers=AUTH)
+    assert gone.status_code == 404 and "no trigger 'trg-none'" in gone.text
+    listed = {t["trigger_id"]: t for t in httpx.get(url).json()["data"]}
+    assert listed[tid]["request"]["when"]["factor"] == 4.0 and len(listed) == 2
 
 
 def test_trigger_files_are_all_or_nothing(sidecar: Any, tmp_path: Path) -> None:
@@ -182,21 +213,24 @@ def test_trigger_files_are_all_or_nothing(sidecar: Any, tmp_path: Path) -> None:
     path.write_text(json.dumps([other, GOOD]))
     r = cli(["watch", "--file", str(path), "--url", sidecar.url], tmp_path)
     assert r.returncode == 0 and r.stdout.count("watching: trg-") == 2, r.stderr
-    # `profd up --trigger`: an edit the sidecar refuses deletes nothing
+    # `profd up --trigger`: an edit the sidecar refuses changes nothing; nor does an edit
+    # it took, when a new trigger after it in the files is refused (put back as it was)
     api = ApiClient(sidecar.url, TOKEN)
-    before = {t["trigger_id"] for t in httpx.get(url).json()["data"]}
+    before = httpx.get(url).json()["data"]
     edited = {**GOOD, "when": {**GOOD["when"], "factor": 3.0}, "session": hook["session"]}
-    path.write_text(json.dumps(edited))
-    try:
-        post_trigger_files(api, [path])
-        raise AssertionError("the refused edit was posted")
-    except CliError as exc:
-        assert "session.finish_hook_cmd" in str(exc) and "no trigger was kept" in str(exc)
-    assert {t["trigger_id"] for t in httpx.get(url).json()["data"]} == before
+    fine_edit = {**GOOD, "when": {**GOOD["when"], "factor": 3.0}}
+    for items in ([edited], [fine_edit, {**hook, "name": "new-hook"}]):
+        path.write_text(json.dumps(items))
+        try:
+            post_trigger_files(api, [path])
+            raise AssertionError("the refused edit was posted")
+        except CliError as exc:
+            assert "session.finish_hook_cmd" in str(exc) and "nothing was changed" in str(exc)
+        assert httpx.get(url).json()["data"] == before
 
 
 def test_stacks_route_bad_input_and_no_agents(sidecar: Any) -> None:
-    for ranks in ("²", "1," + "9" * 5000, "-1"):
+    for ranks in ("²", "1," + "9" * 5000, "-1", "", " , "):
         r = httpx.get(f"{sidecar.url}/api/v1/stacks", params={"ranks": ranks})
         assert r.status_code == 422 and r.json()["fields"][0]["field"] == "ranks", r.text
     r = httpx.get(f"{sidecar.url}/api/v1/stacks", params={"role": "actor"})
@@ -208,14 +242,15 @@ def test_stacks_route_bad_input_and_no_agents(sidecar: Any) -> None:
 def test_a_clean_up_that_fails_names_what_was_left() -> None:
     """The sidecar refuses the second trigger and then goes away: the first cannot be
     removed again, and the error says so, naming it (it said "no trigger was kept", or
-    raised the DELETE's error alone). A replaced trigger already deleted by someone else
-    is fine."""
+    raised the DELETE's error alone). A trigger changed in place gets its old request
+    back."""
     from profd.cli.client import CliError
     from profd.cli.watch_view import post_triggers
 
     class Api:
         def __init__(self, delete_fails_with: int | None) -> None:
             self.deletes: list[str] = []
+            self.puts: list[tuple[str, Any]] = []
             self.fail = delete_fails_with
 
         def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -223,8 +258,12 @@ def test_a_clean_up_that_fails_names_what_was_left() -> None:
                 raise CliError("HTTP 422: when.factor: ...", 1, 422)
             return {"trigger_id": f"trg-{body['name']}", "name": body["name"]}
 
-        def request(self, method: str, path: str) -> Any:
-            self.deletes.append(path.rsplit("/", 1)[-1])
+        def request(self, method: str, path: str, json: Any = None) -> Any:
+            tid = path.rsplit("/", 1)[-1]
+            if method == "PUT":
+                self.puts.append((tid, json))
+                return {"trigger_id": tid, "name": json["name"]}
+            self.deletes.append(tid)
             if self.fail is not None:
                 raise CliError("gone", 3 if self.fail == 0 else 1, self.fail or None)
             return {}
@@ -236,7 +275,14 @@ def test_a_clean_up_that_fails_names_what_was_left() -> None:
         raise AssertionError("posted")
     except CliError as exc:
         assert "f (trigger 2 of 2): HTTP 422" in str(exc)
-        assert "could not remove trg-ok" in str(exc) and "no trigger was kept" not in str(exc)
-    api = Api(delete_fails_with=404)  # the replaced one is already gone: fine
-    made = post_triggers(api, items[:1], replaces={"ok": {"trigger_id": "trg-old"}})  # type: ignore[arg-type]
-    assert [m["trigger_id"] for m in made] == ["trg-ok"] and api.deletes == ["trg-old"]
+        assert "could not undo trg-ok" in str(exc) and "nothing was changed" not in str(exc)
+    # a trigger changed in place, then a later one refused: its old request is put back
+    api = Api(delete_fails_with=None)
+    old = {"trigger_id": "trg-old", "name": "ok", "request": {"name": "ok", "v": 1}}
+    try:
+        post_triggers(api, items, replaces={"ok": old})  # type: ignore[arg-type]
+        raise AssertionError("posted")
+    except CliError as exc:
+        assert "nothing was changed" in str(exc)
+    assert api.puts == [("trg-old", {"name": "ok"}), ("trg-old", old["request"])]
+    assert api.deletes == []  # it made nothing new to delete
