@@ -109,6 +109,7 @@ class ProfilerAgent:
         self._attention = 0
         self._attended = 0
         self._closed = False
+        self._pid = os.getpid()  # a forked child inherits the object, not the agent
         self._recorder = Recorder(
             self.info, self._emit, backend_factory, self._clock_estimate, self._recording_changed
         )
@@ -126,23 +127,32 @@ class ProfilerAgent:
         """Start looking for the coordinator in the background (idempotent)."""
         if self._channel is not None or self._closed:
             return self
-        find = self._find_link or _default_find_link()
-        if find is None:
-            log.info("profd: not inside a Ray job; agent %s stays inert", self.info.agent_id)
+        try:
+            find = self._find_link or _default_find_link()
+            if find is None:
+                log.info("profd: not inside a Ray job; agent %s stays inert", self.info.agent_id)
+                return self
+            apply_nvtx_guard(under_nsys=os.environ.get("PROFD_NSYS") == "1")
+            channel = Channel(
+                self.info,
+                find,
+                # only a step of its own: a driven worker's step is its driver's (the
+                # coordinator has it), not the last one a session pushed to it
+                lambda: self._current_step if self._spmd else None,
+                self._install_plan,
+                poll_timeout_s=self._poll_timeout_s,
+                now_ns=self._now_ns,
+                take_times=self._take_times,
+            )
+            channel.start()
+        except Exception:  # never into the job: the agent stays inert, said once
+            log.warning(
+                "profd: agent %s could not start and stays inert (training goes on)",
+                self.info.agent_id,
+                exc_info=True,
+            )
             return self
-        apply_nvtx_guard(under_nsys=os.environ.get("PROFD_NSYS") == "1")
-        self._channel = Channel(
-            self.info,
-            find,
-            # only a step of its own: a driven worker's step is its driver's (the coordinator
-            # has it), not the last one a session pushed to it
-            lambda: self._current_step if self._spmd else None,
-            self._install_plan,
-            poll_timeout_s=self._poll_timeout_s,
-            now_ns=self._now_ns,
-            take_times=self._take_times,
-        )
-        self._channel.start()
+        self._channel = channel
         return self
 
     def _clock_estimate(self) -> ClockEstimate | None:
@@ -157,6 +167,8 @@ class ProfilerAgent:
         if self._closed:
             return True
         self._closed = True
+        if os.getpid() != self._pid:  # a forked child: the threads and the link are the
+            return True  # parent's; nothing here to flush, and nobody to tell
         ok = True
         if not self._spmd and self._current_step is not None and self._recorder.has_windows:
             self._exit_step(self._current_step)  # the driver's last step is over

@@ -29,6 +29,18 @@ log = logging.getLogger(__name__)
 _PROCESS_AGENT: ProfilerAgent | None = None
 _ROLE_AGENTS: dict[str, RoleAgent] = {}
 _LOCK = threading.Lock()
+_FORK_HOOK = False
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, a helper process) inherits the parent's agent
+    but none of its threads: it is not the child's agent, and exiting must not wait on it
+    (``close`` at exit waited 10 s and more for a reporter that does not exist). A child
+    that attaches gets an agent of its own."""
+    global _PROCESS_AGENT, _LOCK
+    _PROCESS_AGENT = None
+    _ROLE_AGENTS.clear()
+    _LOCK = threading.Lock()  # another thread may have held it at the fork
 
 
 class RoleAgent:
@@ -89,11 +101,14 @@ def attach(
     (as set by torchrun and Ray Train), else 0 / unknown. All roles of a process share its
     rank; attaching another role with a different rank is an error.
     """
-    global _PROCESS_AGENT
+    global _PROCESS_AGENT, _FORK_HOOK
+    if not _FORK_HOOK:  # once, at the first attach (no import-time side effects)
+        os.register_at_fork(after_in_child=_forget_in_child)
+        _FORK_HOOK = True
     if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    if world_size is None and os.environ.get("WORLD_SIZE"):
-        world_size = int(os.environ["WORLD_SIZE"])
+        rank = _env_int("RANK", 0)
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", None)
     with _LOCK:
         agent = _PROCESS_AGENT
         if agent is None or agent._closed:
@@ -113,6 +128,18 @@ def attach(
                 _ROLE_AGENTS[role] = RoleAgent(agent, role)
             return _ROLE_AGENTS[role]
     return agent.start()
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    """An int >= 0 from the environment; anything else is named once and ``default`` used:
+    the job runs, profd says what it assumed."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw.isascii() and raw.isdigit():
+        return int(raw)
+    log.warning("profd: %s=%r is not an int >= 0; profd uses %s", name, raw, default)
+    return default
 
 
 def attached_agents() -> list[ProfilerAgent]:

@@ -34,7 +34,7 @@ from profd.agent.export import Exporter, ExportJob, trace_event
 from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope, TimedScope
 from profd.agent.specs import build_spec
 from profd.agent.timed import is_timed_thread_free
-from profd.agent.window_state import IDLE, NO_STEP, ArmedPlan, Ticket, WindowState
+from profd.agent.window_state import IDLE, NO_STEP, ArmedPlan, FinishedIds, Ticket, WindowState
 from profd.backends.base import Backend, Collection, WrittenFile
 from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PartDone, StepsMissed
 from profd.core.schedule import continuous_schedule, discrete_schedule
@@ -68,7 +68,7 @@ class Recorder:
         self._clock = clock
         self._exporter = Exporter(self._on_export_done)
         self._windows: dict[str, WindowState] = {}
-        self._finished: set[str] = set()
+        self._finished = FinishedIds()
         #: The plan last adopted (training thread; marks compare it with the agent's).
         self.seen: ArmedPlan = IDLE
         #: The first step at which a step mark has work here (see ``WindowState.wake_step``).
@@ -135,6 +135,9 @@ class Recorder:
                 self.fault(ws, exc)
 
     def close_timed(self, ws: WindowState) -> None:
+        """End a timed window. Never raises: it runs inside the job's marks (a stage whose
+        deadline passed), a plan's adoption and ``close``, where a profiler that fails to
+        stop ends the window, reported, and nothing else."""
         scope = ws.scope
         ws.scope = None
         if self.active is scope:
@@ -142,9 +145,12 @@ class Recorder:
         try:
             if isinstance(scope, TimedScope):
                 scope.close()
-        finally:
+        except Exception as exc:
             ws.timed_done = True
-            self._maybe_done(ws)
+            self.fault(ws, exc)  # says why, then ends the part (in that order)
+            return
+        ws.timed_done = True
+        self._maybe_done(ws)
 
     # -- step boundaries ----------------------------------------------------------------
     def enter_step(self, step: int, armed: ArmedPlan) -> None:

@@ -20,6 +20,7 @@ agent then long-polls the coordinator itself). ``PROFD_RELAY_RETRY_S`` sets ``re
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -243,6 +244,26 @@ class DirectLink:
         return self._link.clock_ns()
 
 
+def _retry_s_from_env() -> float:
+    """``PROFD_RELAY_RETRY_S``; one that is not seconds > 0 is named and the default used
+    (a typo in the job's environment must not stop its workers)."""
+    raw = os.environ.get("PROFD_RELAY_RETRY_S")
+    if raw is None:
+        return RELAY_RETRY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if value > 0 and math.isfinite(value):
+        return value
+    log.warning(
+        "profd: PROFD_RELAY_RETRY_S=%r is not a number of seconds > 0; using %g",
+        raw,
+        RELAY_RETRY_S,
+    )
+    return RELAY_RETRY_S
+
+
 class NodeLinkFinder:
     """``find_link`` for the agents of one process (see the module docstring).
 
@@ -262,7 +283,7 @@ class NodeLinkFinder:
         find_relay: Callable[[str], Any | None] | None = None,
     ) -> None:
         self._node_id = node_id
-        self._retry_s = retry_s or float(os.environ.get("PROFD_RELAY_RETRY_S", RELAY_RETRY_S))
+        self._retry_s = retry_s or _retry_s_from_env()
         self._find_direct = find_direct
         self._get_relay = get_relay or _get_or_create_relay
         self._find_relay = find_relay or _find_relay

@@ -17,6 +17,7 @@ from typing import Any
 from profd.agent.clock_sync import ClockEstimate
 from profd.agent.export import trace_event
 from profd.agent.specs import build_spec
+from profd.agent.window_state import FinishedIds
 from profd.backends import backend_class
 from profd.backends.base import Backend
 from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PartDone, WindowPlan
@@ -48,6 +49,7 @@ class TimedWindows:
         self._make_backend = make_backend
         self._clock = clock
         self._running: dict[str, tuple[threading.Thread, threading.Event]] = {}
+        self._finished = FinishedIds()  # a window is run once, even while still planned
         self._lock = threading.Lock()
 
     def sync(self, windows: tuple[WindowPlan, ...]) -> None:
@@ -58,7 +60,7 @@ class TimedWindows:
                 if sid not in wanted:
                     cancel.set()
             for sid, window in wanted.items():
-                if sid in self._running:
+                if sid in self._running or sid in self._finished:
                     continue
                 cancel = threading.Event()
                 thread = threading.Thread(
@@ -98,4 +100,7 @@ class TimedWindows:
             self._emit(trace_event(info.node_id, sid, [], TIMED_SCOPE, window.tool, f))
         for e in errors:
             self._emit(AgentEvent(EventKind.ERROR, sid, None, e))
+        with self._lock:
+            self._running.pop(sid, None)
+            self._finished.add(sid)
         self._emit(AgentEvent(EventKind.PART_DONE, sid, payload=PartDone()))

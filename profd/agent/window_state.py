@@ -17,6 +17,7 @@ __all__ = [
     "IDLE",
     "NO_STEP",
     "ArmedPlan",
+    "FinishedIds",
     "RecordingScope",
     "ScopeHost",
     "Ticket",
@@ -28,6 +29,31 @@ __all__ = [
 #: them, which is faster than with a float infinity.
 NO_STEP = 1 << 62
 ANY_STEP = -NO_STEP
+
+
+#: Finished sessions an agent remembers (their windows may still be in the plan it holds).
+KEPT_FINISHED = 1024
+
+
+class FinishedIds:
+    """The sessions whose windows an agent finished, so a plan that still lists one does not
+    start it again; the newest ``keep`` (a job profiled every few minutes for weeks would
+    otherwise keep every id). Callers serialise ``add``; ``in`` may race it."""
+
+    def __init__(self, keep: int = KEPT_FINISHED) -> None:
+        self._ids: dict[str, None] = {}
+        self._keep = keep
+
+    def add(self, session_id: str) -> None:
+        self._ids[session_id] = None
+        if len(self._ids) > self._keep:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class RecordingScope(Protocol):

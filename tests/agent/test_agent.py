@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -526,3 +527,77 @@ def test_a_planned_torch_window_warms_the_profiler_up_off_the_training_thread(
     before, planned, after = r.stdout.split()
     assert (before, planned) == ("False", "True"), r.stdout
     assert after == ("True" if tool == "torch" else "False"), r.stdout
+
+
+def test_a_forked_child_neither_owns_nor_waits_on_its_parents_agent(local_coordinator) -> None:
+    """A DataLoader worker or helper forked from an attached worker: exiting took 10 s and
+    more (its atexit closed the parent's agent, waiting on a reporter thread the child does
+    not have); now the child has no agent, and closing the inherited object returns at once.
+    The parent's agent goes on as before."""
+    import importlib
+
+    import profd
+
+    attach_mod = importlib.import_module("profd.agent.attach")  # the module, not the function
+    agent = profd.attach("actor", 0, 1, find_link=local_coordinator.link)
+    wait_until(lambda: agent.connected, 10, what="registered")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running pytest's atexit
+        try:
+            started = time.monotonic()
+            attach_mod._close_at_exit()
+            agent.close(timeout=30)
+            took = time.monotonic() - started
+            os.write(write, json.dumps([took, len(attach_mod.attached_agents())]).encode())
+        except BaseException as exc:
+            os.write(write, repr(exc).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read) as f:
+            said = f.read()
+        os.waitpid(pid, 0)
+        took, attached = json.loads(said) if said.startswith("[") else (said, -1)
+        assert attached == 0 and took < 1.0, said
+        assert agent.connected and not agent._closed  # the parent's agent is untouched
+    finally:
+        agent.close()
+
+
+def test_attach_survives_a_bad_environment(monkeypatch, caplog) -> None:
+    """A malformed RANK / WORLD_SIZE / PROFD_RELAY_RETRY_S in the job's environment, or a
+    start that fails, is named in the log and never raised into the job; the agent starts
+    inert rather than half-attached."""
+    import logging
+
+    import profd
+    from profd.agent import ProfilerAgent
+    from profd.agent.relay_link import RELAY_RETRY_S, _retry_s_from_env
+
+    monkeypatch.setenv("RANK", "")
+    monkeypatch.setenv("WORLD_SIZE", "eight")
+    caplog.set_level(logging.WARNING, logger="profd")
+    agent = profd.attach("actor", find_link=lambda: None)
+    assert (agent.info.rank, agent.info.world_size) == (0, None)
+    assert "WORLD_SIZE='eight' is not an int >= 0" in caplog.text
+    agent.close()
+    for raw in ("10s", "0", "nan", "-1"):
+        monkeypatch.setenv("PROFD_RELAY_RETRY_S", raw)
+        assert _retry_s_from_env() == RELAY_RETRY_S
+    assert "PROFD_RELAY_RETRY_S='10s'" in caplog.text
+    monkeypatch.setenv("PROFD_RELAY_RETRY_S", "2.5")
+    assert _retry_s_from_env() == 2.5
+
+    from profd.agent import agent as agent_mod
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no thread today")
+
+    monkeypatch.setattr(agent_mod, "Channel", broken)
+    inert = ProfilerAgent("actor", 0, 1, find_link=lambda: None).start()
+    assert "could not start and stays inert" in caplog.text and not inert.connected
+    with inert.step(1), inert.stage("update"):
+        pass
+    inert.close()

@@ -70,3 +70,88 @@ def test_timed_window_without_any_mark_is_missed_with_a_hint(local_coordinator) 
     assert view.state.value == "failed" and view.traces == []
     assert "no mark reached the agent" in view.targets[0].reason
     assert "py_spy" in view.targets[0].reason
+
+
+def test_a_profiler_that_fails_to_stop_ends_a_timed_window_never_the_loop(
+    monkeypatch, local_coordinator
+) -> None:
+    """torch failing to stop at a timed window's deadline (met inside the job's next stage)
+    or at the job's end: reported on the session, never raised out of ``agent.stage`` or
+    ``agent.close``; the loop runs on and the next window records."""
+    from profd.backends import torch_backend
+
+    real_close = torch_backend._TorchCollection.close
+
+    def close_then_fail(self):  # stopped for real (Kineto free again), then an error
+        real_close(self)
+        raise RuntimeError("kineto stop failed")
+
+    monkeypatch.setattr(torch_backend._TorchCollection, "close", close_then_fail)
+    (agent,) = start_agents(local_coordinator, role="inference")
+    view = local_coordinator.call("create_session", {"duration_s": 0.3})
+    wait_armed(agent, view.session_id)
+    ended = time.monotonic() + 20  # the first start may take a second or two
+    while time.monotonic() < ended:
+        with agent.stage("generate"):  # raised at the first stage past the deadline
+            time.sleep(0.05)
+        if not agent.recording:
+            break
+    view = wait_terminal(local_coordinator, view.session_id)
+    assert view.state.value == "failed" and "kineto stop failed" in view.targets[0].reason
+    # the job ends while a timed window records: close() says so and returns
+    view = local_coordinator.call("create_session", {"duration_s": 60})
+    wait_armed(agent, view.session_id)
+    with agent.stage("generate"):
+        pass
+    assert agent.recording
+    agent.close(timeout=10)
+    view = wait_terminal(local_coordinator, view.session_id)
+    assert "kineto stop failed" in view.targets[0].reason
+
+
+def test_an_agent_keeps_no_state_per_finished_window(tmp_path: Path) -> None:
+    """A job profiled every few minutes for weeks: what an agent keeps of finished windows
+    is bounded, and a window still listed in its plan is never run twice."""
+    import threading
+
+    from profd.agent.timed import TimedWindows
+    from profd.agent.window_state import FinishedIds
+    from profd.backends.base import Backend, Collection
+    from profd.core.protocol import AgentInfo, EventKind, WindowPlan
+
+    class Quick(Collection):
+        def close(self) -> list:
+            return []
+
+    class Sampler(Backend):
+        @classmethod
+        def unavailable_reason(cls) -> None:
+            return None
+
+        def open(self, spec) -> Collection:
+            return Quick()
+
+    events, done = [], threading.Semaphore(0)
+
+    def emit(e) -> None:
+        events.append((e.kind, e.session_id))
+        if e.kind is EventKind.PART_DONE:
+            done.release()
+
+    info = AgentInfo("a0", "rollout", 0, 1, {}, "host", 1, node_id="n0")
+    timed = TimedWindows(lambda: info, emit, lambda tool, cfg: Sampler())
+    plans = [
+        WindowPlan(f"s{i}", "py_spy", (), (), False, {}, str(tmp_path), "*", duration_s=0.01)
+        for i in range(40)
+    ]
+    for w in plans:  # each session's window stays planned a while after it ended
+        timed.sync((w,))
+        assert done.acquire(timeout=10)
+        timed.sync((w,))
+    timed.close(5)
+    assert timed._running == {}
+    assert [sid for k, sid in events if k is EventKind.RECORDING] == [w.session_id for w in plans]
+    ids = FinishedIds(keep=3)
+    for sid in "abcde":
+        ids.add(sid)
+    assert len(ids) == 3 and "a" not in ids and "e" in ids
