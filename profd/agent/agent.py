@@ -108,6 +108,9 @@ class ProfilerAgent:
         #: mark (a controller step, a timed window); marks compare it with what they saw.
         self._attention = 0
         self._attended = 0
+        #: The coordinator went out of reach (poller thread sets, training thread clears):
+        #: a worker that follows a driver cannot see the step in progress end.
+        self._blind = False
         self._closed = False
         self._pid = os.getpid()  # a forked child inherits the object, not the agent
         self._recorder = Recorder(
@@ -143,6 +146,7 @@ class ProfilerAgent:
                 poll_timeout_s=self._poll_timeout_s,
                 now_ns=self._now_ns,
                 take_times=self._take_times,
+                on_down=self._coordinator_lost,
             )
             channel.start()
         except Exception:  # never into the job: the agent stays inert, said once
@@ -377,15 +381,34 @@ class ProfilerAgent:
             self._attention += 1
         if any(w.duration_s is not None and w.session_id not in old for w in plan.windows):
             self._attention += 1
+        if old - {w.session_id for w in plan.windows}:
+            # a window ended (cancelled, or its session's deadline): its collection stops at
+            # the next mark of any kind; a followed worker may see no step mark for long
+            self._attention += 1
         for w in plan.windows:
             if w.session_id not in old:
                 self._emit(AgentEvent(EventKind.ARMED, w.session_id, self._current_step))
                 if w.tool == ToolKind.TORCH:
                     warm_up_profiler()  # the first start's imports, off the training thread
 
+    def _coordinator_lost(self) -> None:
+        """Poller thread: the coordinator is out of reach. A worker that follows a driver's
+        steps learns them only through it, so the step in progress is cut at the next mark
+        (else its window records until the coordinator is back: seconds to minutes of
+        profiler cost, all in one "step"). A loop that marks its own steps goes on."""
+        if not self._spmd and self._recorder.has_windows:
+            self._blind = True
+            self._attention += 1
+
     def _attend(self) -> None:
         """Training thread, at a mark: follow the driver's step, open or close timed windows."""
         self._attended = self._attention
+        if self._blind:
+            self._blind = False
+            try:
+                self._recorder.cut_followed(self._current_step)
+            except Exception:
+                log.exception("profd: cutting the step in progress failed")
         if self._announced != self._followed:
             self._follow_controller()
         try:
@@ -398,15 +421,17 @@ class ProfilerAgent:
         """Training thread: leave the previous step and enter the one the driver announced."""
         step = self._announced
         self._followed = step
-        if self._spmd or step is None or step == self._current_step:
+        if self._spmd or step is None:
             return
-        previous = self._current_step
-        if previous is not None and self._recorder.has_windows:
-            self._exit_step(previous)
-        self._current_step = step
-        armed = self._armed
-        if armed.plan.windows or self._recorder.has_windows:
-            self._enter_step(step, armed)
+        if step != self._current_step:
+            previous = self._current_step
+            if previous is not None and self._recorder.has_windows:
+                self._exit_step(previous)
+            self._current_step = step
+            armed = self._armed
+            if armed.plan.windows or self._recorder.has_windows:
+                self._enter_step(step, armed)
+        self._recorder.unfollowed = None  # following again: later gaps are the loop's own
 
     def _enter_step(self, step: int | None, armed: ArmedPlan) -> None:
         if step is None:

@@ -141,8 +141,12 @@ class Channel:
         take_times: Callable[[], MarkDurations | None] | None = None,
         times_every_s: float = TIMES_EVERY_S,
         absent_warn_s: float = ABSENT_WARN_S,
+        on_down: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_down``: poller thread, when a registered agent loses the coordinator (it is
+        down, restarting, or forgot the agent); not when the agent moves between links."""
         self.info = info
+        self._on_down = on_down
         self._absent_warn_s = absent_warn_s
         #: This process's offset to the coordinator's clock (None until measured); traces
         #: written from now on carry it.
@@ -311,7 +315,7 @@ class Channel:
                     self.info.agent_id, self._version, self._current_step(), self._poll_timeout
                 )
                 if not reply.known:
-                    self._registered.clear()
+                    self._lost()
                     self._forget_link()
                     # closing: the answer may come from the coordinator that just took the
                     # `closed` event, whose acknowledgement is on its way to the reporter
@@ -324,7 +328,7 @@ class Channel:
                 self._forget_link()
                 log.info("profd: agent %s: %s; connecting again", self.info.agent_id, exc)
             except LinkDown as exc:
-                self._registered.clear()
+                self._lost()
                 self._forget_link()
                 if self._stop.is_set():
                     return  # shutting down: the coordinator going away is expected
@@ -332,7 +336,7 @@ class Channel:
                 attempt += 1
                 self._backoff(attempt)
             except Exception:
-                self._registered.clear()
+                self._lost()
                 self._forget_link()
                 if self._stop.is_set():
                     return
@@ -342,6 +346,17 @@ class Channel:
                 attempt += 1
                 self._backoff(attempt)
         self._forget_link()  # stopped
+
+    def _lost(self) -> None:
+        """Poller thread: not registered any more; the agent is told once per loss (not
+        while it is leaving: then the coordinator forgetting it is the point)."""
+        was = self._registered.is_set()
+        self._registered.clear()
+        if was and not self._leaving.is_set() and not self._stop.is_set():
+            try:
+                self._on_down()
+            except Exception:  # the poller goes on whatever the agent does with it
+                log.debug("profd: the agent's on_down failed", exc_info=True)
 
     def _say_absent(self, waited_s: float) -> None:
         if self._was_registered or waited_s < self._absent_warn_s:
@@ -441,7 +456,7 @@ class Channel:
                 self._backoff(attempt)
                 continue
             if not known:
-                self._registered.clear()
+                self._lost()
                 continue
             if any(e.kind is EventKind.CLOSED for e in pending):
                 self._left.set()

@@ -43,6 +43,16 @@ __all__ = ["Recorder"]
 
 log = logging.getLogger(__name__)
 
+#: Why a followed worker's step was cut, and why those it then skipped were not recorded.
+CUT = (
+    "cut short: the coordinator went out of reach during this step, and a worker sees the "
+    "driver's steps end only through it"
+)
+UNFOLLOWED = (
+    "not followed: the coordinator was out of reach, and a worker learns the driver's steps "
+    "only through it"
+)
+
 
 class Recorder:
     """Window logic of one agent. ``enter_step`` / ``exit_step`` / ``close`` run on the
@@ -79,6 +89,9 @@ class Recorder:
         #: (marks read it on every call); written only through :meth:`_activate`.
         self.active: Scope | None = None
         self._on_active = on_active
+        #: Why steps a followed worker skips went unrecorded, while it could not follow the
+        #: driver (None: they were not entered; see :meth:`cut_followed`).
+        self.unfollowed: str | None = None
 
     def _activate(self, scope: Scope | None) -> None:
         """Set :attr:`active`, telling the agent when recording starts or stops."""
@@ -189,6 +202,26 @@ class Recorder:
             self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id, step))
         self._activate(ws.scope)
 
+    def cut_followed(self, step: int | None) -> None:
+        """A worker that follows a driver lost the coordinator during ``step``: the step's
+        end cannot be seen, so what it recorded is written now and the step counted missed
+        (continuous windows: the rest of its group too); steps it skips until it follows
+        again are missed for the same reason."""
+        self.unfollowed = UNFOLLOWED
+        try:
+            for ws in list(self._windows.values()):
+                scope = ws.scope
+                try:
+                    if isinstance(scope, ContinuousScope) and step in scope.group:
+                        self._close_scope(ws, CUT)
+                    elif isinstance(scope, DiscreteScope):
+                        self._close_scope(ws)  # each stage's trace is whole by itself
+                    self._maybe_done(ws)
+                except Exception as exc:
+                    self.fault(ws, exc)
+        finally:
+            self._refresh_wake()
+
     def exit_step(self, step: int) -> None:
         try:
             for ws in list(self._windows.values()):
@@ -231,7 +264,7 @@ class Recorder:
         if arrived is not None and arrived >= late[0]:
             reason = f"the plan arrived during step {arrived}, after step {late[0]} had begun"
         else:
-            reason = "the loop never entered these steps"
+            reason = self.unfollowed or "the loop never entered these steps"
         self._mark_missed(ws, late, reason)
 
     def _mark_missed(self, ws: WindowState, steps: list[int], reason: str) -> None:
@@ -322,9 +355,9 @@ class Recorder:
         leftover = [s for s in scope.group if s not in scope.done]
         with self._lock:
             ws.handled.update(scope.group)
-        scope.close()
-        if leftover:
+        if leftover:  # before the file is written: a step cut short never counts as recorded
             self._mark_missed(ws, leftover, leftover_reason)
+        scope.close()
 
     def _on_export_done(self, job: ExportJob, files: list[WrittenFile], error: str | None) -> None:
         ticket: Ticket = job.context
@@ -358,7 +391,7 @@ class Recorder:
             ticket.settled = True
             ws.open_tickets -= 1
             if ticket.files:
-                ws.recorded.update(ticket.steps)
+                ws.recorded.update(s for s in ticket.steps if s not in ws.missed)
         if not ticket.files and not ticket.errors and ticket.steps:
             self._emit(
                 AgentEvent(

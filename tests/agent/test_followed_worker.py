@@ -1,0 +1,149 @@
+"""A single-controller worker follows its driver's steps through the coordinator (it marks
+stages, never steps). What used to go wrong on a live job: a cancelled session's window, or
+one open while the coordinator was down, kept the worker's profiler running until some
+other plan reached it (seconds to minutes of profiler cost folded into one "step"). Here the
+real torch backend records; the coordinator is a link whose plans and outages the test sets.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from profd.agent import ProfilerAgent
+from profd.agent.channel import LinkDown
+from profd.agent.recorder import CUT, UNFOLLOWED
+from profd.core.protocol import AgentPlan, EventKind, PollReply, WindowPlan
+
+from helpers import wait_until
+
+
+@dataclass
+class Reg:
+    plan: AgentPlan
+    poll_timeout_s: float = 0.2
+
+
+class Link:
+    """The coordinator as a worker sees it: plans by long-poll, events, and outages."""
+
+    def __init__(self) -> None:
+        self.plan = AgentPlan(version=1)
+        self.events: list = []
+        self.down = False
+        self.registrations = 0
+        self._cond = threading.Condition()
+
+    def set_plan(self, **kw) -> None:
+        with self._cond:
+            self.plan = AgentPlan(version=self.plan.version + 1, **kw)
+            self._cond.notify_all()
+
+    def _reachable(self) -> None:
+        if self.down:
+            raise LinkDown("coordinator gone")
+
+    def register(self, info, step) -> Reg:
+        self._reachable()
+        self.registrations += 1
+        return Reg(self.plan)
+
+    def poll(self, agent_id, version, step, timeout) -> PollReply:
+        self._reachable()
+        with self._cond:
+            if self.plan.version == version:
+                self._cond.wait(timeout)
+        self._reachable()
+        return PollReply(plan=self.plan if self.plan.version != version else None)
+
+    def report(self, agent_id, events) -> bool:
+        self._reachable()
+        self.events.extend(events)
+        return True
+
+    def clock_ns(self) -> int:
+        self._reachable()
+        return time.time_ns()
+
+    def said(self, kind: EventKind) -> list:
+        return [e for e in list(self.events) if e.kind is kind and e.session_id == "s1"]
+
+
+def window(tmp_path: Path, steps: tuple[int, ...], groups) -> WindowPlan:
+    return WindowPlan("s1", "torch", steps, groups, False, {}, str(tmp_path), "*")
+
+
+def work(agent: ProfilerAgent) -> None:
+    """One call of the driver into the worker: a stage, some torch."""
+    with agent.stage("update_critic"):
+        torch.ones(32).sum()
+
+
+def test_a_cancelled_window_stops_at_the_workers_next_stage(tmp_path: Path) -> None:
+    """The driver goes on announcing steps, but not to this worker (its window is gone): the
+    collection is stopped at its next stage mark and what it recorded is written."""
+    link = Link()
+    agent = ProfilerAgent("critic", 0, 1, find_link=lambda: link, poll_timeout_s=0.2).start()
+    try:
+        wait_until(lambda: agent.connected, 10, what="registered")
+        link.set_plan(windows=(window(tmp_path, tuple(range(3, 11)), (tuple(range(3, 11)),)),),
+                      controller_step=3)  # fmt: skip
+        wait_until(lambda: agent.plan.windows, 10, what="plan")
+        work(agent)
+        assert agent.recording and agent.current_step == 3
+        link.set_plan(controller_step=3)  # cancelled: the window leaves, no new step
+        wait_until(lambda: not agent.plan.windows, 10, what="the cancel")
+        work(agent)
+        assert not agent.recording
+        wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
+        (trace,) = link.said(EventKind.TRACE)
+        assert Path(trace.payload.path).exists()
+        (missed,) = link.said(EventKind.MISSED)
+        assert missed.payload.steps == tuple(range(3, 11))
+        assert "the session ended before these steps" in missed.message
+    finally:
+        agent.close(10)
+
+
+def test_a_coordinator_outage_cuts_the_followed_step_and_names_the_gap(tmp_path: Path) -> None:
+    """The coordinator goes away during step 3 (``profd down``, a crash): the worker cannot
+    see step 3 end, so it is cut at the next stage (written, counted missed, saying why);
+    steps the worker could not follow are missed for that reason, not "never entered";
+    once the coordinator is back the next announced step records again."""
+    link = Link()
+    agent = ProfilerAgent("critic", 0, 1, find_link=lambda: link, poll_timeout_s=0.2).start()
+    try:
+        wait_until(lambda: agent.connected, 10, what="registered")
+        plan = dict(windows=(window(tmp_path, (3, 4, 5), ((3,), (4,), (5,))),))
+        link.set_plan(**plan, controller_step=3)
+        wait_until(lambda: agent.plan.windows, 10, what="plan")
+        work(agent)
+        assert agent.recording
+        link.down = True
+        with link._cond:
+            link._cond.notify_all()  # the parked poll returns and finds the link down
+        wait_until(lambda: not agent.connected, 10, what="the outage seen")
+        work(agent)
+        assert not agent.recording  # cut, not recording through the outage
+        link.down = False
+        wait_until(lambda: link.registrations == 2, 20, what="registered again")
+        link.set_plan(**plan, controller_step=5)
+        wait_until(lambda: agent.plan.controller_step == 5, 10, what="step 5")
+        work(agent)
+        assert agent.recording and agent.current_step == 5
+        link.set_plan(**plan, controller_step=6)
+        wait_until(lambda: agent.plan.controller_step == 6, 10, what="step 6")
+        work(agent)
+        wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
+        missed = {e.payload.steps: e.message for e in link.said(EventKind.MISSED)}
+        assert missed == {(3,): CUT, (4,): UNFOLLOWED}
+        done = link.said(EventKind.PART_DONE)[0].payload
+        assert (done.recorded, done.missed) == ((5,), (3, 4))
+        traces = sorted(tuple(e.payload.steps) for e in link.said(EventKind.TRACE))
+        assert traces == [(3,), (5,)]  # step 3's trace as far as it went, kept
+    finally:
+        agent.close(10)
