@@ -80,6 +80,10 @@ def build_request(
                 if looks_like_verl(loaded)
                 else dict(loaded)
             )
+        except OSError as exc:  # missing, a folder, unreadable: said, not a traceback
+            raise typer.BadParameter(
+                f"cannot read {config}: {exc.strerror or exc}", param_hint="--config"
+            ) from None
         except (ValueError, yaml.YAMLError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--config") from None
     if tool:

@@ -297,6 +297,15 @@ def test_duration_replaces_the_window_of_a_config(tmp_path: Path) -> None:
     assert body["next_steps"] == 2 and "steps" not in body and "duration_s" not in body
 
 
+def test_a_config_that_cannot_be_read_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
+    env = dict(os.environ, HOME=str(tmp_path), PROFD_STATE_DIR=str(tmp_path / "s"), COLUMNS="400")
+    for path, said in [(tmp_path / "nope.yaml", "No such file"), (tmp_path, "Is a directory")]:
+        r = cli(["profile", "--config", str(path), "--next-steps", "1"], env)
+        err = " ".join(r.stderr.split())
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"cannot read {path}: {said}" in err and "--config" in err, r.stderr
+
+
 # -- profd profile --wait -------------------------------------------------------------------
 def test_wait_shows_steps_recorded_live_and_a_short_end_differently(
     sidecar: Any, local_coordinator: Any, tmp_path: Path
