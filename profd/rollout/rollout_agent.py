@@ -271,8 +271,11 @@ class RolloutAgent:
             start_error=error,
         )
 
-    def finish_window(self, session_id: str) -> WindowOutcome:
-        """Stop the engine's profiler, wait for its files, relocate them. Never raises."""
+    def finish_window(
+        self, session_id: str, on_stopped: Callable[[], None] | None = None
+    ) -> WindowOutcome:
+        """Stop the engine's profiler, wait for its files, relocate them. Never raises.
+        ``on_stopped``: called once the engine is stopped, before the wait for its files."""
         with self._lock:
             window = self._window
             if window is None or window.session_id != session_id or window.finishing:
@@ -284,7 +287,7 @@ class RolloutAgent:
                 return self._outcome(session_id, WindowMode.CONTINUOUS, [why], [], None)
             window.finishing = True
         try:
-            return self._finish(window)
+            return finish_open_window(self, window, on_stopped)
         except Exception as exc:
             log.exception("replica %d: finishing session %s failed", self.replica_index, session_id)
             return self._outcome(
@@ -319,9 +322,6 @@ class RolloutAgent:
         return self.finish_window(session_id)
 
     # -- internals -------------------------------------------------------------------------
-    def _finish(self, w: OpenWindow) -> WindowOutcome:
-        return finish_open_window(self, w)
-
     def _outcome(
         self,
         session_id: str,

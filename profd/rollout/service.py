@@ -70,6 +70,20 @@ class _Window:
         return set(self.plan.steps) <= self.recorded | set(self.missed)
 
 
+class _Confirm:
+    """A phase's confirmation to the driver, sent once: when the window's engine stopped
+    (the driver waits for that, not for the files), else after the phase was handled."""
+
+    def __init__(self, emit: Callable[[AgentEvent], None], event: AgentEvent) -> None:
+        self._emit = emit
+        self._event: AgentEvent | None = event
+
+    def __call__(self) -> None:
+        event, self._event = self._event, None
+        if event is not None:
+            self._emit(event)
+
+
 class RolloutService:
     """Registers one replica and runs its windows; see the module docstring."""
 
@@ -183,13 +197,18 @@ class RolloutService:
         phase = (plan.controller_step, plan.controller_phase)
         if phase != self._phase and phase[0] is not None and phase[1] is not None:
             self._phase = phase
+            step, now = int(phase[0]), ControllerPhase(phase[1])
             for w in list(self._windows.values()):
-                self._on_phase(w, int(phase[0]), ControllerPhase(phase[1]))
-                done = PhaseDone(int(phase[0]), ControllerPhase(phase[1]))
-                self._emit(AgentEvent(EventKind.PHASE, w.plan.session_id, phase[0], payload=done))
+                done = PhaseDone(step, now)
+                sid = w.plan.session_id
+                confirm = _Confirm(self._emit, AgentEvent(EventKind.PHASE, sid, step, payload=done))
+                self._on_phase(w, step, now, confirm)
+                confirm()  # once: a window that ended confirmed when its engine stopped
 
     # -- step windows ------------------------------------------------------------------------
-    def _on_phase(self, w: _Window, step: int, phase: ControllerPhase) -> None:
+    def _on_phase(
+        self, w: _Window, step: int, phase: ControllerPhase, confirm: Callable[[], None]
+    ) -> None:
         P = ControllerPhase
         starts = phase is (P.ROLLOUT_BEGIN if self.colocated else P.STEP_BEGIN)
         ends = phase is (P.ROLLOUT_END if self.colocated else P.STEP_END)
@@ -205,7 +224,7 @@ class RolloutService:
             self._start(w, step)
         elif ends and w.open_group is not None and step in w.open_group:
             if step == w.open_group[-1] or step + 1 not in w.plan.steps:
-                self._finish(w)
+                self._finish(w, confirm)
         elif (
             phase is P.STEP_END
             and self.colocated
@@ -249,10 +268,10 @@ class RolloutService:
         for s in w.group_of[step]:
             w.missed.setdefault(s, reason)
 
-    def _finish(self, w: _Window) -> None:
+    def _finish(self, w: _Window, on_stopped: Callable[[], None] | None = None) -> None:
         group, w.open_group = w.open_group or (), None
         self._emit(AgentEvent(EventKind.COLLECTING, w.plan.session_id))
-        outcome = self.agent.finish_window(w.plan.session_id)
+        outcome = self.agent.finish_window(w.plan.session_id, on_stopped)
         if self._report(w, outcome, group):
             w.recorded.update(group)
         else:

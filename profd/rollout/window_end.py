@@ -8,7 +8,7 @@ warning. No Ray import.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,13 +56,19 @@ class OpenWindow:
     finishing: bool = False
 
 
-def finish_open_window(agent: RolloutAgent, w: OpenWindow) -> WindowOutcome:
-    """Stop the engine, wait for its files, relocate them and judge the window."""
+def finish_open_window(
+    agent: RolloutAgent, w: OpenWindow, on_stopped: Callable[[], None] | None = None
+) -> WindowOutcome:
+    """Stop the engine, wait for its files, relocate them and judge the window.
+    ``on_stopped``: called once the engine's profiler is stopped (or its stop failed),
+    before the wait for files: a driver waiting on the stop goes on then, not seconds later
+    when the files have settled."""
     problems: list[str] = []
     warnings = list(w.warnings)
     if w.start_error:
         if w.start_uncertain:
             warnings.append(_stop_quietly(agent))
+        _told(on_stopped)
         return window_outcome(agent, w.session_id, w.mode, [w.start_error], warnings, w.started_at)
     policy = agent.flush
     stopped = False
@@ -77,6 +83,7 @@ def finish_open_window(agent: RolloutAgent, w: OpenWindow) -> WindowOutcome:
     except Exception as exc:
         log.exception("replica %d: engine stop raised", agent.replica_index)
         problems.append(f"stop failed: {type(exc).__name__}: {exc}")
+    _told(on_stopped)
     waited, reloc = collect_engine_files(
         w.window_dir,
         w.baseline,
@@ -116,6 +123,15 @@ def finish_open_window(agent: RolloutAgent, w: OpenWindow) -> WindowOutcome:
         tuple(unfinished),
         reloc.side_files,
     )
+
+
+def _told(on_stopped: Callable[[], None] | None) -> None:
+    if on_stopped is None:
+        return
+    try:
+        on_stopped()
+    except Exception:  # whoever waits is told by the caller instead; the files still matter
+        log.exception("telling that the engine stopped failed")
 
 
 def _record_start(agent: RolloutAgent, w: OpenWindow, files: Sequence[RelocatedFile]) -> list[str]:

@@ -342,3 +342,44 @@ def test_launch_time_session_adopts_a_colocated_replica_and_its_training_rank(
         finally:
             svc.close(timeout=30)
             actor.close()
+
+
+def test_the_driver_waits_for_the_engines_stop_not_for_its_files(local_coordinator, tmp_path):
+    """A profiled rollout step: the driver's ``rollout()`` returns once the colocated engine
+    has stopped, and the wait for its files (an engine's files settle for ``settle_s``, 2 s by
+    default) goes on after; it used to be the driver's, about 2 s of every profiled step that
+    the job's own timeline showed as idle."""
+    import time
+
+    from profd.rollout.relocate import FlushWait
+
+    slow_settle = FlushWait(settle_s=4.0, poll_s=0.1, timeout_s=60, first_file_timeout_s=30)
+    fake, agent = vllm_pair(tmp_path, replica=0, tp=1, flush=slow_settle)
+    with fake:
+        svc = RolloutService(
+            agent, replicas=1, colocated=True, find_link=local_coordinator.link,
+            poll_timeout_s=1.0,
+        ).start()  # fmt: skip
+        ctl = Controller(lambda: local_coordinator, timeout_s=10, rollout_timeout_s=60)
+        try:
+            wait_until(lambda: svc.connected, 10, what="replica registered")
+            with ctl.step(1):
+                pass
+            view = local_coordinator.call(
+                "create_session", {"next_steps": 1, "roles": {"rollout": {"all_ranks": True}}}
+            )
+            (step,) = view.steps
+            waits = {}
+            for n in range(2, step + 2):
+                with ctl.step(n):
+                    started = time.monotonic()
+                    with ctl.rollout():
+                        fake.advance(2)
+                    waits[n] = time.monotonic() - started
+            view = wait_terminal(local_coordinator, view.session_id, timeout=60)
+        finally:
+            ctl.close()
+            svc.close(timeout=30)
+    assert view.state.value == "done", view.reason
+    assert [t.steps for t in view.traces] == [[step]]
+    assert waits[step] < 3.0, waits  # the stop, not the 4 s settle of its files
