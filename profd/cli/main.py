@@ -192,14 +192,16 @@ def sessions(
         _say_more(*hint, cursor is not None, to_stderr=True)
         return
     table = Table(title="Sessions")
+    whole = ("session", "state", "tool", "by")  # ids and words whole; the reason wraps
     for col in ("session", "state", "tool", "steps", "targets", "traces", "by", "reason"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("session", "by"))  # ids whole
+        wide = 12 if col == "reason" else None
+        table.add_column(col, overflow="fold", no_wrap=col in whole, min_width=wide)
     for s in data:
         table.add_row(
             s["session_id"],
             s["state"],
             s["tool"],
-            str(s["steps"]),
+            _steps_shown(s),
             str(len(s["targets"])),
             str(len(s["traces"])),
             s.get("trigger_id") or "request",  # what started it: a trigger (profd watch)
@@ -207,6 +209,16 @@ def sessions(
         )
     console.print(table)
     _say_more(*hint, cursor is not None, to_stderr=False)
+
+
+def _steps_shown(session: dict[str, Any]) -> str:
+    """A session's steps as runs (``82-111``, not thirty numbers), or its timed window."""
+    from profd.actors.selection import rank_ranges
+
+    if session.get("steps"):
+        return rank_ranges(session["steps"])
+    duration = (session.get("request") or {}).get("duration_s")
+    return f"{duration:g} s" if duration else "-"
 
 
 @app.command()

@@ -194,7 +194,7 @@ class _SessionPoll:
                 ) from None
             return None
         if self.down_since is not None and not self.quiet:
-            err_console.print("  the sidecar answers again", markup=False, highlight=False)
+            err_console.print("  profd answers again", markup=False, highlight=False)
         self.down_since = None
         return view
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from profd.actors.selection import rank_ranges
 from profd.cli.client import CliError
 from profd.cli.common import JsonOpt, UrlOpt, console, fail, print_json, sidecar_client
 
@@ -29,7 +30,7 @@ def _who(ranks: list[dict[str, Any]]) -> str:
     by_role: dict[str, list[int]] = {}
     for r in ranks:
         by_role.setdefault(r["role"], []).append(r["rank"])
-    return "; ".join(f"{role} rank(s) {', '.join(map(str, rs))}" for role, rs in by_role.items())
+    return "; ".join(f"{role} rank(s) {rank_ranges(rs)}" for role, rs in by_role.items())
 
 
 def print_stacks(view: dict[str, Any], depth: int | None = None) -> None:

@@ -233,7 +233,13 @@ def _reraise(method: str, exc: BaseException) -> None:
             raise cause from None
         raise exc
     if isinstance(exc, _unanswered()):
-        message = f"the profd coordinator did not answer {method}: {exc}"
+        if "restarting" in str(exc).lower():  # Ray's ActorUnavailableError, in its words
+            message = (
+                f"the profd coordinator is restarting (Ray restarts it after a crash, from its "
+                f"state); {method} can be asked again in a few seconds"
+            )
+        else:
+            message = f"the profd coordinator did not answer {method}: {exc}"
         raise CoordinatorUnavailable(message) from exc
     raise exc
 

@@ -297,6 +297,16 @@ def test_duration_replaces_the_window_of_a_config(tmp_path: Path) -> None:
     assert body["next_steps"] == 2 and "steps" not in body and "duration_s" not in body
 
 
+def test_sessions_show_steps_as_runs_and_timed_windows_by_their_length() -> None:
+    """`profd sessions` at 80 columns: thirty steps printed one number a line, the state
+    wrapped ("parti|al"); steps are runs now and the state is whole."""
+    from profd.cli.main import _steps_shown
+
+    assert _steps_shown({"steps": [*range(82, 112), 120]}) == "82-111,120"
+    assert _steps_shown({"steps": [], "request": {"duration_s": 2.5}}) == "2.5 s"
+    assert _steps_shown({"steps": None, "request": {}}) == "-"
+
+
 def test_a_config_that_cannot_be_read_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
     env = dict(os.environ, HOME=str(tmp_path), PROFD_STATE_DIR=str(tmp_path / "s"), COLUMNS="400")
     for path, said in [(tmp_path / "nope.yaml", "No such file"), (tmp_path, "Is a directory")]:
@@ -441,7 +451,7 @@ def test_wait_rides_out_a_sidecar_restart_and_names_its_session_first(
             a.close(timeout=10)
     err_text = flat(err_path.read_text())
     assert proc.returncode == 0, out + err_text
-    assert "the sidecar answers again" in err_text
+    assert "profd answers again" in err_text
     outcome = [x for x in out.splitlines() if x.startswith(f"session {sid} ")][-1]
     assert "DONE" in outcome and "4/4 steps recorded" in outcome, out
 

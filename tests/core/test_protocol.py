@@ -106,3 +106,29 @@ def test_every_message_pickles_as_its_constructor_and_its_fields() -> None:
 
     with pytest.raises(TypeError, match="every field must be an __init__ argument"):
         fast_pickle(Derived)
+
+
+def test_a_restarting_coordinator_is_named_as_such_not_in_rays_words() -> None:
+    """`profd status` while Ray restarts a crashed coordinator printed Ray's raw "IOError:
+    The actor is restarting.." as an HTTP 503; it says what is going on now."""
+    import asyncio
+
+    import pytest
+    from ray import exceptions as rx
+
+    from profd.core.errors import CoordinatorUnavailable
+    from profd.core.ray_env import acall_coordinator
+
+    class Handle:
+        class status:  # as a Ray actor handle's method
+            @staticmethod
+            def remote() -> object:
+                async def fail() -> None:
+                    raise rx.ActorUnavailableError("The actor is restarting.", None)
+
+                return fail()
+
+    with pytest.raises(CoordinatorUnavailable) as exc:
+        asyncio.run(acall_coordinator(Handle(), "status"))
+    assert str(exc.value).startswith("the profd coordinator is restarting (Ray restarts it")
+    assert "status can be asked again in a few seconds" in str(exc.value)
