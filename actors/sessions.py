@@ -326,7 +326,15 @@ class Session:
     def apply(self, agent_id: str, event: AgentEvent) -> None:
         """Update the part of ``agent_id`` from one of its events."""
         part = self.targets.get(agent_id)
-        if part is None or part.state.is_terminal:
+        if part is None:
+            return
+        if part.state.is_terminal:
+            # a file written after the part ended (a cancel stops a window at the agent's
+            # next mark; a timed window's engine flushes late) is still the part's: the
+            # session's traces and its parts' never disagree
+            if isinstance(event.payload, TraceWritten):
+                self.dirty_parts.add(agent_id)
+                self._on_trace(part, event.payload)
             return
         self.dirty_parts.add(agent_id)
         match event.payload:

@@ -306,11 +306,13 @@ class Recorder:
         window = ticket.ws.window
         with self._lock:
             ticket.pending += len(outputs)
+            # a step cut short (missed, said why) is in the file, but no step it holds whole
+            steps = tuple(s for s in ticket.steps if s not in ticket.ws.missed)
         for output in outputs:
             self._exporter.submit(
                 ExportJob(
                     window.session_id,
-                    tuple(ticket.steps),
+                    steps,
                     ticket.label,
                     window.tool,
                     output,

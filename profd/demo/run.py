@@ -30,6 +30,7 @@ from rich.table import Table
 
 from profd.cli.client import ApiClient, format_bytes
 from profd.cli.ray_cluster import start_services
+from profd.cli.traces_view import steps_cell
 from profd.core.constants import NAMESPACE
 from profd.core.ray_env import apply_loopback_env, init_local_ray, is_local_address
 from profd.core.settings import ProfdSettings, SidecarConfig
@@ -133,8 +134,7 @@ def trace_table(traces: list[dict[str, Any]], cwd: Path | None = None) -> Table:
             col, overflow="fold", justify="right" if col in ("rank", "size") else "left"
         )
     for t in traces:
-        steps = t["steps"]
-        step = str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+        step = steps_cell(t["steps"])
         name = t["file_name"] if common else t["path"]
         table.add_row(t["role"], str(t["rank"]), step, format_bytes(t["bytes"]), name)
     return table

@@ -116,14 +116,21 @@ def test_lost_agent_and_cancel_and_deadline() -> None:
     assert all(p.state is PartState.EXPIRED for p in late.targets.values())
 
 
-def test_events_for_unknown_agents_or_after_the_end_are_ignored() -> None:
+def test_events_for_unknown_agents_or_after_the_end_are_ignored_but_its_files() -> None:
+    """After a part ended only its files still count: a cancel stops a window at the
+    agent's next mark, so the file of what it recorded comes after; the session's traces
+    and its parts' listed 21 and 18 on a live job."""
     s = make(agents=("a",))
     s.resolve_steps((3,))
     s.apply("zzz", trace("t", [3]))
     s.cancel("x")
     run(s)
+    s.apply("a", ev(EventKind.ERROR, message="late"))
+    s.apply("a", ev(EventKind.PART_DONE, payload=PartDone((3,))))
     s.apply("a", trace("t", [3]))
-    assert s.targets["a"].traces == []
+    part = s.targets["a"]
+    assert part.traces == ["t"] and part.errors == [] and part.state is PartState.CANCELLED
+    assert s.state is SessionState.CANCELLED and run(s) == []
 
 
 def test_progress_counts_recorded_steps_and_stays_short_when_cancelled() -> None:
