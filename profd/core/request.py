@@ -446,7 +446,9 @@ def field_errors(exc: ValidationError | list[dict[str, Any]], root: str = "") ->
         if err.get("type") == "json_invalid" and loc[-1:] and isinstance(loc[-1], int):
             # FastAPI puts the character offset where a field would be: ("body", 17)
             loc, msg = loc[:-1], f"{msg} at character {loc[-1]}"
-        path = _dotted(loc) or ("body" if err.get("type") == "json_invalid" else "")
+        # the whole request body (not JSON, or JSON of the wrong shape: ``[1, 2]``) is "body"
+        whole = err.get("type") == "json_invalid" or loc[:1] == ("body",)
+        path = _dotted(loc) or ("body" if whole else "")
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         m = _FIELD_PREFIX.match(msg)
         if m:

@@ -68,6 +68,10 @@ def test_unreadable_body_is_422_naming_the_body(url: str) -> None:
     )
     assert r.status_code == 422, r.text
     assert r.json()["error"] == "invalid_request" and r.json()["fields"][0]["field"] == "body"
+    for shape in ([1, 2], "steps", 3):  # JSON, but not an object: named "body", not ""
+        r = httpx.post(f"{url}/api/v1/sessions", json=shape, headers=AUTH)
+        assert r.status_code == 422 and r.json()["fields"][0]["field"] == "body", r.text
+        assert r.json()["message"].startswith("body: ")
 
 
 def test_create_list_get_cancel_and_listing_filters(url: str, local_coordinator) -> None:
