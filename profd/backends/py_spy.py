@@ -175,7 +175,8 @@ class _PySpyOutput(PendingOutput):
 #: (the training thread): py-spy leaves idle threads out.
 NO_SAMPLES = (
     "no samples of the training thread: it was idle (sleeping or waiting) throughout; "
-    "tool_config.py_spy.idle: true samples idle threads too"
+    "roles.<role>.tool_config.py_spy.idle: true samples idle threads too (from the CLI: "
+    "--config with `tool: py_spy` and `roles: {'*': {tool_config: {py_spy: {idle: true}}}}`)"
 )
 NO_SAMPLES_IDLE = "no samples of the training thread: the window was too short for one"
 
