@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 from profd.core.errors import RequestInvalid
 from profd.core.protocol import DriverAck
-from profd.core.states import ControllerPhase
+from profd.core.states import ControllerPhase, PartState
 
 if TYPE_CHECKING:
     from profd.actors.planbook import PlanBook
     from profd.actors.registry import AgentRecord, AgentRegistry
-    from profd.actors.sessions import Session
+    from profd.actors.sessions import Part, Session
 
 __all__ = ["DriverTable"]
 
@@ -199,8 +199,12 @@ class DriverTable:
         def pending() -> list[str]:
             out = []
             for aid in agents:
-                parts = [s.targets[aid] for s in self._live_sessions() if aid in s.targets]
-                if any(p.last_phase != [step, phase] and not p.state.is_terminal for p in parts):
+                held = (
+                    _holds(s, s.targets[aid], step, phase)
+                    for s in self._live_sessions()
+                    if aid in s.targets
+                )
+                if any(held):
                     out.append(aid)
             return out
 
@@ -213,3 +217,16 @@ class DriverTable:
                 except TimeoutError:
                     pass
         return pending()
+
+
+def _holds(session: Session, part: Part, step: int, phase: str) -> bool:
+    """Whether a rollout agent's part holds the driver at ``(step, phase)``: it has not
+    confirmed it, and is not done with the session's steps. A replica collecting (its
+    engine stopped: it says so only then) after confirming a phase of the session's last
+    step is only handing in its files (seconds for a large window); it records nothing
+    more, so the driver does not wait for it."""
+    if part.state.is_terminal or part.last_phase == [step, phase]:
+        return False
+    last = part.last_phase
+    done_with = bool(last and session.steps and last[0] >= max(session.steps))
+    return not (part.state is PartState.COLLECTING and done_with)

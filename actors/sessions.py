@@ -335,6 +335,8 @@ class Session:
             if isinstance(event.payload, TraceWritten):
                 self.dirty_parts.add(agent_id)
                 self._on_trace(part, event.payload)
+                part.missed -= set(event.payload.steps)  # written late, but written
+                self._recorded_any = self._recorded_any or bool(part.recorded)
             return
         self.dirty_parts.add(agent_id)
         match event.payload:

@@ -156,13 +156,21 @@ class TriggerBook:
 
     def replace(self, trigger_id: str, request: TriggerRequest) -> Trigger:
         """Trigger ``trigger_id`` watches ``request`` from now on, under the same id. Its
-        firings stay (cooldown, the hourly cap and the disk budget count them) and so does a
-        firing still due; what it judged on (straggler verdicts) starts afresh."""
+        firings stay (cooldown, the hourly cap and the disk budget count them), and a firing
+        still due stays if the condition did not change (else it fails, saying why); what it
+        judged on (straggler verdicts) starts afresh."""
         t = self.get(trigger_id)
         fresh = Trigger(trigger_id, request, t.created_at)
         fresh.firings, fresh.fired_at, fresh.last_fired_at = t.firings, t.fired_at, t.last_fired_at
-        fresh.suppressed, fresh.disk_bytes, fresh.due = t.suppressed, t.disk_bytes, t.due
+        fresh.suppressed, fresh.disk_bytes = t.suppressed, t.disk_bytes
         self._triggers[trigger_id] = fresh
+        if t.due is not None and request.when != t.request.when:
+            # judged by the condition replaced: it ends, saying so (its ranks may not be
+            # the new condition's role at all); one of an unchanged condition still fires
+            why = "the trigger's condition was changed before its session started"
+            self._settle(fresh, replace(t.due, state=FiringState.FAILED, error=why))
+        else:
+            fresh.due = t.due
         return fresh
 
     def named(self, name: str) -> Trigger | None:

@@ -19,6 +19,7 @@ the mark re-raises it either way, and a failure to report it is only logged
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -59,6 +60,10 @@ log = logging.getLogger(__name__)
 #: How long ``close`` waits for an agent that is between two links (moving to its node's
 #: relay, or registering again) before it gives up on sending its last events.
 RELINK_WAIT_S = 5.0
+#: A single-controller worker that lost the coordinator this long ago cuts its step in
+#: progress at its next mark (the coordinator restarting takes a few seconds; a longer
+#: outage would be recorded into the one step).
+CUT_AFTER_S = 5.0
 
 
 class ProfilerAgent:
@@ -111,6 +116,7 @@ class ProfilerAgent:
         #: The coordinator went out of reach (poller thread sets, training thread clears):
         #: a worker that follows a driver cannot see the step in progress end.
         self._blind = False
+        self._lost_at = 0.0
         self._closed = False
         self._pid = os.getpid()  # a forked child inherits the object, not the agent
         self._recorder = Recorder(
@@ -130,6 +136,7 @@ class ProfilerAgent:
         """Start looking for the coordinator in the background (idempotent)."""
         if self._channel is not None or self._closed:
             return self
+        channel = None
         try:
             find = self._find_link or _default_find_link()
             if find is None:
@@ -150,6 +157,9 @@ class ProfilerAgent:
             )
             channel.start()
         except Exception:  # never into the job: the agent stays inert, said once
+            if channel is not None:  # a thread may have started: no agent half-attached
+                with contextlib.suppress(Exception):
+                    channel.stop(0.1)
             log.warning(
                 "profd: agent %s could not start and stays inert (training goes on)",
                 self.info.agent_id,
@@ -396,7 +406,8 @@ class ProfilerAgent:
         steps learns them only through it, so the step in progress is cut at the next mark
         (else its window records until the coordinator is back: seconds to minutes of
         profiler cost, all in one "step"). A loop that marks its own steps goes on."""
-        if not self._spmd and self._recorder.has_windows:
+        if not self._spmd and (self._recorder.has_windows or self._armed.plan.windows):
+            self._lost_at = time.monotonic()
             self._blind = True
             self._attention += 1
 
@@ -404,11 +415,7 @@ class ProfilerAgent:
         """Training thread, at a mark: follow the driver's step, open or close timed windows."""
         self._attended = self._attention
         if self._blind:
-            self._blind = False
-            try:
-                self._recorder.cut_followed(self._current_step)
-            except Exception:
-                log.exception("profd: cutting the step in progress failed")
+            self._judge_blind()
         if self._announced != self._followed:
             self._follow_controller()
         try:
@@ -416,6 +423,27 @@ class ProfilerAgent:
         except Exception:
             log.exception("profd: attending to a new plan failed")
         self._sync_wake()
+
+    def _judge_blind(self) -> None:
+        """Training thread, at a mark after the coordinator went out of reach. A blip (a
+        relay restarting, a re-registration) is nothing: back, with the driver's step at
+        most one on, the step is followed as before. Cut the step in progress when the
+        driver moved further meanwhile (the step ended long ago), or when the coordinator is
+        still away after :data:`CUT_AFTER_S` (the profiler would record the outage)."""
+        back = self._channel is not None and self._channel.connected
+        announced, current = self._announced, self._current_step
+        moved_on = announced is not None and current is not None and announced > current + 1
+        if back and not moved_on:
+            self._blind = False
+            return
+        if not back and time.monotonic() - self._lost_at < CUT_AFTER_S:
+            self._attended = -1  # not yet: look again at the next mark
+            return
+        self._blind = False
+        try:
+            self._recorder.cut_followed(current)
+        except Exception:
+            log.exception("profd: cutting the step in progress failed")
 
     def _follow_controller(self) -> None:
         """Training thread: leave the previous step and enter the one the driver announced."""

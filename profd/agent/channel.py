@@ -171,6 +171,9 @@ class Channel:
         self._dropped = 0
         self._seq = 0  # the last event number given (reporter thread)
         self._reregister = False
+        #: Registrations so far (poller thread): an "unknown" answer to a report sent before
+        #: the newest one is stale (the poller registered again meanwhile).
+        self._generation = 0
         self._warned: set[str] = set()
         self._take_times = take_times
         self._times_every_s = times_every_s
@@ -252,6 +255,7 @@ class Channel:
         reg = link.register(self.info, self._current_step())
         self._poll_timeout = float(getattr(reg, "poll_timeout_s", self._poll_timeout))
         self._accept(reg.plan)
+        self._generation += 1
         self._registered.set()
         self._was_registered = True
         log.info("profd: agent %s registered with the coordinator", self.info.agent_id)
@@ -310,6 +314,8 @@ class Channel:
                 if self._reregister:
                     self._reregister = False
                     self._link.register(self.info, self._current_step())
+                    self._generation += 1
+                    self._registered.set()  # (the reporter may be waiting for this one)
                 self._sync_clock(self._link)
                 reply = self._link.poll(
                     self.info.agent_id, self._version, self._current_step(), self._poll_timeout
@@ -445,6 +451,7 @@ class Channel:
                     return
                 self._registered.wait(0.5)
                 continue
+            generation = self._generation
             try:
                 known = link.report(self.info.agent_id, pending)
             except Exception as exc:
@@ -456,7 +463,13 @@ class Channel:
                 self._backoff(attempt)
                 continue
             if not known:
-                self._lost()
+                # The coordinator does not know the agent: the poller registers it again (at
+                # its next turn) and the events go then. An answer older than the newest
+                # registration is not about it: clearing that registration left the agent
+                # waiting for one that had already come, for good.
+                if generation == self._generation:
+                    self._registered.clear()
+                    self._reregister = True
                 continue
             if any(e.kind is EventKind.CLOSED for e in pending):
                 self._left.set()

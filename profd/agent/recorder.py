@@ -204,16 +204,16 @@ class Recorder:
 
     def cut_followed(self, step: int | None) -> None:
         """A worker that follows a driver lost the coordinator during ``step``: the step's
-        end cannot be seen, so what it recorded is written now and the step counted missed
-        (continuous windows: the rest of its group too); steps it skips until it follows
-        again are missed for the same reason."""
+        end cannot be seen, so what it recorded is written now and the step counted missed;
+        steps it skips until it follows again are missed for the same reason, and a later
+        step of the same group records again (a trace named by it) once it is followed."""
         self.unfollowed = UNFOLLOWED
         try:
             for ws in list(self._windows.values()):
                 scope = ws.scope
                 try:
                     if isinstance(scope, ContinuousScope) and step in scope.group:
-                        self._close_scope(ws, CUT)
+                        self._cut(ws, scope, step)
                     elif isinstance(scope, DiscreteScope):
                         self._close_scope(ws)  # each stage's trace is whole by itself
                     self._maybe_done(ws)
@@ -221,6 +221,17 @@ class Recorder:
                     self.fault(ws, exc)
         finally:
             self._refresh_wake()
+
+    def _cut(self, ws: WindowState, scope: ContinuousScope, step: int) -> None:
+        """Close ``scope`` at ``step``, in progress: the steps it finished stay recorded,
+        ``step`` is missed (cut), and the group's later steps stay open to a new scope."""
+        ws.scope = None
+        if self.active is scope:
+            self._activate(None)
+        with self._lock:
+            ws.handled.update(scope.done)
+        self._mark_missed(ws, [step], CUT)  # before the file: never counted recorded
+        scope.close()
 
     def exit_step(self, step: int) -> None:
         try:

@@ -265,8 +265,8 @@ def post_triggers(
             if old is None:
                 made.append(api.post("/api/v1/triggers", body))
             else:
+                changed.append(old)  # first: a PUT applied but not answered is undone too
                 made.append(_put_trigger(api, old["trigger_id"], body))
-                changed.append(old)
         except CliError as exc:
             left = _undo(api, [v for v in made if v["name"] not in replaces], changed)
             kept = f"; could not undo {', '.join(left)}" if left else "; nothing was changed"

@@ -71,8 +71,9 @@ class _Window:
 
 
 class _Confirm:
-    """A phase's confirmation to the driver, sent once: when the window's engine stopped
-    (the driver waits for that, not for the files), else after the phase was handled."""
+    """An event sent once: a phase's confirmation to the driver when the window's engine
+    stopped (the driver waits for that, not for the files), else after the phase was
+    handled; a window's ``collecting`` at its engine's stop."""
 
     def __init__(self, emit: Callable[[AgentEvent], None], event: AgentEvent) -> None:
         self._emit = emit
@@ -270,8 +271,18 @@ class RolloutService:
 
     def _finish(self, w: _Window, on_stopped: Callable[[], None] | None = None) -> None:
         group, w.open_group = w.open_group or (), None
-        self._emit(AgentEvent(EventKind.COLLECTING, w.plan.session_id))
-        outcome = self.agent.finish_window(w.plan.session_id, on_stopped)
+        sid = w.plan.session_id
+        # "collecting" once the engine stopped, never before: the driver reads a replica
+        # collecting the session's last step as done recording (DriverTable's _holds)
+        collecting = _Confirm(self._emit, AgentEvent(EventKind.COLLECTING, sid))
+
+        def stopped() -> None:
+            collecting()
+            if on_stopped is not None:
+                on_stopped()
+
+        outcome = self.agent.finish_window(sid, stopped)
+        collecting()  # (no window was open: nothing was stopped)
         if self._report(w, outcome, group):
             w.recorded.update(group)
         else:

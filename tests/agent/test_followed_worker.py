@@ -109,16 +109,22 @@ def test_a_cancelled_window_stops_at_the_workers_next_stage(tmp_path: Path) -> N
         agent.close(10)
 
 
-def test_a_coordinator_outage_cuts_the_followed_step_and_names_the_gap(tmp_path: Path) -> None:
-    """The coordinator goes away during step 3 (``profd down``, a crash): the worker cannot
-    see step 3 end, so it is cut at the next stage (written, counted missed, saying why);
-    steps the worker could not follow are missed for that reason, not "never entered";
-    once the coordinator is back the next announced step records again."""
+def test_a_coordinator_outage_cuts_the_followed_step_and_names_the_gap(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The coordinator goes away during step 3 of a continuous group (``profd down``, a
+    crash): the worker cannot see step 3 end, so once the outage has lasted (CUT_AFTER_S) it
+    is cut at the next stage (written, counted missed, saying why); steps the worker could
+    not follow are missed for that reason, not "never entered"; once the coordinator is
+    back the group's next announced step records again, in a trace of its own."""
+    from profd.agent import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "CUT_AFTER_S", 0.3)
     link = Link()
     agent = ProfilerAgent("critic", 0, 1, find_link=lambda: link, poll_timeout_s=0.2).start()
     try:
         wait_until(lambda: agent.connected, 10, what="registered")
-        plan = dict(windows=(window(tmp_path, (3, 4, 5), ((3,), (4,), (5,))),))
+        plan = dict(windows=(window(tmp_path, (3, 4, 5, 6), ((3, 4, 5, 6),)),))
         link.set_plan(**plan, controller_step=3)
         wait_until(lambda: agent.plan.windows, 10, what="plan")
         work(agent)
@@ -128,23 +134,54 @@ def test_a_coordinator_outage_cuts_the_followed_step_and_names_the_gap(tmp_path:
             link._cond.notify_all()  # the parked poll returns and finds the link down
         wait_until(lambda: not agent.connected, 10, what="the outage seen")
         work(agent)
-        assert not agent.recording  # cut, not recording through the outage
+        assert agent.recording  # a blip is not an outage: not cut at once
+        wait_until(lambda: work(agent) or not agent.recording, 10, what="the cut")
         link.down = False
         wait_until(lambda: link.registrations == 2, 20, what="registered again")
         link.set_plan(**plan, controller_step=5)
         wait_until(lambda: agent.plan.controller_step == 5, 10, what="step 5")
         work(agent)
         assert agent.recording and agent.current_step == 5
-        link.set_plan(**plan, controller_step=6)
-        wait_until(lambda: agent.plan.controller_step == 6, 10, what="step 6")
+        link.set_plan(**plan, controller_step=7)
+        wait_until(lambda: agent.plan.controller_step == 7, 10, what="step 7")
         work(agent)
         wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
         missed = {e.payload.steps: e.message for e in link.said(EventKind.MISSED)}
-        assert missed == {(3,): CUT, (4,): UNFOLLOWED}
+        assert missed == {(3,): CUT, (4,): UNFOLLOWED, (6,): missed[(6,)]}
         done = link.said(EventKind.PART_DONE)[0].payload
-        assert (done.recorded, done.missed) == ((5,), (3, 4))
+        assert (done.recorded, done.missed) == ((5,), (3, 4, 6))
         traces = sorted(tuple(e.payload.steps) for e in link.said(EventKind.TRACE))
         assert traces == [(), (5,)]  # step 3's trace as far as it went, kept, holding no
-        # whole step (its index entry claims none)
+        # whole step (its index entry claims none); the group went on from step 5
+        assert any("step5" in e.payload.path for e in link.said(EventKind.TRACE))
+    finally:
+        agent.close(10)
+
+
+def test_a_blip_is_not_an_outage(tmp_path: Path) -> None:
+    """The link drops and the agent registers again at once (a relay restarting), the
+    driver still in the same step: nothing is cut; the step records whole."""
+    link = Link()
+    agent = ProfilerAgent("critic", 0, 1, find_link=lambda: link, poll_timeout_s=0.2).start()
+    try:
+        wait_until(lambda: agent.connected, 10, what="registered")
+        plan = dict(windows=(window(tmp_path, (3,), ((3,),)),))
+        link.set_plan(**plan, controller_step=3)
+        wait_until(lambda: agent.plan.windows, 10, what="plan")
+        work(agent)
+        link.down = True
+        with link._cond:
+            link._cond.notify_all()
+        wait_until(lambda: not agent.connected, 10, what="the blip seen")
+        link.down = False
+        wait_until(lambda: agent.connected, 20, what="registered again")
+        work(agent)
+        assert agent.recording  # the same step, still recording
+        link.set_plan(**plan, controller_step=4)
+        wait_until(lambda: agent.plan.controller_step == 4, 10, what="step 4")
+        work(agent)
+        wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
+        assert link.said(EventKind.PART_DONE)[0].payload.recorded == (3,)
+        assert link.said(EventKind.MISSED) == []
     finally:
         agent.close(10)

@@ -130,6 +130,15 @@ def test_events_for_unknown_agents_or_after_the_end_are_ignored_but_its_files() 
     s.apply("a", trace("t", [3]))
     part = s.targets["a"]
     assert part.traces == ["t"] and part.errors == [] and part.state is PartState.CANCELLED
+    assert part.recorded == {3}
+    # an agent that closed while its file was still being written: the step was missed,
+    # the file comes after; recorded, and no longer missed
+    closed = make(agents=("a",))
+    closed.resolve_steps((3,))
+    closed.apply("a", ev(EventKind.CLOSED))
+    assert closed.targets["a"].missed == {3} and closed.targets["a"].state.is_terminal
+    closed.apply("a", trace("t", [3]))
+    assert (closed.targets["a"].recorded, closed.targets["a"].missed) == ({3}, set())
     assert s.state is SessionState.CANCELLED and run(s) == []
 
 

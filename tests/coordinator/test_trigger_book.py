@@ -148,6 +148,16 @@ def test_a_replaced_trigger_keeps_its_id_firings_and_cooldown() -> None:
     assert book.named("slow") is same and book.named("other") is None
     with pytest.raises(KeyError):
         book.replace("trg-none", request())
+    # a firing still due (its ranks busy) was judged by the old condition: an edit of the
+    # condition ends it, saying so; an edit of anything else keeps it
+    other = TriggerBook(clock)
+    t = other.add(request(name="late"))
+    [due] = other.observe("a2", "actor", 2, step(0.31), history_of(samples))
+    assert other.replace(t.trigger_id, request(name="late", cooldown_s=9)).due == due
+    edited = other.replace(t.trigger_id, request(name="late", when={"role": "critic"}))
+    assert edited.due is None and other.due() == []
+    (gone,) = edited.firings
+    assert gone.state is FiringState.FAILED and "condition was changed" in gone.error
 
 
 def test_not_armed_without_history_and_min_ms_and_other_roles_ignored() -> None:
