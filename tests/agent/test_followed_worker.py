@@ -17,7 +17,7 @@ import torch
 from profd.agent import ProfilerAgent
 from profd.agent.channel import LinkDown
 from profd.agent.recorder import CUT, UNFOLLOWED
-from profd.core.protocol import AgentPlan, EventKind, PollReply, WindowPlan
+from profd.core.protocol import AgentEvent, AgentPlan, EventKind, PollReply, WindowPlan
 
 from helpers import wait_until
 
@@ -183,5 +183,48 @@ def test_a_blip_is_not_an_outage(tmp_path: Path) -> None:
         wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
         assert link.said(EventKind.PART_DONE)[0].payload.recorded == (3,)
         assert link.said(EventKind.MISSED) == []
+    finally:
+        agent.close(10)
+
+
+def test_a_stale_unknown_to_a_report_does_not_undo_a_newer_registration(tmp_path: Path) -> None:
+    """The coordinator restarts: a report is answered "unknown" by it before the poller
+    registers again, and the answer lands after. It used to clear the new registration for
+    good (the poller, answered "known" from then on, never set it again): the agent stayed
+    "not connected" and its events never went. Now it is recognised as stale."""
+
+    class StaleLink(Link):
+        forgot = False  # the next poll says "unknown" (a coordinator that restarted)
+        stale = False  # the next report's "unknown" lands after the new registration
+
+        def poll(self, agent_id, version, step, timeout) -> PollReply:
+            if self.forgot:
+                self.forgot = False
+                return PollReply(plan=None, known=False)
+            return super().poll(agent_id, version, step, timeout)
+
+        def report(self, agent_id, events) -> bool:
+            if self.stale:
+                self.stale = False
+                wait_until(lambda: self.registrations == 2, 20, what="registered again")
+                return False
+            return super().report(agent_id, events)
+
+    link = StaleLink()
+    agent = ProfilerAgent("critic", 0, 1, find_link=lambda: link, poll_timeout_s=0.2).start()
+    try:
+        wait_until(lambda: agent.connected, 10, what="registered")
+        link.set_plan(windows=(window(tmp_path, (3,), ((3,),)),), controller_step=3)
+        wait_until(lambda: link.said(EventKind.ARMED), 10, what="armed")
+        link.stale = link.forgot = True
+        agent._emit(AgentEvent(EventKind.ERROR, "s1", None, "first"))
+        wait_until(lambda: link.registrations == 2, 20, what="registered again")
+        agent._emit(AgentEvent(EventKind.ERROR, "s1", None, "second"))
+        wait_until(
+            lambda: [e.message for e in link.said(EventKind.ERROR)] == ["first", "second"],
+            20,
+            what="both events delivered",
+        )
+        assert agent.connected
     finally:
         agent.close(10)
