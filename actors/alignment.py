@@ -26,6 +26,9 @@ __all__ = ["TIMED_GRACE_S", "Alignment", "waiting_note"]
 TIMED_GRACE_S = 300
 #: Lead steps never exceed this, however fast the steps (a window stays near "next").
 MAX_LEAD_STEPS = 50
+#: A target whose step has not moved for this long is stalled (reports show new steps
+#: every second or so while a loop runs): its pace is the time it has stood there.
+STALLED_S = 10.0
 
 
 class _Waiter:
@@ -47,10 +50,12 @@ class Alignment:
         drivers: DriverTable,
         step_seconds: Callable[[str], float | None] = lambda agent_id: None,
         clock: Callable[[], float] = time.time,
+        step_age: Callable[[str, float], float | None] = lambda agent_id, now: None,
     ) -> None:
         self._settings = settings
         self._clock = clock
         self._step_seconds = step_seconds  # an agent's step period (MarkStats.step_period)
+        self._step_age = step_age  # how long it has stood at its step (MarkStats.step_age)
         self._registry = registry
         self._plans = plans
         self._drivers = drivers
@@ -122,10 +127,25 @@ class Alignment:
         loop, not only the time inside its step mark: a 10 ms step every 0.5 s is 0.5 s a
         step, else a next step was 50 steps, 25 s, away)."""
         lead = self._settings.align_lead_steps
-        times = [t for r in recs if (t := self._step_seconds(r.info.agent_id))]
+        times = [t for r in recs if (t := self._pace(r))]
         if times and self._settings.align_lead_s > 0:
             lead = max(lead, math.ceil(self._settings.align_lead_s / max(min(times), 1e-3)))
         return min(lead, MAX_LEAD_STEPS)
+
+    def _pace(self, rec: AgentRecord) -> float | None:
+        """The agent's step period, or how long it has stood at its step when that is far
+        longer (:data:`STALLED_S`) and a fresh report says so: a loop that hangs is not
+        fast, and a window placed by its pace before the hang was 50 steps ahead when it
+        recovered. (One that has not reported for long may be running on: see
+        :meth:`_step_now`.)"""
+        period = self._step_seconds(rec.info.agent_id)
+        if not period:
+            return period
+        now = self._clock()
+        age = self._step_age(rec.info.agent_id, now)
+        if age is not None and age > STALLED_S and now - rec.step_seen <= STALLED_S:
+            return max(period, age)
+        return period
 
     def note_fresh_step(self, agent_id: str) -> None:
         """The agent just reported its current step (it polled)."""

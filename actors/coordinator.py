@@ -146,7 +146,13 @@ class ProfileCoordinator:
             clock, settings.heartbeat_timeout_s, self._registry, self._plans, self._book.live
         )
         self._alignment = Alignment(
-            settings, self._registry, self._plans, self._drivers, self._times.step_period, clock
+            settings,
+            self._registry,
+            self._plans,
+            self._drivers,
+            self._times.step_period,
+            clock,
+            self._times.step_age,
         )
         self._admission = Admission(self._registry, self._book, self._alignment, self._drivers)
         self._triggers = TriggerDesk(

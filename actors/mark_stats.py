@@ -271,6 +271,14 @@ class MarkStats:
             return median
         return max(pace, median or 0.0)
 
+    def step_age(self, agent_id: str, now: float) -> float | None:
+        """Seconds since the agent's reports first showed the step it is at (how long its
+        loop has stood there, to a report's interval); None before any."""
+        a = self._agents.get(agent_id)
+        if a is None or not a.pace:
+            return None
+        return max(0.0, now - a.pace[-1][0])
+
     def recent(self, agent_id: str, mark: str | None, n: int) -> list[float]:
         """The newest ``n`` durations of one agent's step (``mark`` None) or stage."""
         a = self._agents.get(agent_id)

@@ -86,3 +86,31 @@ def test_next_steps_count_the_steps_a_late_report_has_not_told(tmp_path: Path) -
     assert fresh == [16 + 1 + 2]
     assert late == [16 + 4 + 1 + 2]  # 2.1 s at 0.5 s a step: 4 steps since it reported
     assert paused == [16 + 50 + 1 + 2]  # at most MAX_LEAD_STEPS: a paused loop stays near
+
+
+def test_a_hung_loop_is_not_sent_far_ahead_by_its_pace_before_the_hang(tmp_path: Path) -> None:
+    """A fast loop (a step every 10 ms) that hangs: `profd profile --next-steps 1` while it
+    stands at its step placed the window 50 steps ahead (the lead from the fast pace), so
+    the job, once it recovered, ran 50 steps before profd recorded. The time it has stood
+    there is its pace now: the window is the next step but the lead."""
+
+    async def go() -> tuple[list[int] | None, list[int] | None]:
+        coord, clock = make(tmp_path, align_lead_steps=1, align_lead_s=0.6, align_timeout_s=0)
+        await coord.start()
+        await coord.register(info("a", rank=0), 0)
+        step = 0
+        for _ in range(6):  # 100 steps a second, reported each second
+            clock.advance(1.0)
+            step += 100
+            assert await coord.report("a", [times(step, 0.01)])
+        running = await coord.create_session({"next_steps": 1, "roles": EVERY_ACTOR})
+        await coord.cancel_session(running.session_id)
+        for _ in range(30):  # hung: its reports show the same step for 30 s
+            clock.advance(1.0)
+            assert await coord.report("a", [times(step, 0.01)])
+        hung = await coord.create_session({"next_steps": 1, "roles": EVERY_ACTOR})
+        return running.steps, hung.steps
+
+    running, hung = asyncio.run(go())
+    assert running == [600 + 1 + 50]  # 0.6 s at 10 ms a step: the most lead there is
+    assert hung == [600 + 1 + 1]
