@@ -61,9 +61,9 @@ log = logging.getLogger(__name__)
 #: relay, or registering again) before it gives up on sending its last events.
 RELINK_WAIT_S = 5.0
 #: A single-controller worker that lost the coordinator this long ago cuts its step in
-#: progress at its next mark (the coordinator restarting takes a few seconds; a longer
-#: outage would be recorded into the one step).
-CUT_AFTER_S = 5.0
+#: progress at its next mark (else the outage is recorded into that one step); a shorter
+#: loss is judged by the driver's next step (see ``_follow_controller``).
+CUT_AFTER_S = 2.0
 
 
 class ProfilerAgent:
@@ -113,10 +113,12 @@ class ProfilerAgent:
         #: mark (a controller step, a timed window); marks compare it with what they saw.
         self._attention = 0
         self._attended = 0
-        #: The coordinator went out of reach (poller thread sets, training thread clears):
-        #: a worker that follows a driver cannot see the step in progress end.
-        self._blind = False
+        #: Losses of the coordinator (poller thread counts) and those judged (training
+        #: thread): a worker that follows a driver cannot see the step in progress end.
+        self._losses = 0
+        self._losses_judged = 0
         self._lost_at = 0.0
+        self._cut = False  # the step in progress was cut during this outage
         self._closed = False
         self._pid = os.getpid()  # a forked child inherits the object, not the agent
         self._recorder = Recorder(
@@ -407,15 +409,16 @@ class ProfilerAgent:
         (else its window records until the coordinator is back: seconds to minutes of
         profiler cost, all in one "step"). A loop that marks its own steps goes on."""
         if not self._spmd and (self._recorder.has_windows or self._armed.plan.windows):
-            self._lost_at = time.monotonic()
-            self._blind = True
+            if self._losses == self._losses_judged:  # (a second loss: timed from the first)
+                self._lost_at = time.monotonic()
+            self._losses += 1
             self._attention += 1
 
     def _attend(self) -> None:
         """Training thread, at a mark: follow the driver's step, open or close timed windows."""
         self._attended = self._attention
-        if self._blind:
-            self._judge_blind()
+        if self._losses != self._losses_judged:
+            self._judge_loss()
         if self._announced != self._followed:
             self._follow_controller()
         try:
@@ -424,33 +427,41 @@ class ProfilerAgent:
             log.exception("profd: attending to a new plan failed")
         self._sync_wake()
 
-    def _judge_blind(self) -> None:
-        """Training thread, at a mark after the coordinator went out of reach. A blip (a
-        relay restarting, a re-registration) is nothing: back, with the driver's step at
-        most one on, the step is followed as before. Cut the step in progress when the
-        driver moved further meanwhile (the step ended long ago), or when the coordinator is
-        still away after :data:`CUT_AFTER_S` (the profiler would record the outage)."""
-        back = self._channel is not None and self._channel.connected
-        announced, current = self._announced, self._current_step
-        moved_on = announced is not None and current is not None and announced > current + 1
-        if back and not moved_on:
-            self._blind = False
+    def _judge_loss(self) -> None:
+        """Training thread, at a mark after the coordinator went out of reach. Still away
+        after :data:`CUT_AFTER_S`: the step in progress is cut (else the profiler records
+        the outage into it). Back: the next step the driver announces decides
+        (:meth:`_follow_controller`)."""
+        if self._cut or (self._channel is not None and self._channel.connected):
             return
-        if not back and time.monotonic() - self._lost_at < CUT_AFTER_S:
+        if time.monotonic() - self._lost_at < CUT_AFTER_S:
             self._attended = -1  # not yet: look again at the next mark
             return
-        self._blind = False
+        self._cut_followed()
+
+    def _cut_followed(self) -> None:
+        self._cut = True
         try:
-            self._recorder.cut_followed(current)
+            self._recorder.cut_followed(self._current_step)
         except Exception:
             log.exception("profd: cutting the step in progress failed")
 
     def _follow_controller(self) -> None:
-        """Training thread: leave the previous step and enter the one the driver announced."""
+        """Training thread: leave the previous step and enter the one the driver announced.
+        The first step announced after the coordinator was out of reach: if the driver
+        moved more than one step on meanwhile, the step in progress ended long ago (its
+        trace would hold the steps since): it is cut, and the steps between are missed as
+        not followed; one step on, or none, was a blip and the step records whole."""
         step = self._announced
         self._followed = step
         if self._spmd or step is None:
             return
+        losses = self._losses
+        if losses != self._losses_judged and step != self._current_step:
+            current = self._current_step
+            if not self._cut and current is not None and step > current + 1:
+                self._cut_followed()
+            self._losses_judged, self._cut = losses, False
         if step != self._current_step:
             previous = self._current_step
             if previous is not None and self._recorder.has_windows:

@@ -191,24 +191,47 @@ def sessions(
         print_json(data)
         _say_more(*hint, cursor is not None, to_stderr=True)
         return
-    table = Table(title="Sessions")
-    whole = ("session", "state", "tool", "by")  # ids and words whole; the reason wraps
-    for col in ("session", "state", "tool", "steps", "targets", "traces", "by", "reason"):
-        wide = 12 if col == "reason" else None
-        table.add_column(col, overflow="fold", no_wrap=col in whole, min_width=wide)
-    for s in data:
-        table.add_row(
-            s["session_id"],
-            s["state"],
-            s["tool"],
-            _steps_shown(s),
-            str(len(s["targets"])),
-            str(len(s["traces"])),
-            s.get("trigger_id") or "request",  # what started it: a trigger (profd watch)
-            s["reason"],
-        )
-    console.print(table)
+    if console.width < WIDE_SESSIONS:
+        _print_sessions_narrow(data)
+    else:
+        table = Table(title="Sessions")
+        whole = ("session", "state", "tool", "by")  # ids and words whole; the reason wraps
+        for col in ("session", "state", "tool", "steps", "targets", "traces", "by", "reason"):
+            table.add_column(col, overflow="fold", no_wrap=col in whole)
+        for s in data:
+            table.add_row(
+                s["session_id"],
+                s["state"],
+                s["tool"],
+                _steps_shown(s),
+                str(len(s["targets"])),
+                str(len(s["traces"])),
+                s.get("trigger_id") or "request",  # what started it: a trigger (profd watch)
+                s["reason"],
+            )
+        console.print(table)
     _say_more(*hint, cursor is not None, to_stderr=False)
+
+
+#: Below this many columns (an 80-column terminal, a pipe) ``profd sessions`` prints a
+#: session a line and its reason under it: eight columns cropped the reason and split ids.
+WIDE_SESSIONS = 110
+
+
+def _print_sessions_narrow(data: list[dict[str, Any]]) -> None:
+    from rich.markup import escape
+
+    console.print("[bold]Sessions[/bold] (newest first)")
+    for s in data:
+        by = f"  by {s['trigger_id']}" if s.get("trigger_id") else ""
+        console.print(
+            f"{escape(s['session_id'])}  {s['state']}  {escape(s['tool'])}  "
+            f"steps {_steps_shown(s)}  {len(s['targets'])} target(s)  "
+            f"{len(s['traces'])} trace(s){escape(by)}",
+            highlight=False,
+        )
+        if s["reason"]:
+            console.print(f"    {escape(s['reason'])}", highlight=False)
 
 
 def _steps_shown(session: dict[str, Any]) -> str:

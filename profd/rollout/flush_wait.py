@@ -47,6 +47,12 @@ class FlushWait(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     settle_s: float = Field(2.0, gt=0, description="A file is stable after this long unchanged.")
+    gz_settle_s: float = Field(
+        0.5,
+        gt=0,
+        description="A .gz file whose gzip stream has ended is complete after this long "
+        "unchanged (its end says the writer is done; with check_gzip only).",
+    )
     poll_s: float = Field(0.25, gt=0, description="Interval between directory scans.")
     timeout_s: float = Field(
         1800.0, gt=0, description="Give up after this long; unfinished files are reported."
@@ -208,15 +214,18 @@ class _Watcher:
             elif (old.size, old.mtime_ns) != (st.st_size, st.st_mtime_ns):
                 self.seen[name] = _Seen(st.st_size, st.st_mtime_ns, now)
 
-    def status(self, name: str, now: float, settle_s: float) -> str:
-        """``""`` when complete, else why not."""
+    def status(self, name: str, now: float, settle_s: float, gz_settle_s: float) -> str:
+        """``""`` when complete, else why not. A gzip file's ended stream is the writer's
+        own word that it is done: a shorter quiet time does then (the driver of a session
+        of several step groups waits for the files before the next group starts)."""
         s = self.seen[name]
         if is_temp(name):
             return "the engine's temporary file (still being written)"
         quiet = now - s.changed_at
-        if quiet < settle_s:
+        gz = self.check_gzip and name.lower().endswith(".gz")
+        if quiet < (min(settle_s, gz_settle_s) if gz else settle_s):
             return f"still changing ({s.size} bytes, last change {quiet:.1f}s before the end)"
-        if self.check_gzip and name.lower().endswith(".gz"):
+        if gz:
             if s.gzip_ok is None:
                 s.gzip_ok = gzip_complete(self.directory / name)
             if not s.gzip_ok:
@@ -248,7 +257,7 @@ def wait_for_files(
     while True:
         now = clock()
         w.scan(now)
-        status = {n: w.status(n, now, policy.settle_s) for n in sorted(w.seen)}
+        status = {n: w.status(n, now, policy.settle_s, policy.gz_settle_s) for n in sorted(w.seen)}
         complete = [n for n, why in status.items() if not why]
         elapsed = now - start
         note = ""

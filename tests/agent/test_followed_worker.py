@@ -187,6 +187,45 @@ def test_a_blip_is_not_an_outage(tmp_path: Path) -> None:
         agent.close(10)
 
 
+def test_a_short_loss_with_the_driver_steps_on_cuts_the_step_it_spans(tmp_path: Path) -> None:
+    """The coordinator killed and restarted by Ray in a second or two: no cut while away
+    (a blip, for all the worker knows), but the driver went on meanwhile (its next
+    announced step is three on). The step in progress ended long ago: its trace would hold
+    the steps since, so it is cut; the two between were run but not followed (they used to
+    be "never entered", and the first step's trace counted them in)."""
+    link = Link()
+    agent = ProfilerAgent("critic", 0, 1, find_link=lambda: link, poll_timeout_s=0.2).start()
+    try:
+        wait_until(lambda: agent.connected, 10, what="registered")
+        plan = dict(windows=(window(tmp_path, (3, 4, 5, 6), ((3,), (4,), (5,), (6,))),))
+        link.set_plan(**plan, controller_step=3)
+        wait_until(lambda: agent.plan.windows, 10, what="plan")
+        work(agent)
+        link.down = True
+        with link._cond:
+            link._cond.notify_all()
+        wait_until(lambda: not agent.connected, 10, what="the loss seen")
+        work(agent)  # the driver's steps 4 and 5 run; the worker cannot tell
+        link.down = False
+        wait_until(lambda: agent.connected, 20, what="registered again")
+        work(agent)
+        assert agent.recording  # nothing cut yet: back within CUT_AFTER_S
+        link.set_plan(**plan, controller_step=6)
+        wait_until(lambda: agent.plan.controller_step == 6, 10, what="step 6")
+        work(agent)
+        assert agent.current_step == 6 and agent.recording
+        link.set_plan(**plan, controller_step=7)
+        wait_until(lambda: agent.plan.controller_step == 7, 10, what="step 7")
+        work(agent)
+        wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
+        missed = {e.payload.steps: e.message for e in link.said(EventKind.MISSED)}
+        assert missed == {(3,): CUT, (4, 5): UNFOLLOWED}
+        done = link.said(EventKind.PART_DONE)[0].payload
+        assert (done.recorded, done.missed) == ((6,), (3, 4, 5))
+    finally:
+        agent.close(10)
+
+
 def test_a_stale_unknown_to_a_report_does_not_undo_a_newer_registration(tmp_path: Path) -> None:
     """The coordinator restarts: a report is answered "unknown" by it before the poller
     registers again, and the answer lands after. It used to clear the new registration for

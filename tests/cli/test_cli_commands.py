@@ -602,7 +602,10 @@ def test_traces_grouped_by_session_newest_first_under_the_save_root(
     assert f"session {first}: 4 trace(s)" in r.stdout and second not in r.stdout
     r = cli(["sessions", "--url", url], env)  # 80 columns (a pipe's): ids whole, to copy
     assert r.returncode == 0 and first in r.stdout and second in r.stdout, r.stdout
-    assert " by " in r.stdout and "request" in r.stdout  # started by a request, not a trigger
+    assert all(len(x) <= 80 for x in r.stdout.splitlines()), r.stdout  # nothing cropped
+    assert f"{first}  done  torch  steps 1-2  2 target(s)  4 trace(s)\n" in r.stdout, r.stdout
+    wide = cli(["sessions", "--url", url], env_for(tmp_path, columns=200))
+    assert " by " in wide.stdout and "request" in wide.stdout  # a request, not a trigger
     r = cli(["traces", "--url", url, "--session", "20990101-000000-nope"], env)
     assert r.returncode == 1 and "HTTP 404" in r.stderr, r.stdout + r.stderr
 

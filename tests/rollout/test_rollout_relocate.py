@@ -318,3 +318,25 @@ def test_memory_snapshots_do_not_stand_in_for_missing_timelines(tmp_path) -> Non
     _touch(d, "1.6-TP-1-memory.pickle", b"snap")
     res = wait_for_files(d, (), FAST, expected=2)  # TP-1's timeline never came
     assert "1 of 2 expected trace file(s)" in res.note and len(res.complete) == 3
+
+
+def test_a_gzip_whose_stream_ended_is_complete_sooner_than_a_plain_file(tmp_path) -> None:
+    """An ended gzip stream is the writer's word that it is done: ``gz_settle_s`` of quiet
+    does (the driver of a session of separate step groups waits for the files before the
+    next group starts: 2 s of every such step). A plain file still needs ``settle_s``, and
+    a gzip cut short is never complete, however quiet."""
+    policy = FlushWait(settle_s=1.5, gz_settle_s=0.1, poll_s=0.05, timeout_s=3.0)
+    took = {}
+    for name, data in [
+        ("a-TP-0.trace.json.gz", gzip.compress(b"{}")),
+        ("a-TP-0.trace.json", b"{}"),
+        ("b-TP-0.trace.json.gz", gzip.compress(b"{}" * 50)[:-8]),
+    ]:
+        d = tmp_path / name.replace(".", "-")
+        _touch(d, name, data)
+        t0 = time.monotonic()
+        res = wait_for_files(d, (), policy, expected=1)
+        took[name] = (time.monotonic() - t0, [p.name for p in res.complete])
+    assert took["a-TP-0.trace.json.gz"][0] < 1.0 and took["a-TP-0.trace.json.gz"][1]
+    assert took["a-TP-0.trace.json"][0] >= 1.5 and took["a-TP-0.trace.json"][1]
+    assert took["b-TP-0.trace.json.gz"][1] == []  # cut short: reported, never complete

@@ -353,7 +353,9 @@ def test_the_driver_waits_for_the_engines_stop_not_for_its_files(local_coordinat
 
     from profd.rollout.relocate import FlushWait
 
-    slow_settle = FlushWait(settle_s=4.0, poll_s=0.1, timeout_s=60, first_file_timeout_s=30)
+    slow_settle = FlushWait(
+        settle_s=4.0, gz_settle_s=4.0, poll_s=0.1, timeout_s=60, first_file_timeout_s=30
+    )
     fake, agent = vllm_pair(tmp_path, replica=0, tp=1, flush=slow_settle)
     with fake:
         svc = RolloutService(
