@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from profd.core.errors import RequestInvalid
 from profd.core.protocol import DriverAck
-from profd.core.states import ControllerPhase, PartState
+from profd.core.states import AgentState, ControllerPhase, PartState
 
 if TYPE_CHECKING:
     from profd.actors.planbook import PlanBook
@@ -96,7 +96,12 @@ class DriverTable:
             )
             for aid in targets
         }
-        # one deadline for both waits: the driver gives this call timeout + a small grace
+        # one deadline for both waits: the driver gives this call timeout + a small grace;
+        # only registered agents are waited for (a restarted coordinator's targets come
+        # back over seconds: each step used to wait out the timeout for them meanwhile)
+        here = self._registered(targets)
+        versions = {aid: v for aid, v in versions.items() if aid in here}
+        rollout &= here
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         slow = await self._plans.wait_delivered(versions, timeout)
@@ -119,7 +124,7 @@ class DriverTable:
         rollout = {a for a in self.targets(job_id) if self._is_rollout_agent(a)}
         for aid in rollout:
             self._plans.set_controller_step(aid, step, ControllerPhase(phase))
-        slow = await self._wait_phase(rollout, step, phase, timeout)
+        slow = await self._wait_phase(self._registered(rollout), step, phase, timeout)
         done = ControllerPhase(phase)
         return DriverAck(step, len(rollout), tuple(sorted(slow)), bool(rollout), done)
 
@@ -185,6 +190,15 @@ class DriverTable:
                 job = rec.info.job_id if rec is not None else None
                 if job_id is None or job is None or job == job_id:
                     out.add(aid)
+        return out
+
+    def _registered(self, agents: set[str]) -> set[str]:
+        """Those of ``agents`` alive in the registry now: the others cannot confirm."""
+        out = set()
+        for aid in agents:
+            rec = self._registry.get(aid)
+            if rec is not None and rec.state is AgentState.ALIVE:
+                out.add(aid)
         return out
 
     def _is_rollout_agent(self, agent_id: str) -> bool:

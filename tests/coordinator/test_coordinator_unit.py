@@ -686,6 +686,29 @@ def test_a_driver_step_reaches_its_jobs_agents_only(tmp_path: Path) -> None:
     run(go)
 
 
+def test_a_driver_step_does_not_wait_for_targets_that_are_not_registered(tmp_path: Path) -> None:
+    """After a coordinator restart the restored sessions' agents come back over seconds;
+    each driver step waited out its timeout for those not back yet (1 s a step, three or
+    four steps in a row on a live job). Only registered agents can confirm: only they are
+    waited for."""
+
+    async def go() -> None:
+        coord, _ = make(tmp_path)
+        await coord.start()
+        await two_agents(coord)
+        await coord.create_session({"steps": [10], "roles": EVERY_ACTOR})
+        plan = (await coord.poll("a", 0, None, 0)).plan
+        coord._registry.lose("b")  # not back (yet)
+        step = asyncio.create_task(coord.controller_step(2, 30.0))
+        await asyncio.sleep(0)
+        held = (await coord.poll("a", plan.version, None, 0)).plan
+        await coord.poll("a", held.version, None, 0)  # a holds the step
+        ack = await asyncio.wait_for(step, 5.0)  # not the 30 s timeout
+        assert ack.slow == ()
+
+    run(go)
+
+
 def test_a_slow_agent_is_named_and_unknown_phases_refused(tmp_path: Path) -> None:
     async def go() -> None:
         coord, _ = make(tmp_path)
