@@ -435,10 +435,16 @@ def demo(
 ) -> None:
     """Run a small RL job, profile 2 of its steps over HTTP, show the traces, then make one
     rank slow and show the trigger that profiles it by itself."""
-    from profd.demo.run import run_demo
+    from rich.markup import escape
+
+    from profd.demo.run import DemoRefused, run_demo
 
     logging.basicConfig(level=logging.WARNING)
-    result = run_demo(console, steps=steps, port=port, save_root=save_root, address=address)
+    try:
+        result = run_demo(console, steps=steps, port=port, save_root=save_root, address=address)
+    except DemoRefused as exc:
+        err_console.print(f"[red]{escape(str(exc))}[/red]")
+        raise typer.Exit(1) from None
     if not result.ok:
         first = result.session.get("state")
         fired = result.fired.session.get("state") if result.fired is not None else None

@@ -35,7 +35,7 @@ from profd.core.constants import NAMESPACE
 from profd.core.ray_env import apply_loopback_env, init_local_ray, is_local_address
 from profd.core.settings import ProfdSettings, SidecarConfig
 
-__all__ = ["DemoResult", "Firing", "run_demo"]
+__all__ = ["DemoRefused", "DemoResult", "Firing", "run_demo"]
 
 WORKERS = (("actor_rollout_ref", 0, 2), ("actor_rollout_ref", 1, 2), ("critic", 0, 1))
 #: Rollout replicas (tp=1 each: global GPU ranks 0 and 1).
@@ -68,6 +68,10 @@ TRIGGER = {
     "session": {"tool": "torch", "next_steps": 2},
     "cooldown_s": 300.0,
 }
+
+
+class DemoRefused(RuntimeError):
+    """The demo will not run here (a profd is up on the cluster it was asked to join)."""
 
 
 @dataclass
@@ -151,6 +155,25 @@ def _start_ray(console: Console, address: str | None) -> bool:
     console.print("[bold]Starting a local Ray on 127.0.0.1[/bold] ...")
     init_local_ray()
     return True
+
+
+def _refuse_a_running_profd(address: str | None, started_ray: bool) -> None:
+    """The demo runs a coordinator of its own and stops it at its end: on a cluster where
+    profd is up it would have used that one, with its triggers and another token, and then
+    stopped the user's profd."""
+    from profd.core.ray_env import find_coordinator
+
+    if find_coordinator() is None:
+        return
+    if started_ray:
+        import ray
+
+        ray.shutdown()
+    raise DemoRefused(
+        f"profd is up on the Ray cluster at {address or 'this address'}; the demo runs its "
+        "own profd and stops it at its end, so it does not run there: run `profd demo` "
+        "without --address (a local Ray of its own), or on a cluster without profd"
+    )
 
 
 def _start_rollout(stack: ExitStack, save_root: str) -> tuple[list[Any], list[Any]]:
@@ -394,6 +417,7 @@ def run_demo(
     from profd.demo.workload import DemoWorker
 
     started_ray = _start_ray(console, address)
+    _refuse_a_running_profd(address, started_ray)
     # The demo's coordinator lives and dies with the demo: nothing to persist.
     coord = ProfdSettings(save_root=save_root, poll_timeout_s=2.0).coordinator()
     coord = coord.model_copy(update={"state_dir": None})

@@ -195,6 +195,32 @@ def test_worker_without_a_coordinator_completes_its_loop(ray_session, tmp_path) 
     assert result["traces_written"] is True
 
 
+def test_the_demo_never_uses_or_stops_a_running_profd(ray_session, tmp_path) -> None:
+    """`profd demo --address` on a cluster where profd is up used that profd (its triggers,
+    another token) and then stopped it at its end, taking the user's profd down. It
+    refuses now, naming why, and the profd that runs there goes on."""
+    import io
+
+    from rich.console import Console
+
+    from profd.cli.ray_cluster import start_services, stop_services
+    from profd.core.ray_env import find_coordinator
+    from profd.core.settings import ProfdSettings, SidecarConfig
+    from profd.demo.run import DemoRefused, run_demo
+
+    stop_services()
+    settings = ProfdSettings(save_root=tmp_path / "up").coordinator()
+    # detached, as `profd up` starts them (and kept alive without a handle held here)
+    start_services(settings.model_copy(update={"state_dir": None}), SidecarConfig(port=0))
+    try:
+        assert find_coordinator() is not None
+        with pytest.raises(DemoRefused, match="profd is up on the Ray cluster"):
+            run_demo(Console(file=io.StringIO()), address=ray_session.address_info["address"])
+        assert find_coordinator() is not None  # the running profd is untouched
+    finally:
+        stop_services()
+
+
 def test_demo_runs_against_an_existing_cluster(ray_session, tmp_path, monkeypatch) -> None:
     """The demo's own flow (a session over HTTP, its table; a trigger firing on the rank
     it slowed, and the session it started) on the test session's Ray."""
