@@ -450,6 +450,8 @@ def field_errors(exc: ValidationError | list[dict[str, Any]], root: str = "") ->
         whole = err.get("type") == "json_invalid" or loc[:1] == ("body",)
         path = _dotted(loc) or ("body" if whole else "")
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        if err.get("type") == "tuple_type":  # a tuple inside: a JSON (or YAML) list outside
+            msg = msg.replace("a valid tuple", "a list")
         m = _FIELD_PREFIX.match(msg)
         if m:
             path = f"{path}.{m.group(1)}" if path else m.group(1)

@@ -175,3 +175,16 @@ def test_load_request_names_profd_layout_fields() -> None:
     ]
     with pytest.raises(RequestInvalid, match="config: expected a mapping"):
         load_request(json.loads("[1]"))  # type: ignore[arg-type]
+
+
+def test_a_field_that_must_be_a_list_says_list_not_tuple() -> None:
+    """Users write JSON or YAML: "should be a valid tuple" named a Python type they never
+    wrote."""
+    from pydantic import ValidationError
+
+    from profd.core.request import SessionRequest, field_errors
+
+    with pytest.raises(ValidationError) as exc:
+        SessionRequest.model_validate({"steps": [1], "roles": {"critic": {"ranks": "0"}}})
+    (err,) = field_errors(exc.value)
+    assert (err.field, err.message) == ("roles.critic.ranks", "Input should be a list")
