@@ -446,9 +446,7 @@ def field_errors(exc: ValidationError | list[dict[str, Any]], root: str = "") ->
         if err.get("type") == "json_invalid" and loc[-1:] and isinstance(loc[-1], int):
             # FastAPI puts the character offset where a field would be: ("body", 17)
             loc, msg = loc[:-1], f"{msg} at character {loc[-1]}"
-        # the whole request body (not JSON, or JSON of the wrong shape: ``[1, 2]``) is "body"
-        whole = err.get("type") == "json_invalid" or loc[:1] == ("body",)
-        path = _dotted(loc) or ("body" if whole else "")
+        path = _dotted(loc)
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         if err.get("type") == "tuple_type":  # a tuple inside: a JSON (or YAML) list outside
             msg = msg.replace("a valid tuple", "a list")
@@ -456,6 +454,8 @@ def field_errors(exc: ValidationError | list[dict[str, Any]], root: str = "") ->
         if m:
             path = f"{path}.{m.group(1)}" if path else m.group(1)
             msg = m.group(2)
+        elif not path and (err.get("type") == "json_invalid" or loc[:1] == ("body",)):
+            path = "body"  # the whole body: not JSON, or JSON of the wrong shape (``[1, 2]``)
         if root:
             path = f"{root}.{path}" if path else root
         out.append(FieldError(field=path, message=msg, type=str(err.get("type", "value_error"))))

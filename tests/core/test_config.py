@@ -59,7 +59,7 @@ def test_exactly_one_window_kind() -> None:
             "roles.actor.ranks.0",
             "greater than or equal to 0",
         ),
-        ({"next_steps": 1, "roles": {"actor": {"ranks": "0"}}}, "roles.actor.ranks", "tuple"),
+        ({"next_steps": 1, "roles": {"actor": {"ranks": "0"}}}, "roles.actor.ranks", "a list"),
         ({"next_steps": 1, "roles": {"actor": {"enable": "yes"}}}, "roles.actor.enable", "bool"),
         ({"next_steps": 1, "roles": {"actor": {"rank": [0]}}}, "roles.actor.rank", "Extra"),
         ({"next_steps": 1, "roles": {"bad role!": {}}}, "roles.bad role!", "pattern"),
@@ -86,7 +86,7 @@ def test_exactly_one_window_kind() -> None:
         (
             {"next_steps": 1, "roles": {"a": {"tool_config": {"torch": {"contents": "cpu"}}}}},
             "roles.a.tool_config.torch.contents",
-            "tuple",
+            "a list",
         ),
         (
             {
