@@ -43,6 +43,17 @@ class Link:
             self.plan = AgentPlan(version=self.plan.version + 1, **kw)
             self._cond.notify_all()
 
+    def go_down(self) -> None:
+        """The coordinator goes away: the parked poll returns and finds the link down."""
+        self.down = True
+        with self._cond:
+            self._cond.notify_all()
+
+    def announce(self, agent: ProfilerAgent, plan: dict, step: int) -> None:
+        """The driver begins ``step``: a plan that says so, held by the agent."""
+        self.set_plan(**plan, controller_step=step)
+        wait_until(lambda: agent.plan.controller_step == step, 10, what=f"step {step}")
+
     def _reachable(self) -> None:
         if self.down:
             raise LinkDown("coordinator gone")
@@ -129,21 +140,17 @@ def test_a_coordinator_outage_cuts_the_followed_step_and_names_the_gap(
         wait_until(lambda: agent.plan.windows, 10, what="plan")
         work(agent)
         assert agent.recording
-        link.down = True
-        with link._cond:
-            link._cond.notify_all()  # the parked poll returns and finds the link down
+        link.go_down()
         wait_until(lambda: not agent.connected, 10, what="the outage seen")
         work(agent)
         assert agent.recording  # a blip is not an outage: not cut at once
         wait_until(lambda: work(agent) or not agent.recording, 10, what="the cut")
         link.down = False
         wait_until(lambda: link.registrations == 2, 20, what="registered again")
-        link.set_plan(**plan, controller_step=5)
-        wait_until(lambda: agent.plan.controller_step == 5, 10, what="step 5")
+        link.announce(agent, plan, 5)
         work(agent)
         assert agent.recording and agent.current_step == 5
-        link.set_plan(**plan, controller_step=7)
-        wait_until(lambda: agent.plan.controller_step == 7, 10, what="step 7")
+        link.announce(agent, plan, 7)
         work(agent)
         wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
         missed = {e.payload.steps: e.message for e in link.said(EventKind.MISSED)}
@@ -169,16 +176,13 @@ def test_a_blip_is_not_an_outage(tmp_path: Path) -> None:
         link.set_plan(**plan, controller_step=3)
         wait_until(lambda: agent.plan.windows, 10, what="plan")
         work(agent)
-        link.down = True
-        with link._cond:
-            link._cond.notify_all()
+        link.go_down()
         wait_until(lambda: not agent.connected, 10, what="the blip seen")
         link.down = False
         wait_until(lambda: agent.connected, 20, what="registered again")
         work(agent)
         assert agent.recording  # the same step, still recording
-        link.set_plan(**plan, controller_step=4)
-        wait_until(lambda: agent.plan.controller_step == 4, 10, what="step 4")
+        link.announce(agent, plan, 4)
         work(agent)
         wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
         assert link.said(EventKind.PART_DONE)[0].payload.recorded == (3,)
@@ -201,21 +205,17 @@ def test_a_short_loss_with_the_driver_steps_on_cuts_the_step_it_spans(tmp_path: 
         link.set_plan(**plan, controller_step=3)
         wait_until(lambda: agent.plan.windows, 10, what="plan")
         work(agent)
-        link.down = True
-        with link._cond:
-            link._cond.notify_all()
+        link.go_down()
         wait_until(lambda: not agent.connected, 10, what="the loss seen")
         work(agent)  # the driver's steps 4 and 5 run; the worker cannot tell
         link.down = False
         wait_until(lambda: agent.connected, 20, what="registered again")
         work(agent)
         assert agent.recording  # nothing cut yet: back within CUT_AFTER_S
-        link.set_plan(**plan, controller_step=6)
-        wait_until(lambda: agent.plan.controller_step == 6, 10, what="step 6")
+        link.announce(agent, plan, 6)
         work(agent)
         assert agent.current_step == 6 and agent.recording
-        link.set_plan(**plan, controller_step=7)
-        wait_until(lambda: agent.plan.controller_step == 7, 10, what="step 7")
+        link.announce(agent, plan, 7)
         work(agent)
         wait_until(lambda: link.said(EventKind.PART_DONE), 30, what="part done")
         missed = {e.payload.steps: e.message for e in link.said(EventKind.MISSED)}
