@@ -213,7 +213,7 @@ class Recorder:
                 scope = ws.scope
                 try:
                     if isinstance(scope, ContinuousScope) and step in scope.group:
-                        self._cut(ws, scope, step)
+                        self._close_scope(ws, CUT, cut_at=step)
                     elif isinstance(scope, DiscreteScope):
                         self._close_scope(ws)  # each stage's trace is whole by itself
                     self._maybe_done(ws)
@@ -221,17 +221,6 @@ class Recorder:
                     self.fault(ws, exc)
         finally:
             self._refresh_wake()
-
-    def _cut(self, ws: WindowState, scope: ContinuousScope, step: int) -> None:
-        """Close ``scope`` at ``step``, in progress: the steps it finished stay recorded,
-        ``step`` is missed (cut), and the group's later steps stay open to a new scope."""
-        ws.scope = None
-        if self.active is scope:
-            self._activate(None)
-        with self._lock:
-            ws.handled.update(scope.done)
-        self._mark_missed(ws, [step], CUT)  # before the file: never counted recorded
-        scope.close()
 
     def exit_step(self, step: int) -> None:
         try:
@@ -349,8 +338,13 @@ class Recorder:
             self._settle(ticket)
 
     def _close_scope(
-        self, ws: WindowState, leftover_reason: str = "the loop left the step group early"
+        self,
+        ws: WindowState,
+        leftover_reason: str = "the loop left the step group early",
+        cut_at: int | None = None,
     ) -> None:
+        """End the window's scope. ``cut_at``: a continuous scope cut in that step, which
+        is missed; the group's later steps stay open to a new scope (a rejoin)."""
         scope = ws.scope
         ws.scope = None
         if self.active is scope:
@@ -365,9 +359,12 @@ class Recorder:
             return
         if not isinstance(scope, ContinuousScope):
             return
-        leftover = [s for s in scope.group if s not in scope.done]
+        if cut_at is None:
+            leftover, closed = [s for s in scope.group if s not in scope.done], scope.group
+        else:
+            leftover, closed = [cut_at], tuple(scope.done)
         with self._lock:
-            ws.handled.update(scope.group)
+            ws.handled.update(closed)
         if leftover:  # before the file is written: a step cut short never counts as recorded
             self._mark_missed(ws, leftover, leftover_reason)
         scope.close()
