@@ -439,10 +439,10 @@ class ProfilerAgent:
             return
         self._cut_followed()
 
-    def _cut_followed(self) -> None:
+    def _cut_followed(self, lost: bool = True) -> None:
         self._cut = True
         try:
-            self._recorder.cut_followed(self._current_step)
+            self._recorder.cut_followed(self._current_step, lost)
         except Exception:
             log.exception("profd: cutting the step in progress failed")
 
@@ -456,11 +456,13 @@ class ProfilerAgent:
         self._followed = step
         if self._spmd or step is None:
             return
-        losses = self._losses
-        if losses != self._losses_judged and step != self._current_step:
-            current = self._current_step
-            if not self._cut and current is not None and step > current + 1:
-                self._cut_followed()
+        # Any jump of more than a step means the step in progress ended unseen (a lost
+        # coordinator, or one a relay re-synced without the agent knowing, or a late plan)
+        losses, current = self._losses, self._current_step
+        jumped = current is not None and step > current + 1
+        if step != current and (jumped or losses != self._losses_judged):
+            if jumped and not self._cut:
+                self._cut_followed(lost=losses != self._losses_judged)
             self._losses_judged, self._cut = losses, False
         if step != self._current_step:
             previous = self._current_step

@@ -48,6 +48,11 @@ CUT = (
     "cut short: the coordinator went out of reach during this step, and a worker sees the "
     "driver's steps end only through it"
 )
+CUT_SKIPPED = (
+    "cut short: the driver's next step reached this worker several steps on, so this "
+    "step's end was not seen (its trace holds the steps between)"
+)
+UNANNOUNCED = "not followed: the driver's announcement of these steps did not reach this worker"
 UNFOLLOWED = (
     "not followed: the coordinator was out of reach, and a worker learns the driver's steps "
     "only through it"
@@ -202,18 +207,20 @@ class Recorder:
             self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id, step))
         self._activate(ws.scope)
 
-    def cut_followed(self, step: int | None) -> None:
-        """A worker that follows a driver lost the coordinator during ``step``: the step's
-        end cannot be seen, so what it recorded is written now and the step counted missed;
-        steps it skips until it follows again are missed for the same reason, and a later
-        step of the same group records again (a trace named by it) once it is followed."""
-        self.unfollowed = UNFOLLOWED
+    def cut_followed(self, step: int | None, lost: bool = True) -> None:
+        """A worker that follows a driver did not see ``step`` end: it lost the coordinator
+        (``lost``), or the driver's next announcement came several steps on. What it
+        recorded is written now and the step counted missed; steps it skips until it
+        follows again are missed for the same reason, and a later step of the same group
+        records again (a trace named by it) once it is followed."""
+        self.unfollowed = UNFOLLOWED if lost else UNANNOUNCED
+        cut = CUT if lost else CUT_SKIPPED
         try:
             for ws in list(self._windows.values()):
                 scope = ws.scope
                 try:
                     if isinstance(scope, ContinuousScope) and step in scope.group:
-                        self._close_scope(ws, CUT, cut_at=step)
+                        self._close_scope(ws, cut, cut_at=step)
                     elif isinstance(scope, DiscreteScope):
                         self._close_scope(ws)  # each stage's trace is whole by itself
                     self._maybe_done(ws)
