@@ -15,6 +15,7 @@ from profd.actors.selection import WILDCARD
 from profd.actors.sessions import Part, Session
 from profd.actors.targeting import Target, resolve_targets
 from profd.core.errors import ConflictError, RequestInvalid
+from profd.core.heap import collection_deferred
 from profd.core.protocol import AgentInfo
 from profd.core.request import SessionRequest, field_errors
 
@@ -152,6 +153,27 @@ class Admission:
     ) -> Session:
         """A new session, its window placed and its plans published (``origin``: the trigger
         that started it, and why)."""
+        # No cyclic collection until the plans have gone out: at 10,000 agents one takes
+        # 60-150 ms, and one to three fell there (held at most align_timeout_s longer, for
+        # next_steps; see profd.core.heap and bench/create_latency.py).
+        with collection_deferred():
+            req, session = await self._placed(request, origin)
+        # Encoding 10,000 parts for the store and building the reply come after the plans
+        # (the writer thread commits the rows in the background).
+        self._book.persist(session)
+        log.info(
+            "session %s created: tool %s steps %s, %d target(s), %d ignored",
+            session.session_id,
+            req.tool.value,
+            session.steps,
+            len(session.targets),
+            len(session.ignored),
+        )
+        return session
+
+    async def _placed(
+        self, request: dict | SessionRequest, origin: dict[str, Any] | None
+    ) -> tuple[SessionRequest, Session]:
         try:
             req = (
                 request
@@ -189,22 +211,12 @@ class Admission:
         self._book.advance(session, persist=False)
         self._alignment.say_what_is_past(session)
         self._book.publish([*session.targets])
-        # Parked long-polls answer first; encoding 10,000 parts for the store and building
-        # the reply come after (the writer thread commits the rows in the background). Two
-        # turns: in the first the woken polls return; under Ray their results are handed
-        # over by their tasks' done-callbacks, which run in the second.
+        # Parked long-polls answer and relays' pushes leave first. Two turns: in the first
+        # the woken polls return and the pushes are sent; under Ray the polls' results are
+        # handed over by their tasks' done-callbacks, which run in the second.
         for _ in range(2):
             await asyncio.sleep(0)
-        self._book.persist(session)
-        log.info(
-            "session %s created: tool %s steps %s, %d target(s), %d ignored",
-            session.session_id,
-            req.tool.value,
-            session.steps,
-            len(session.targets),
-            len(session.ignored),
-        )
-        return session
+        return req, session
 
     def adopt(self, info: AgentInfo) -> None:
         """Add a newly registered agent to launch-time sessions whose window has not begun."""

@@ -173,6 +173,10 @@ class PlanBook:
             entry.delivered = known_version
             _signal(entry.acked)
 
+    def parked(self) -> int:
+        """How many agents have a long-poll parked here now."""
+        return sum(1 for e in self._entries.values() if e.waiters)
+
     async def wait(self, agent_id: str, known_version: int, timeout: float) -> AgentPlan | None:
         """One agent's long-poll: its plan when it differs from ``known_version``."""
         changed = await self.wait_any({agent_id: known_version}, timeout)

@@ -215,16 +215,20 @@ class AgentHost:
         """``agents``: (node id, relay host index, rank) of each; ``target``: the relay hosts
         (relay mode) or the coordinator (direct)."""
         from profd.core.protocol import AgentInfo
+        from profd.core.ray_env import ray_context
         from profd.core.request import ToolKind
 
         caps = {t.value: None for t in ToolKind}
+        # One fleet, one Ray job: the real agents' (in this job's actors) and these alike
+        # (the coordinator never merges one role's agents across two jobs).
+        job = ray_context().job_id
         self.mode = mode
         self.target = target
         self.agents = []
         for node, host, rank in agents:
             info = AgentInfo(
                 f"{node}-r{rank}", ROLE, rank, world, {"local_rank": rank % 8}, node,
-                os.getpid(), node_id=node, node_ip="127.0.0.1", capabilities=caps,
+                os.getpid(), node_id=node, node_ip="127.0.0.1", capabilities=caps, job_id=job,
             )  # fmt: skip
             self.agents.append((node, host, info))
         self.conns: dict[tuple[str, str], SocketCalls] = {}  # (agent, poll | report)
