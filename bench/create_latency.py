@@ -107,6 +107,7 @@ class Fleet:
         self.ids: list[str] = []
         self.versions: dict[str, int] = {}
         self.sent: list[tuple[float, int]] = []  # relay pushes: (when, plans)
+        self.nodes: dict[str, list[str]] = {}
 
     async def register(self, agents: int) -> None:
         caps = {t.value: None for t in ToolKind}
@@ -122,11 +123,19 @@ class Fleet:
             self.ids.append(info.agent_id)
             self.versions[info.agent_id] = reg.plan.version
             nodes.setdefault(node, []).append(info.agent_id)
+        self.nodes = nodes
         if self.link == "relay":
             for node, ids in nodes.items():
                 known = {a: self.versions[a] for a in ids}
                 target = PushTarget(self.sent)
                 await self.coord.relay_sync(node, known, dict.fromkeys(ids, 10), target, node)
+
+    async def alive(self) -> None:
+        """Every relay syncs, as each does every poll period (its agents stay alive)."""
+        if self.link == "relay":
+            for node, ids in self.nodes.items():
+                known = {a: self.versions[a] for a in ids}
+                await self.coord.relay_resync(node, known, dict.fromkeys(ids, 10))
 
     async def plans_out(self, call: Any) -> tuple[float, float]:
         """Make ``call`` (which changes every agent's plan); when it returned and when the
@@ -158,6 +167,7 @@ class Fleet:
 
 
 async def one_round(fleet: Fleet, first_step: int, gcs: FullCollections) -> dict[str, float]:
+    await fleet.alive()
     steps = list(range(first_step, first_step + 3))
     request = {"steps": steps, "roles": {ROLE: {"all_ranks": True}}}
     view, t0, returned, out = await fleet.plans_out(lambda: fleet.coord.create_session(request))
