@@ -329,11 +329,14 @@ class Recorder:
 
     def close_ticket(self, ticket: Ticket, collection: Collection) -> None:
         """Stop a collection and send its windows to the exporter. Whatever happens, the
-        ticket ends up settled, so the window can finish (a failure is re-raised)."""
+        ticket ends up settled, so the window can finish (a failure is re-raised: the
+        caller's :meth:`fault` says why, then finishes the window, in that order)."""
         outputs: list[Any] = []
         started = time.perf_counter()
+        failed = True
         try:
             outputs = collection.close()
+            failed = False
         except Exception as exc:
             with self._lock:
                 ticket.errors.append(f"stopping the profiler failed: {exc}")
@@ -342,7 +345,7 @@ class Recorder:
             ticket.stall_s += time.perf_counter() - started  # what the training thread paid
             ticket.closed = True
             self.submit(ticket, outputs)
-            self._settle(ticket)
+            self._settle(ticket, finish=not failed)
 
     def _close_scope(
         self,
@@ -399,8 +402,9 @@ class Recorder:
                 ticket.errors.append(error)
         self._settle(ticket)
 
-    def _settle(self, ticket: Ticket) -> None:
-        """A closed collection whose files are all written: its steps are now resolved."""
+    def _settle(self, ticket: Ticket, finish: bool = True) -> None:
+        """A closed collection whose files are all written: its steps are now resolved
+        (``finish``: and the window ends if that was its last)."""
         ws = ticket.ws
         with self._lock:
             if ticket.settled or not ticket.closed or ticket.pending > 0:
@@ -419,7 +423,8 @@ class Recorder:
                     StepsMissed(tuple(ticket.steps)),
                 )
             )
-        self._maybe_done(ws)
+        if finish:
+            self._maybe_done(ws)
 
     def _maybe_done(self, ws: WindowState) -> None:
         with self._lock:

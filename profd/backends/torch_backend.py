@@ -24,6 +24,7 @@ loop waits for it anyway, a loop blocked on its device (GIL released) does not.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -326,6 +327,32 @@ class _OneProfilerPerProcess:
             cls.holder = None
 
 
+class _Orphans:
+    """Windows refused off their thread while that thread still ran (see
+    :meth:`_TorchCollection._off_thread`): each is stopped, its result discarded, once its
+    thread has ended: before the next window starts in the process, and at exit."""
+
+    lock = threading.Lock()
+    held: list[_TorchCollection] = []
+    at_exit = False
+
+    @classmethod
+    def add(cls, coll: _TorchCollection) -> None:
+        with cls.lock:
+            cls.held.append(coll)
+            if not cls.at_exit:
+                cls.at_exit = True
+                atexit.register(cls.reap)
+
+    @classmethod
+    def reap(cls) -> None:
+        with cls.lock:
+            ended = [c for c in cls.held if not c.opener_alive]
+            cls.held = [c for c in cls.held if c.opener_alive]
+        for coll in ended:
+            coll.stop_discarding()
+
+
 class _TorchCollection(Collection):
     """A torch.profiler run; with a schedule it may save several windows while open."""
 
@@ -333,6 +360,7 @@ class _TorchCollection(Collection):
         self, spec: CollectionSpec, kwargs: dict[str, Any], notes: tuple[str, ...] = ()
     ) -> None:
         self._notes = notes  # warnings every window of this collection carries
+        _Orphans.reap()
         _OneProfilerPerProcess.acquire(spec.stem)
         try:
             self.export_wait_s = KINETO_GATE.wait_clear()
@@ -347,6 +375,9 @@ class _TorchCollection(Collection):
         self._spec = spec
         self._closed = False
         self._closing = False  # inside close(): the last window's export is deferred
+        #: torch keeps a window's events with the thread that started it; only it can stop it.
+        self._opener = threading.current_thread()
+        self._discard = False  # stopped off its thread: what stop() hands over is empty
         self._record_function = tp.record_function
         self._ready: list[PendingOutput] = []
         self._saves = 0
@@ -375,6 +406,8 @@ class _TorchCollection(Collection):
 
     def _on_trace_ready(self, prof: Any) -> None:
         """Runs inside torch's step()/stop(): only capture the window; export comes later."""
+        if self._discard:
+            return
         step_num = int(prof.step_num)
         suffix = window_suffix(
             step_num,
@@ -400,6 +433,7 @@ class _TorchCollection(Collection):
         return self._record_function(label)
 
     def step(self) -> None:
+        self._check_thread()  # a schedule's step() stops and restarts the profiler
         self._prof.step()
 
     def take_ready(self) -> list[PendingOutput]:
@@ -413,11 +447,57 @@ class _TorchCollection(Collection):
         self._closed = True
         self._closing = True
         # torch saves a window cut short in RECORD on stop() (the partial-window flush).
+        error = self._off_thread()
         try:
-            self._prof.stop()
+            if error is None:
+                self._prof.stop()
+            elif not self._opener.is_alive():
+                self.stop_discarding()
+            else:  # stopped once its thread has ended (else that crashes the process at exit)
+                _Orphans.add(self)
         finally:
             _OneProfilerPerProcess.release()
+        if error is not None:
+            raise error
         return self.take_ready()
+
+    @property
+    def opener_alive(self) -> bool:
+        return self._opener.is_alive()
+
+    def stop_discarding(self) -> None:
+        """Stop a window whose thread has ended. Its state died with the thread: ``stop()``
+        here finds no session and its result is empty (never exported: that crashed), but
+        it ends Kineto's process-wide trace, whose leftover crashed the process at exit."""
+        self._discard = True
+        with contextlib.suppress(Exception):
+            self._prof.stop()
+
+    def _check_thread(self) -> None:
+        if (error := self._off_thread()) is not None:
+            raise error
+
+    def _off_thread(self) -> RuntimeError | None:
+        """Why the profiler cannot be stopped here: off the thread that started it. torch's
+        profiler state is that thread's: elsewhere ``stop()`` finds no session and returns
+        an empty result whose export crashes the process (measured: a segmentation fault in
+        ``export_chrome_trace``, when a job's training thread ended with a window open and
+        the agent was closed from the main thread)."""
+        opener, here = self._opener, threading.current_thread()
+        if here is opener:
+            return None
+        if not opener.is_alive():
+            return RuntimeError(
+                f"the thread that started this torch window ({opener.name}) ended before the "
+                "window did: torch.profiler keeps a window's events with that thread and only "
+                "it can stop the window, so this trace is lost (end the step, or close the "
+                "agent, on the training thread before it exits)"
+            )
+        return RuntimeError(
+            f"this torch window was started on thread {opener.name} and is being ended on "
+            f"{here.name}: torch.profiler can be stopped only on the thread that started it, "
+            "so this trace is lost (mark steps and close the agent on one thread)"
+        )
 
 
 class TorchBackend(Backend):

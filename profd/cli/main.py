@@ -29,7 +29,9 @@ from profd.cli.requests import build_request, check_window
 from profd.cli.session_view import (
     print_outcome,
     print_session,
+    settle_cancelled,
     wait_session,
+    writing_targets,
 )
 from profd.cli.traces_view import (
     download_traces,
@@ -403,26 +405,42 @@ def _start_session(
 def cancel(
     session_id: Annotated[str, typer.Argument(metavar="SESSION_ID", help="Session to stop.")],
     reason: Annotated[str | None, typer.Option(help="Why (kept as the session's reason).")] = None,
+    wait_s: Annotated[
+        float,
+        typer.Option(
+            "--wait-s",
+            min=0,
+            help="Seconds to wait for the traces the cancel flushes (targets recording).",
+        ),
+    ] = 30.0,
     url: UrlOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Stop a live session; what it recorded so far is kept."""
+    """Stop a live session; what it recorded so far is kept, and a window still open is
+    written (its trace waited for, up to --wait-s)."""
     from urllib.parse import quote
 
+    path = f"/api/v1/sessions/{quote(session_id, safe='')}"
     try:
         api = sidecar_client(url)
-        view = api.post(
-            f"/api/v1/sessions/{quote(session_id, safe='')}/cancel",
-            {"reason": reason} if reason else None,
-        )
+        writing = writing_targets(api.get(path))
+        view = api.post(f"{path}/cancel", {"reason": reason} if reason else None)
     except CliError as exc:
         if exc.status == 409:
             exc = CliError(f"{exc} (nothing to cancel)", exc.exit_code, exc.status)
         fail(exc)
+    view, left = settle_cancelled(api, view, writing, wait_s, quiet=as_json)
     if as_json:
         print_json(view)
         return
     print_outcome(view, details=True)
+    if left:
+        console.print(
+            f"  {left} target(s) still writing their last trace; `profd traces "
+            f"{session_id}` lists it once written",
+            markup=False,
+            highlight=False,
+        )
 
 
 # -- demo -----------------------------------------------------------------------------------

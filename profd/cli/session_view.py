@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from rich.table import Table
 
@@ -101,6 +102,48 @@ def wait_session(
             done, total, label = progress_of(view)
             bar.update(task, total=max(1, total), completed=done, label=label, state=view["state"])
     return view
+
+
+#: Target states whose window is open or being written: a cancel flushes it into a trace.
+WRITING_STATES = frozenset({"recording", "collecting"})
+
+
+def writing_targets(view: dict[str, Any]) -> dict[str, int]:
+    """The targets whose window is open or being written, with their traces so far."""
+    targets = view["targets"]
+    return {t["agent_id"]: len(t["traces"]) for t in targets if t["state"] in WRITING_STATES}
+
+
+def settle_cancelled(
+    api: ApiClient, view: dict[str, Any], writing: dict[str, int], timeout: float, quiet: bool
+) -> tuple[dict[str, Any], int]:
+    """A cancelled session once the targets that were writing when it was cancelled
+    (``writing``: their traces then) have each written one more trace (a cancel flushes an
+    open window; the agent does it at its next step or stage mark), or ``timeout`` passed;
+    and how many had not by then."""
+    sid = view["session_id"]
+    deadline = time.monotonic() + timeout
+    left = _still_writing(view, writing)
+    if left and not quiet and timeout > 0:
+        err_console.print(
+            f"waiting up to {timeout:g} s for the last traces of {len(left)} target(s) that "
+            "were recording (the cancel flushes them)",
+            markup=False,
+            highlight=False,
+        )
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)  # the poll interval of a person's command
+        try:
+            view = api.get(f"/api/v1/sessions/{quote(sid, safe='')}")
+        except CliError:
+            break  # the cancel stands; the outcome line says what arrived
+        left = _still_writing(view, writing)
+    return view, len(left)
+
+
+def _still_writing(view: dict[str, Any], writing: dict[str, int]) -> dict[str, int]:
+    now = {t["agent_id"]: len(t["traces"]) for t in view["targets"]}
+    return {a: n for a, n in writing.items() if now.get(a, n) <= n}
 
 
 #: While a session waits for its window, ``--wait`` reads its targets' steps this often...

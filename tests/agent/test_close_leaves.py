@@ -111,3 +111,54 @@ def test_told_unknown_before_closed_got_through_it_registers_and_sends_it() -> N
     assert link.registered_after_unknown.is_set() and link.registrations == 2
     assert [e.kind for e in link.reported] == [EventKind.CLOSED]
     ch.stop()
+
+
+# In a process of its own: before the torch backend refused it, this crashed the process.
+THREAD_ENDED = r"""
+import sys, tempfile, threading
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from helpers import coordinator_settings, start_agents, wait_armed
+from profd.actors.coordinator import ProfileCoordinator
+from profd.testing.coordinator import InProcessCoordinator
+
+owner = InProcessCoordinator(ProfileCoordinator(coordinator_settings(Path(tempfile.mkdtemp()))))
+(agent,) = start_agents(owner, 1, "actor")
+sid = owner.call("create_session", {"steps": [3, 4, 5, 6], "profile_continuous_steps": True}
+                 ).session_id
+wait_armed(agent, sid)
+
+def training():  # the job's loop ends inside the window, without closing the agent
+    for n in range(1, 5):
+        with agent.step(n), agent.stage("work"):
+            torch.ones(4).sum()
+
+thread = threading.Thread(target=training, name="training")
+thread.start()
+thread.join()
+print("closed:", agent.close(timeout=10))  # at exit, from the main thread
+part = owner.call("get_session", sid).targets[0]
+print("state:", part.state.value)
+print("reason:", part.reason)
+print("warnings:", owner.call("get_session", sid).warnings)
+owner.close()
+"""
+
+
+def test_a_job_whose_training_thread_ends_mid_window_survives_its_close(tmp_path) -> None:
+    """The training thread ends inside a window and the agent is closed from the main
+    thread (atexit does that): torch can stop the window only on its thread, so the window
+    fails, saying why, and the process ends normally (it crashed in Kineto's export)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", THREAD_ENDED, tests], capture_output=True, text=True,
+        timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "state: failed" in r.stdout, r.stdout
+    assert "the thread that started this torch window (training) ended" in r.stdout, r.stdout

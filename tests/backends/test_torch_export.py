@@ -99,3 +99,72 @@ def test_trace_only_is_asked_for_except_with_stacks() -> None:
     config = plain.get("experimental_config")
     if hasattr(torch._C._profiler._ExperimentalConfig(), "trace_only"):
         assert config is not None and config.trace_only
+
+
+# Run in a process of its own: before the fix, ending the window off its thread crashed the
+# process (a segmentation fault in Kineto's export of the empty result).
+OFF_THREAD = r"""
+import sys, threading, time
+from pathlib import Path
+import torch
+from profd.backends.base import CollectionSpec
+from profd.backends.torch_backend import TorchBackend, read_trace
+
+out = Path(sys.argv[1])
+opener_alive = sys.argv[2] == "alive"
+
+def spec(step):
+    return CollectionSpec(out, f"actor_train_step{step}_rank0_pid1_20260101000000000", {})
+
+box, release = {}, threading.Event()
+
+def training():
+    box["coll"] = TorchBackend({"contents": ["cpu"]}).open(spec(1))
+    with box["coll"].annotate("step1"):
+        torch.ones(4).sum()
+    if opener_alive:
+        release.wait(30)
+
+thread = threading.Thread(target=training, name="training")
+thread.start()
+if not opener_alive:
+    thread.join()
+while "coll" not in box:
+    time.sleep(0.01)
+try:
+    outputs = box["coll"].close()
+    for o in outputs:
+        o.write()
+    print("closed off its thread")
+except RuntimeError as exc:
+    print("refused:", exc)
+release.set()
+thread.join()
+coll = TorchBackend({"contents": ["cpu"]}).open(spec(2))  # the process can profile again
+with coll.annotate("step2"):
+    torch.ones(4).sum()
+(written,) = coll.close()[0].write()
+names = [e["name"] for e in read_trace(written.path)["traceEvents"]]
+print("next window:", "step2" in names)
+"""
+
+
+@pytest.mark.parametrize("opener", ["ended", "alive"])
+def test_a_window_ended_off_its_thread_is_refused_not_crashed(tmp_path, opener) -> None:
+    """torch's profiler is its starting thread's: stopped on another thread it returns an
+    empty result whose export crashed the process. The window fails, saying why; the
+    process goes on and profiles again."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", OFF_THREAD, str(tmp_path), opener],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    if opener == "ended":
+        assert "refused: the thread that started this torch window (training) ended" in r.stdout
+    else:
+        assert "refused: this torch window was started on thread training and is being " \
+            "ended on MainThread" in r.stdout, r.stdout  # fmt: skip
+    assert "this trace is lost" in r.stdout and "next window: True" in r.stdout, r.stdout

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +249,47 @@ def test_cancel_prints_the_final_state_and_refuses_unknown_or_ended(
         out = json.loads(r.stdout)
         assert out["session_id"] == other and out["state"] == "cancelled"
     finally:
+        agent.close(timeout=10)
+
+
+def test_cancel_waits_for_the_trace_its_flush_writes(
+    sidecar: Any, local_coordinator: Any, tmp_path: Path
+) -> None:
+    """A window open when the session is cancelled is written (at the job's next step mark):
+    `profd cancel` waits for that trace, so what it prints is what the session holds."""
+    url = sidecar.url
+    env = env_for(tmp_path)
+    (agent,) = start_agents(local_coordinator, 1, "actor")
+    stop = threading.Event()
+
+    def job() -> None:  # steps of about 1 s: the flush comes up to a second after the cancel
+        n = 1
+        while not stop.is_set():
+            with agent.step(n), agent.stage("work"):
+                torch.ones(4) @ torch.ones(4)
+                stop.wait(1.0)
+            n += 1
+
+    loop = threading.Thread(target=job, daemon=True)
+    loop.start()
+    try:
+        sid = create(url, {"next_steps": 30, "profile_continuous_steps": True})
+
+        def part_state() -> str:
+            view = httpx.get(f"{url}/api/v1/sessions/{sid}", headers=AUTH).json()
+            return view["targets"][0]["state"]
+
+        wait_until(lambda: part_state() == "recording", 30, 0.1, what="recording")
+        r = cli(["cancel", sid, "--url", url], env)
+        assert r.returncode == 0, r.stderr
+        assert "1 trace(s) in" in r.stdout, r.stdout  # the flushed window's, waited for
+        assert "that were recording" in r.stderr, r.stderr  # it said what it waits for
+        view = httpx.get(f"{url}/api/v1/sessions/{sid}", headers=AUTH).json()
+        assert view["state"] == "cancelled" and len(view["traces"]) == 1, view["traces"]
+        assert view["targets"][0]["recorded_steps"], view["targets"][0]
+    finally:
+        stop.set()
+        loop.join(10)
         agent.close(timeout=10)
 
 
