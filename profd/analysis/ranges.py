@@ -3,8 +3,9 @@
 The agent records ``step<n>`` around each profiled step, the stage label around each stage,
 and ``mini_batch<i>`` / ``micro_batch<j>`` inside update loops — all as ``user_annotation``
 ranges. A *stage* is any other ``user_annotation`` range that is not nested inside another
-such range on the same thread: a ``record_function`` the user's own model code opens inside a
-stage stays part of that stage instead of becoming a stage of its own.
+such range on the same thread, on a thread that holds those marks: a ``record_function`` the
+user's own model code opens inside a stage stays part of that stage instead of becoming a
+stage of its own, and a library's range on a thread of its own (gloo's) is no stage.
 """
 
 from __future__ import annotations
@@ -50,9 +51,18 @@ def marker(name: str) -> tuple[str, int] | None:
 
 
 def select_stages(ranges: Sequence[Range]) -> list[int]:
-    """Indices of the stage ranges: unmarked ranges not nested in another unmarked one."""
+    """Indices of the stage ranges: unmarked ranges not nested in another unmarked one, on
+    the threads that hold profd's marks (steps, mini- and micro-batches; every thread in a
+    file with none). A library's range on a thread of its own is not a stage: torch's
+    ``gloo:all_reduce`` runs on gloo's thread while the training thread's stage waits for it
+    (it was counted a stage, and took the mini-batches and operators it overlapped)."""
+    marked = {r.thread for r in ranges if marker(r.name) is not None}
     order = sorted(
-        (i for i, r in enumerate(ranges) if marker(r.name) is None),
+        (
+            i
+            for i, r in enumerate(ranges)
+            if marker(r.name) is None and (not marked or r.thread in marked)
+        ),
         key=lambda i: (ranges[i].thread, ranges[i].ts, -ranges[i].dur),
     )
     top_end: dict[int, float] = {}

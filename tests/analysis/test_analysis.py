@@ -407,3 +407,56 @@ def test_a_merged_trace_in_the_directory_is_not_read_as_a_rank(rl_session, tmp_p
     assert len(s.tracks) == WORLD + 2
     again = merge_dir(tmp_path, tmp_path / "again.json.gz")
     assert "merged.json.gz" in again.skipped and len(again.tracks) == WORLD + 2
+
+
+# A real data-parallel step with gloo (world size 1), recorded by profd's torch backend in a
+# process of its own (the process group stays out of the test process).
+GLOO_STEP = r"""
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from profd.backends.base import CollectionSpec
+from profd.backends.torch_backend import TorchBackend
+
+out = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=0, world_size=1)
+meta = {"profd": {"role": "trainer", "rank": 0, "step": 1, "scope": "train"},
+        "distributedInfo": {"rank": 0, "world_size": 1}}
+traces = out / "traces"
+coll = TorchBackend({"contents": ["cpu"]}).open(
+    CollectionSpec(traces, "trainer_train_step1_rank0_pid1_20260101000000000", meta))
+layer = torch.nn.Linear(64, 64)
+with coll.annotate("step1"):
+    with coll.annotate("forward_backward"):
+        for i in range(2):
+            with coll.annotate(f"mini_batch{i}"):
+                layer(torch.randn(32, 64)).sum().backward()
+                for p in layer.parameters():
+                    dist.all_reduce(p.grad)
+    with coll.annotate("optimizer_step"), torch.no_grad():
+        for p in layer.parameters():
+            p -= 0.01 * p.grad
+coll.close()[0].write()
+dist.destroy_process_group()
+"""
+
+
+def test_a_librarys_range_on_its_own_thread_is_no_stage(tmp_path) -> None:
+    """torch's gloo:all_reduce is a user_annotation on gloo's own thread: it is not a stage,
+    and the mini-batches it overlaps stay in the stage that marked them."""
+    r = subprocess.run(
+        [sys.executable, "-c", GLOO_STEP, str(tmp_path)], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    (trace,) = (tmp_path / "traces").iterdir()
+    events = load(trace)["traceEvents"]
+    ranges = [(e["name"], e["tid"]) for e in events if e.get("cat") == "user_annotation"]
+    step_tid = next(tid for name, tid in ranges if name == "step1")
+    assert any(n == "gloo:all_reduce" and tid != step_tid for n, tid in ranges), ranges
+    summary = summarize_dir(tmp_path / "traces")
+    assert {s.stage for s in summary.stage_times} == {"forward_backward", "optimizer_step"}
+    minis = summary.mini_batches
+    assert [(m.stage, m.index) for m in minis] == [("forward_backward", 0), ("forward_backward", 1)]
+    assert all(g.stage != "gloo:all_reduce" for g in summary.top_ops)

@@ -112,6 +112,18 @@ def _step(agent, step: int, heavy: bool) -> None:
 
 
 def _record(owner, heavy: bool) -> str:
+    # One intra-op thread: on 2 shared cores the first parallel op after a sleep waited up to
+    # 5 ms for the pool to wake (a 192x192 division "took" 30 ms over a recording), which
+    # drowned the injected matmuls in the operator diff.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _recorded(owner, heavy)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _recorded(owner, heavy: bool) -> str:
     agents = start_agents(owner, 2)
     for a in agents:
         _step(a, 0, heavy)
