@@ -18,13 +18,14 @@ merged trace under ``profdMerge``.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import logging
 import os
 import shutil
 import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,10 +208,15 @@ class _Plan:
         if ranks is None and roles is None:
             return
         for f, ident in enumerate(self.idents):
-            ok = (ranks is None or ident.rank in ranks) and (roles is None or ident.role in roles)
-            if not ok:
-                self.selected[f] = False
-                self._drop("ranks", f, np.ones(len(self.keep[f]), bool))
+            # dropped "by" the filter that left the track out: its rank first, else its role
+            if ranks is not None and ident.rank not in ranks:
+                by = "ranks"
+            elif roles is not None and ident.role not in roles:
+                by = "roles"
+            else:
+                continue
+            self.selected[f] = False
+            self._drop(by, f, np.ones(len(self.keep[f]), bool))
         if not any(self.selected):
             have = sorted({(i.role or "?", i.rank) for i in self.idents}, key=str)
             field = "roles" if ranks is None else "ranks"
@@ -415,7 +421,7 @@ def _assemble(
     total = 0
     events = len(metadata)
     try:
-        with _sink(partial, out.name.endswith(".gz")) as sink:
+        with _sink(partial, out.name) as sink:
             first = head[:-1] + b',"traceEvents":['
             body = b",".join(metadata)
             sink.write(first + body)
@@ -440,9 +446,17 @@ def _assemble(
     return events, total
 
 
-def _sink(path: Path, compress: bool) -> Any:
-    # Level 6: about as small as 9 on trace JSON, several times faster.
-    return gzip.open(path, "wb", compresslevel=6) if compress else open(path, "wb")
+@contextlib.contextmanager
+def _sink(path: Path, name: str) -> Iterator[Any]:
+    """Where ``name`` is written (at ``path``, a temporary): gzipped for a ``.gz`` name, its
+    header naming ``name`` (``gunzip -N`` restores that, not the temporary's)."""
+    with open(path, "wb") as raw:
+        if not name.endswith(".gz"):
+            yield raw
+            return
+        # Level 6: about as small as 9 on trace JSON, several times faster.
+        with gzip.GzipFile(filename=name, mode="wb", compresslevel=6, fileobj=raw) as gz:
+            yield gz
 
 
 def _version() -> str:

@@ -24,7 +24,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from profd.cli.client import ApiClient, CliError, format_bytes
+from profd.cli.client import EXIT_USAGE, ApiClient, CliError, format_bytes
+from profd.cli.common import comma_list
 from profd.cli.summary_view import print_summary
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ console = Console()
 err_console = Console(stderr=True)
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
-EXIT_USAGE = 2
 
 TargetArg = Annotated[
     str, typer.Argument(help="Session directory, or a session id (resolved by the sidecar).")
@@ -106,22 +106,6 @@ def _fetch(api: ApiClient, session_id: str, traces: list[dict[str, Any]], into: 
     return into
 
 
-def _csv(text: str | None, name: str, as_int: bool = False) -> list[Any] | None:
-    if text is None:
-        return None
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise typer.BadParameter("expected a comma-separated list", param_hint=name)
-    if as_int:
-        try:
-            return [int(x) for x in items]
-        except ValueError:
-            raise typer.BadParameter(
-                f"expected comma-separated integers, got {text!r}", param_hint=name
-            ) from None
-    return items
-
-
 def _usage_error(exc: ValueError) -> None:
     err_console.print(f"[red]error:[/red] {exc}")
     raise typer.Exit(EXIT_USAGE)
@@ -171,9 +155,9 @@ def merge(
         report = merge_dir(
             directory,
             output,
-            stages=_csv(stages, "--stages"),
-            ranks=_csv(ranks, "--ranks", as_int=True),
-            roles=_csv(roles, "--roles"),
+            stages=comma_list(stages, "--stages"),
+            ranks=comma_list(ranks, "--ranks", as_int=True),
+            roles=comma_list(roles, "--roles"),
             start_ms=start,
             end_ms=end,
             max_mb=max_mb,

@@ -28,6 +28,8 @@ __all__ = [
 ]
 
 EXIT_FAILED = 1
+#: Bad usage: a bad option, or input the sidecar refused as invalid (HTTP 422).
+EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
 #: In the state directory: where the sidecar was when `profd down` removed its record, so
@@ -199,8 +201,10 @@ class ApiClient:
             msg = body.get("message") or str(body)
         except (ValueError, AttributeError):
             msg = resp.text[:500]
-        hint = self._auth_hint(resp.status_code) if resp.status_code in (401, 403) else ""
-        return CliError(f"HTTP {resp.status_code}: {msg}{hint}", EXIT_FAILED, resp.status_code)
+        status = resp.status_code
+        hint = self._auth_hint(status) if status in (401, 403) else ""
+        code = EXIT_USAGE if status == 422 else EXIT_FAILED  # refused input is bad usage
+        return CliError(f"HTTP {status}: {msg}{hint}", code, status)
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:

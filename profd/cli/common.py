@@ -45,3 +45,39 @@ def fail(exc: CliError) -> None:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+#: The most numbers one ``a-b`` run may stand for (a typo like ``1-1000000`` is refused).
+MAX_RUN = 100_000
+
+
+def comma_list(text: str | None, name: str, as_int: bool = False) -> list[Any] | None:
+    """A comma-separated option's items (``None`` when not given); ``as_int``: integers,
+    where ``a-b`` stands for ``a`` to ``b`` (``--steps 120-123,130``). A bad value is a
+    usage error naming the option."""
+    if text is None:
+        return None
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise typer.BadParameter("expected a comma-separated list", param_hint=name)
+    if not as_int:
+        return items
+    out: list[int] = []
+    for item in items:
+        first, sep, last = item.partition("-")
+        try:
+            if not sep:
+                out.append(int(item))
+                continue
+            lo, hi = int(first), int(last)
+        except ValueError:
+            raise typer.BadParameter(
+                f"expected comma-separated integers or runs like 3-5, got {item!r} in {text!r}",
+                param_hint=name,
+            ) from None
+        if hi < lo or hi - lo >= MAX_RUN:
+            raise typer.BadParameter(
+                f"a run goes up, by at most {MAX_RUN} numbers: got {item!r}", param_hint=name
+            )
+        out.extend(range(lo, hi + 1))
+    return out

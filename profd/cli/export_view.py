@@ -20,7 +20,6 @@ from rich.table import Table
 from profd.cli.analysis import (
     UrlOpt,
     WorkersOpt,
-    _csv,
     _fail,
     _usage_error,
     console,
@@ -28,6 +27,7 @@ from profd.cli.analysis import (
     resolve_target,
 )
 from profd.cli.client import CliError
+from profd.cli.common import comma_list
 
 if TYPE_CHECKING:
     from profd.analysis.hta_export import HtaExport
@@ -91,7 +91,7 @@ def export(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         what = "is a file" if not out_dir.is_dir() else "exists and is not empty"
         raise typer.BadParameter(f"{out_dir} {what}; choose a new folder", param_hint="DIR")
-    wanted = _csv(steps, "--steps", as_int=True)
+    wanted = comma_list(steps, "--steps", as_int=True)
     try:
         try:
             directory = resolve_target(session, url)

@@ -8,17 +8,9 @@ from typing import Any
 import typer
 import yaml
 
+from profd.cli.common import comma_list
 
 # -- profile --------------------------------------------------------------------------------
-def ints(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
-
-
 #: The request's window fields, and the options that set them.
 WINDOW_KEYS = {"steps": "--steps", "next_steps": "--next-steps", "duration_s": "--duration"}
 
@@ -90,7 +82,7 @@ def build_request(
         body["tool"] = tool
     # the window given on the command line replaces the one of --config
     for key, value in (
-        ("steps", ints(steps)),
+        ("steps", comma_list(steps, "--steps", as_int=True)),
         ("next_steps", next_steps),
         ("duration_s", duration),
     ):
@@ -104,7 +96,7 @@ def build_request(
     if all_ranks:
         block["all_ranks"] = True
     if ranks is not None:
-        block["ranks"] = ints(ranks)
+        block["ranks"] = comma_list(ranks, "--ranks", as_int=True)
     if discrete:
         block["discrete"] = True
     if contents is not None:

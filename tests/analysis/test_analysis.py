@@ -297,7 +297,11 @@ def test_merge_filters_ranks_stages_and_window(rl_session, tmp_path) -> None:
         rank_label(0, rl_session.host),
         rank_label(2, rl_session.host),
     ]
-    assert report.dropped["ranks"]["cpu_op"] > 0
+    assert report.dropped["ranks"]["cpu_op"] > 0 and "roles" not in report.dropped
+    raw = out.read_bytes()  # the gzip header names the file (gunzip -N), not its temporary
+    assert raw[3] & 0x08 and raw[10:].split(b"\0", 1)[0] == b"r.json", raw[:40]
+    report = merge_dir(rl_session.dir, out, roles=["rollout"])  # named by what left it out
+    assert report.dropped["roles"]["cpu_op"] > 0 and "ranks" not in report.dropped
 
     report = merge_dir(rl_session.dir, out, stages=["update_actor"])
     doc = load(out)

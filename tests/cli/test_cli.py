@@ -56,8 +56,26 @@ def test_unreachable_sidecar_is_exit_3_with_a_hint(tmp_path: Path) -> None:
 
 def test_bad_usage_is_exit_2(tmp_path: Path) -> None:
     env = dict(os.environ, HOME=str(tmp_path), PROFD_STATE_DIR=str(tmp_path / "s"))
-    r = cli(["profile", "--steps", "a,b"], env, timeout=60)
-    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    for args, option in (
+        (["--steps", "a,b"], "--steps"),
+        (["--next-steps", "2", "--ranks", "0,x"], "--ranks"),
+        (["--steps", "9-3"], "--steps"),
+    ):
+        r = cli(["profile", *args], env, timeout=60)
+        text = " ".join(r.stderr.replace("│", " ").split())
+        assert r.returncode == 2 and f"Invalid value for {option}:" in text, (args, text)
+
+
+def test_integer_lists_take_runs() -> None:
+    import typer
+
+    from profd.cli.common import comma_list
+
+    assert comma_list("120-123, 130", "--steps", as_int=True) == [120, 121, 122, 123, 130]
+    assert comma_list("a, b", "--roles") == ["a", "b"] and comma_list(None, "--x") is None
+    for bad in ("3-", "-1", "5-4", "1-1000000", " , "):
+        with pytest.raises(typer.BadParameter):
+            comma_list(bad, "--steps", as_int=True)
 
 
 def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_path: Path) -> None:

@@ -313,6 +313,8 @@ def test_duration_is_exclusive_with_steps_and_maps_to_duration_s(
     assert r.returncode == 2 and "more than 0" in flat(r.stderr.replace("│", " ")), r.stderr
     r = cli(["profile", "--url", url], env)
     assert r.returncode == 2 and "--duration" in r.stderr, r.stderr
+    r = cli(["profile", "--url", url, "--next-steps", "0"], env)  # refused by the sidecar
+    assert r.returncode == 2 and "HTTP 422" in r.stderr and "next_steps" in r.stderr, r.stderr
 
     (agent,) = start_agents(local_coordinator, 1, "actor")
     try:
