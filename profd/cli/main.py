@@ -158,7 +158,11 @@ def _say_more(
     else:
         head = f"the newest {shown} of {total} {noun}; {total - shown} more"
     text = f"{head}: `{cmd} --cursor {next_cursor}` for the next page, `{cmd} --all` for all"
-    (err_console if to_stderr else console).print(text, markup=False, highlight=False)
+    # soft-wrapped: the terminal folds the line, rich inserts no newline in the cursor token
+    # (a copied command must work)
+    (err_console if to_stderr else console).print(
+        text, markup=False, highlight=False, soft_wrap=True
+    )
 
 
 def _command(name: str, url: str | None, limit: int, **options: str | None) -> list[str]:

@@ -638,7 +638,8 @@ def test_traces_grouped_by_session_newest_first_under_the_save_root(
     text = flat(r.stdout)
     assert "the newest 3 of 6 traces; 3 more" in text
     assert "3 of 6 trace(s) shown" in text and f"of {format_bytes(every['bytes'])}" in text
-    cursor = re.search(r"--cursor (\S+)` for the next page", text).group(1)
+    # one line, however narrow: the command (its cursor token) copies whole
+    cursor = re.search(r"--cursor (\S+)` for the next page", r.stdout).group(1)
     r = cli(["traces", "--url", url, "--limit", "3", "--cursor", cursor, "--json"], env)
     assert [t["trace_id"] for t in json.loads(r.stdout)] == [t["trace_id"] for t in traces[3:]]
 
