@@ -153,11 +153,14 @@ class Admission:
     ) -> Session:
         """A new session, its window placed and its plans published (``origin``: the trigger
         that started it, and why)."""
-        # No cyclic collection until the plans have gone out: at 10,000 agents one takes
-        # 60-150 ms, and one to three fell there (held at most align_timeout_s longer, for
-        # next_steps; see profd.core.heap and bench/create_latency.py).
+        # No cyclic collection while the session is made and while its plans go out: at
+        # 10,000 agents one takes 60-150 ms, and one to three fell there (profd.core.heap,
+        # bench/create_latency.py). Not across the wait for fresh steps (next_steps).
         with collection_deferred():
-            req, session = await self._placed(request, origin)
+            req, session, targets = self._new_session(request, origin)
+        await self._alignment.place(session, req, targets)
+        with collection_deferred():
+            await self._publish(session)
         # Encoding 10,000 parts for the store and building the reply come after the plans
         # (the writer thread commits the rows in the background).
         self._book.persist(session)
@@ -171,9 +174,10 @@ class Admission:
         )
         return session
 
-    async def _placed(
+    def _new_session(
         self, request: dict | SessionRequest, origin: dict[str, Any] | None
-    ) -> tuple[SessionRequest, Session]:
+    ) -> tuple[SessionRequest, Session, list[Target]]:
+        """The request validated, targeted and checked, as a new session (window not placed)."""
         try:
             req = (
                 request
@@ -206,17 +210,18 @@ class Admission:
         )
         if req.steps is not None:
             check_reachable(req.steps, self._registry, targeting.targets, self._drivers.job_step)
-        session = self._book.new(req, targeting, origin)
-        await self._alignment.place(session, req, targeting.targets)
+        return req, self._book.new(req, targeting, origin), targeting.targets
+
+    async def _publish(self, session: Session) -> None:
+        """The placed session's plans out: parked long-polls answer and relays' pushes leave
+        before anything else. Two turns: in the first the woken polls return and the pushes
+        are sent; under Ray the polls' results are handed over by their tasks'
+        done-callbacks, which run in the second."""
         self._book.advance(session, persist=False)
         self._alignment.say_what_is_past(session)
         self._book.publish([*session.targets])
-        # Parked long-polls answer and relays' pushes leave first. Two turns: in the first
-        # the woken polls return and the pushes are sent; under Ray the polls' results are
-        # handed over by their tasks' done-callbacks, which run in the second.
         for _ in range(2):
             await asyncio.sleep(0)
-        return req, session
 
     def adopt(self, info: AgentInfo) -> None:
         """Add a newly registered agent to launch-time sessions whose window has not begun."""

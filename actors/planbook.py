@@ -174,7 +174,8 @@ class PlanBook:
             _signal(entry.acked)
 
     def parked(self) -> int:
-        """How many agents have a long-poll parked here now."""
+        """How many agents have a long-poll parked here now (O(agents): for benches and
+        tests, not a hot path)."""
         return sum(1 for e in self._entries.values() if e.waiters)
 
     async def wait(self, agent_id: str, known_version: int, timeout: float) -> AgentPlan | None:

@@ -54,6 +54,7 @@ def session_view(
                 missed_steps=sorted(p.missed),
                 traces=list(p.traces),
                 armed_at=p.armed_at,
+                agent_done=p.ended_by_agent,
             )
             for p in sorted(s.targets.values(), key=lambda p: (p.role, p.rank))
         ],

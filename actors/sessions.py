@@ -337,6 +337,10 @@ class Session:
                 self._on_trace(part, event.payload)
                 part.missed -= set(event.payload.steps)  # written late, but written
                 self._recorded_any = self._recorded_any or bool(part.recorded)
+            elif isinstance(event.payload, PartDone) or event.kind is EventKind.CLOSED:
+                # nothing more will come from it (what `profd cancel` waits for)
+                part.ended_by_agent = True
+                self.dirty_parts.add(agent_id)
             return
         self.dirty_parts.add(agent_id)
         match event.payload:

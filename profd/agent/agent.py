@@ -122,7 +122,12 @@ class ProfilerAgent:
         self._closed = False
         self._pid = os.getpid()  # a forked child inherits the object, not the agent
         self._recorder = Recorder(
-            self.info, self._emit, backend_factory, self._clock_estimate, self._recording_changed
+            self.info,
+            self._emit,
+            backend_factory,
+            self._clock_estimate,
+            self._recording_changed,
+            self._wake_at_next_mark,
         )
         self._timed = TimedWindows(
             lambda: self.info, self._emit, backend_factory, self._clock_estimate
@@ -402,6 +407,10 @@ class ProfilerAgent:
                 self._emit(AgentEvent(EventKind.ARMED, w.session_id, self._current_step))
                 if w.tool == ToolKind.TORCH:
                     warm_up_profiler()  # the first start's imports, off the training thread
+
+    def _wake_at_next_mark(self) -> None:
+        """The next stage mark attends (after a failed window: see Recorder's on_fault)."""
+        self._attention += 1
 
     def _coordinator_lost(self) -> None:
         """Poller thread: the coordinator is out of reach. A worker that follows a driver's

@@ -35,6 +35,7 @@ from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope, TimedScope
 from profd.agent.specs import build_spec
 from profd.agent.timed import is_timed_thread_free
 from profd.agent.window_state import IDLE, NO_STEP, ArmedPlan, FinishedIds, Ticket, WindowState
+from profd.backends import end_orphaned_windows
 from profd.backends.base import Backend, Collection, WrittenFile
 from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PartDone, StepsMissed
 from profd.core.schedule import continuous_schedule, discrete_schedule
@@ -74,9 +75,12 @@ class Recorder:
         make_backend: Callable[[str, dict[str, Any]], Backend],
         clock: Callable[[], ClockEstimate | None] = lambda: None,
         on_active: Callable[[bool], None] = lambda recording: None,
+        on_fault: Callable[[], None] = lambda: None,
     ) -> None:
         """``on_active(recording)``: training thread, when :attr:`active` turns from ``None``
-        to a scope or back (the agent routes stage marks by it)."""
+        to a scope or back (the agent routes stage marks by it). ``on_fault()``: a window
+        failed; the agent attends at its next mark (a window refused off its thread is
+        stopped there: :func:`~profd.backends.end_orphaned_windows`)."""
         self.info = info
         self._emit = emit
         self._make_backend = make_backend
@@ -94,6 +98,7 @@ class Recorder:
         #: (marks read it on every call); written only through :meth:`_activate`.
         self.active: Scope | None = None
         self._on_active = on_active
+        self._on_fault = on_fault
         #: Why steps a followed worker skips went unrecorded, while it could not follow the
         #: driver (None: they were not entered; see :meth:`cut_followed`).
         self.unfollowed: str | None = None
@@ -125,8 +130,10 @@ class Recorder:
 
     # -- timed windows of thread-bound backends --------------------------------------------
     def attend(self, armed: ArmedPlan) -> None:
-        """At a mark: adopt a new plan, open pending timed windows, close expired ones."""
+        """At a mark: adopt a new plan, open pending timed windows, close expired ones, stop
+        a window of this thread that another thread could not."""
         try:
+            end_orphaned_windows()
             self._attend(armed)
         finally:
             self._refresh_wake()
@@ -333,19 +340,18 @@ class Recorder:
         caller's :meth:`fault` says why, then finishes the window, in that order)."""
         outputs: list[Any] = []
         started = time.perf_counter()
-        failed = True
         try:
             outputs = collection.close()
-            failed = False
         except Exception as exc:
             with self._lock:
                 ticket.errors.append(f"stopping the profiler failed: {exc}")
+                ticket.failed = True
             raise
         finally:
             ticket.stall_s += time.perf_counter() - started  # what the training thread paid
             ticket.closed = True
             self.submit(ticket, outputs)
-            self._settle(ticket, finish=not failed)
+            self._settle(ticket)
 
     def _close_scope(
         self,
@@ -402,9 +408,10 @@ class Recorder:
                 ticket.errors.append(error)
         self._settle(ticket)
 
-    def _settle(self, ticket: Ticket, finish: bool = True) -> None:
-        """A closed collection whose files are all written: its steps are now resolved
-        (``finish``: and the window ends if that was its last)."""
+    def _settle(self, ticket: Ticket) -> None:
+        """A closed collection whose files are all written: its steps are now resolved, and
+        the window ends if that was its last (one whose stop failed: only once :meth:`fault`
+        told why, else the coordinator, told the window ended, drops the error)."""
         ws = ticket.ws
         with self._lock:
             if ticket.settled or not ticket.closed or ticket.pending > 0:
@@ -423,7 +430,7 @@ class Recorder:
                     StepsMissed(tuple(ticket.steps)),
                 )
             )
-        if finish:
+        if not ticket.failed or ws.fault_told:
             self._maybe_done(ws)
 
     def _maybe_done(self, ws: WindowState) -> None:
@@ -479,7 +486,9 @@ class Recorder:
         remaining = [s for s in ws.window.steps if s not in ws.handled]
         with self._lock:
             ws.handled.update(remaining)
+            ws.fault_told = True
         self._maybe_done(ws)
+        self._on_fault()
 
     def _abandon(self, ws: WindowState, reason: str) -> None:
         if ws.window.duration_s is not None:
@@ -516,6 +525,7 @@ class Recorder:
         for ws in list(self._windows.values()):
             self._abandon(ws, "the job ended before these steps")
         self._refresh_wake()
+        end_orphaned_windows()  # closed on the training thread: its own are stopped here
         if self._exporter.drain(timeout):
             return True
         self._give_up_unwritten(timeout)

@@ -261,8 +261,10 @@ def _fill(
     thread = thread_of_head[gid]
     _fill_ranges(digest, heads, gid, ts, dur, thread)
     steps = step_ranges(digest.ranges)
-    if isinstance(header.get("profd"), dict):
-        digest.stages = [digest.ranges[i] for i in select_stages(digest.ranges)]
+    if isinstance(own := header.get("profd"), dict):
+        scope = own.get("scope")  # a discrete trace's: its stage
+        stages = select_stages(digest.ranges, scope if isinstance(scope, str) else None)
+        digest.stages = [digest.ranges[i] for i in stages]
     elif pseudo_stage and steps:  # torch's ProfilerStep rows: the trace's activity per step
         digest.stages = [Range(pseudo_stage, r.ts, r.dur, r.thread) for _, r in steps]
     elif pseudo_stage:

@@ -50,13 +50,14 @@ def marker(name: str) -> tuple[str, int] | None:
     return None
 
 
-def select_stages(ranges: Sequence[Range]) -> list[int]:
+def select_stages(ranges: Sequence[Range], scope: str | None = None) -> list[int]:
     """Indices of the stage ranges: unmarked ranges not nested in another unmarked one, on
-    the threads that hold profd's marks (steps, mini- and micro-batches; every thread in a
-    file with none). A library's range on a thread of its own is not a stage: torch's
-    ``gloo:all_reduce`` runs on gloo's thread while the training thread's stage waits for it
-    (it was counted a stage, and took the mini-batches and operators it overlapped)."""
-    marked = {r.thread for r in ranges if marker(r.name) is not None}
+    the threads that hold profd's marks (steps, mini- and micro-batches, or the range named
+    by the file's ``scope``: a discrete trace's stage; every thread in a file with none). A
+    library's range on a thread of its own is not a stage: torch's ``gloo:all_reduce`` runs
+    on gloo's thread while the training thread's stage waits for it (it was counted a stage,
+    and took the mini-batches and operators it overlapped)."""
+    marked = {r.thread for r in ranges if marker(r.name) is not None or r.name == scope}
     order = sorted(
         (
             i

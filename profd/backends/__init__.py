@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from profd.backends.base import (
@@ -25,6 +26,7 @@ __all__ = [
     "WrittenFile",
     "backend_class",
     "capabilities",
+    "end_orphaned_windows",
     "make_backend",
 ]
 
@@ -69,3 +71,11 @@ def capabilities() -> dict[str, str | None]:
         except Exception as exc:  # a probe must never break attach
             out[kind.value] = f"probe failed: {exc}"
     return out
+
+
+def end_orphaned_windows() -> int:
+    """Stop the windows a backend could not stop where their end came (off the thread that
+    started them) that this thread may stop now; how many. Only torch's are bound to a
+    thread; nothing is imported for this (no window of it, none to stop)."""
+    module = sys.modules.get("profd.backends.torch_backend")
+    return module.end_orphaned_windows() if module is not None else 0

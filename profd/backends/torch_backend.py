@@ -49,7 +49,13 @@ from profd.core.files import TRACE_EXT, free_name, gzip_file, link_new, temp_pat
 from profd.core.request import ToolKind, TorchToolConfig
 from profd.core.schedule import window_suffix
 
-__all__ = ["KINETO_GATE", "KinetoGate", "TorchBackend", "torch_profiler_kwargs"]
+__all__ = [
+    "KINETO_GATE",
+    "KinetoGate",
+    "TorchBackend",
+    "end_orphaned_windows",
+    "torch_profiler_kwargs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +260,14 @@ class _TorchOutput(PendingOutput):
                 self._raw.unlink(missing_ok=True)
             raise
 
+    def discard(self) -> None:
+        """Never written: its temporary file goes, and the gate lets the next start in."""
+        self._window = None
+        if self._unhold is not None:
+            self._unhold()
+            self._unhold = None
+        self._raw.unlink(missing_ok=True)
+
     def write(self) -> list[WrittenFile]:
         if self._unhold is not None:
             window, self._window = self._window, None
@@ -328,29 +342,45 @@ class _OneProfilerPerProcess:
 
 
 class _Orphans:
-    """Windows refused off their thread while that thread still ran (see
-    :meth:`_TorchCollection._off_thread`): each is stopped, its result discarded, once its
-    thread has ended: before the next window starts in the process, and at exit."""
+    """Windows that could not be stopped where their end came (off the thread that started
+    them, which still runs): each is stopped, its result discarded, on its own thread's next
+    mark (:func:`end_orphaned_windows`, which the agent calls at the mark after a failure) or
+    next window start, or by anyone once that thread has ended (and at exit). Until then it
+    keeps the process's one profiler slot: no second Kineto trace starts beside it."""
 
-    lock = threading.Lock()
-    held: list[_TorchCollection] = []
-    at_exit = False
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[_TorchCollection] = []
+        self._at_exit = False
 
-    @classmethod
-    def add(cls, coll: _TorchCollection) -> None:
-        with cls.lock:
-            cls.held.append(coll)
-            if not cls.at_exit:
-                cls.at_exit = True
-                atexit.register(cls.reap)
+    def __bool__(self) -> bool:
+        return bool(self._held)  # read without the lock: a hint, checked again under it
 
-    @classmethod
-    def reap(cls) -> None:
-        with cls.lock:
-            ended = [c for c in cls.held if not c.opener_alive]
-            cls.held = [c for c in cls.held if c.opener_alive]
-        for coll in ended:
+    def add(self, coll: _TorchCollection) -> None:
+        with self._lock:
+            self._held.append(coll)
+            if not self._at_exit:
+                self._at_exit = True
+                atexit.register(self.reap)
+
+    def reap(self) -> int:
+        """Stop the windows this thread may stop now (its own, or whose thread ended)."""
+        here = threading.current_thread()
+        with self._lock:
+            due = [c for c in self._held if c.opener is here or not c.opener.is_alive()]
+            self._held = [c for c in self._held if c not in due]
+        for coll in due:
             coll.stop_discarding()
+        return len(due)
+
+
+_ORPHANS = _Orphans()
+
+
+def end_orphaned_windows() -> int:
+    """Stop the torch windows left running off their thread that this thread may stop now;
+    how many. Cheap when there are none (a mark after a failure calls it)."""
+    return _ORPHANS.reap() if _ORPHANS else 0
 
 
 class _TorchCollection(Collection):
@@ -360,7 +390,7 @@ class _TorchCollection(Collection):
         self, spec: CollectionSpec, kwargs: dict[str, Any], notes: tuple[str, ...] = ()
     ) -> None:
         self._notes = notes  # warnings every window of this collection carries
-        _Orphans.reap()
+        end_orphaned_windows()  # this thread's own first: its start would be refused
         _OneProfilerPerProcess.acquire(spec.stem)
         try:
             self.export_wait_s = KINETO_GATE.wait_clear()
@@ -379,7 +409,7 @@ class _TorchCollection(Collection):
         self._opener = threading.current_thread()
         self._discard = False  # stopped off its thread: what stop() hands over is empty
         self._record_function = tp.record_function
-        self._ready: list[PendingOutput] = []
+        self._ready: list[_TorchOutput] = []
         self._saves = 0
         self._last_saved_step: int | None = None
         sched = spec.schedule
@@ -448,30 +478,37 @@ class _TorchCollection(Collection):
         self._closing = True
         # torch saves a window cut short in RECORD on stop() (the partial-window flush).
         error = self._off_thread()
-        try:
-            if error is None:
+        if error is None:
+            try:
                 self._prof.stop()
-            elif not self._opener.is_alive():
-                self.stop_discarding()
-            else:  # stopped once its thread has ended (else that crashes the process at exit)
-                _Orphans.add(self)
-        finally:
-            _OneProfilerPerProcess.release()
-        if error is not None:
-            raise error
-        return self.take_ready()
+            finally:
+                _OneProfilerPerProcess.release()
+            return self.take_ready()
+        if self._opener.is_alive():  # its thread stops it later (its stop here crashes)
+            _ORPHANS.add(self)
+        else:
+            self.stop_discarding()
+        raise error
 
     @property
-    def opener_alive(self) -> bool:
-        return self._opener.is_alive()
+    def opener(self) -> threading.Thread:
+        return self._opener
 
     def stop_discarding(self) -> None:
-        """Stop a window whose thread has ended. Its state died with the thread: ``stop()``
-        here finds no session and its result is empty (never exported: that crashed), but
-        it ends Kineto's process-wide trace, whose leftover crashed the process at exit."""
+        """Stop a window refused off its thread, discarding what it recorded; frees the
+        process's profiler slot. On its own thread that is a plain stop. After that thread
+        ended, its state died with it: ``stop()`` finds no session and its result is empty
+        (never exported: that crashed), but it ends Kineto's process-wide trace, whose
+        leftover crashed the process at exit."""
         self._discard = True
-        with contextlib.suppress(Exception):
-            self._prof.stop()
+        try:
+            with contextlib.suppress(Exception):
+                self._prof.stop()
+        finally:
+            ready, self._ready = self._ready, []
+            for output in ready:  # windows a schedule saved before: never published
+                output.discard()
+            _OneProfilerPerProcess.release()
 
     def _check_thread(self) -> None:
         if (error := self._off_thread()) is not None:

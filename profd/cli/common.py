@@ -64,6 +64,8 @@ def comma_list(text: str | None, name: str, as_int: bool = False) -> list[Any] |
         return items
     out: list[int] = []
     for item in items:
+        if item.startswith("-") and item[1:].isdigit():
+            raise typer.BadParameter(f"numbers here are >= 0, got {item!r}", param_hint=name)
         first, sep, last = item.partition("-")
         try:
             if not sep:

@@ -435,13 +435,16 @@ def cancel(
         fail(exc)
     view, left = settle_cancelled(api, view, writing, wait_s, quiet=as_json)
     if as_json:
-        print_json(view)
+        print_json({**view, "still_writing": left})
         return
     print_outcome(view, details=True)
     if left:
+        who = ", ".join(
+            f"{t['role']} rank {t['rank']}" for t in view["targets"] if t["agent_id"] in left
+        )
         console.print(
-            f"  {left} target(s) still writing their last trace; `profd traces "
-            f"{session_id}` lists it once written",
+            f"  still writing their last trace after {wait_s:g} s: {who}; `profd traces "
+            f"{session_id}` lists them once written",
             markup=False,
             highlight=False,
         )

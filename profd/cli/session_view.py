@@ -116,11 +116,11 @@ def writing_targets(view: dict[str, Any]) -> dict[str, int]:
 
 def settle_cancelled(
     api: ApiClient, view: dict[str, Any], writing: dict[str, int], timeout: float, quiet: bool
-) -> tuple[dict[str, Any], int]:
-    """A cancelled session once the targets that were writing when it was cancelled
-    (``writing``: their traces then) have each written one more trace (a cancel flushes an
-    open window; the agent does it at its next step or stage mark), or ``timeout`` passed;
-    and how many had not by then."""
+) -> tuple[dict[str, Any], list[str]]:
+    """A cancelled session once each target that was writing when it was cancelled
+    (``writing``: their traces then) wrote one more trace (a cancel flushes an open window;
+    the agent does it at its next step or stage mark) or said it is done (``agent_done``: a
+    window with nothing to flush), or ``timeout`` passed; and the targets still writing."""
     sid = view["session_id"]
     deadline = time.monotonic() + timeout
     left = _still_writing(view, writing)
@@ -138,12 +138,17 @@ def settle_cancelled(
         except CliError:
             break  # the cancel stands; the outcome line says what arrived
         left = _still_writing(view, writing)
-    return view, len(left)
+    return view, sorted(left)
 
 
 def _still_writing(view: dict[str, Any], writing: dict[str, int]) -> dict[str, int]:
-    now = {t["agent_id"]: len(t["traces"]) for t in view["targets"]}
-    return {a: n for a, n in writing.items() if now.get(a, n) <= n}
+    now = {t["agent_id"]: t for t in view["targets"]}
+
+    def settled(aid: str, had: int) -> bool:
+        t = now.get(aid)
+        return t is None or len(t["traces"]) > had or bool(t.get("agent_done"))
+
+    return {a: n for a, n in writing.items() if not settled(a, n)}
 
 
 #: While a session waits for its window, ``--wait`` reads its targets' steps this often...

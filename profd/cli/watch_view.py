@@ -11,7 +11,7 @@ from urllib.parse import quote
 import typer
 from rich.table import Table
 
-from profd.cli.client import CliError
+from profd.cli.client import EXIT_USAGE, CliError
 from profd.cli.common import JsonOpt, UrlOpt, console, fail, print_json, sidecar_client
 
 __all__ = ["describe", "print_triggers", "trigger_body", "watch"]
@@ -227,7 +227,7 @@ def checked_triggers(path: Path) -> list[tuple[str, dict[str, Any]]]:
             TriggerRequest.model_validate(body)
         except ValidationError as exc:
             errs = "; ".join(f"{e.field or 'body'}: {e.message}" for e in field_errors(exc))
-            raise CliError(f"{where}: {errs}; no trigger was posted") from None
+            raise CliError(f"{where}: {errs}; no trigger was posted", EXIT_USAGE) from None
         out.append((where, body))
     return out
 
@@ -247,7 +247,9 @@ def post_triggers(
     names = [body.get("name") for _, body in checked]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise CliError(f"trigger name(s) {', '.join(map(str, twice))} given twice; none posted")
+        raise CliError(
+            f"trigger name(s) {', '.join(map(str, twice))} given twice; none posted", EXIT_USAGE
+        )
     if new_names_only:
         have = {t["name"]: t for t in api.get("/api/v1/triggers")["data"]}
         taken = [f"{n} ({have[n]['trigger_id']})" for n in names if n in have]
@@ -308,14 +310,14 @@ def load_trigger_file(path: Path) -> list[dict[str, Any]]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise CliError(f"cannot read triggers from {path}: {exc}") from None
+        raise CliError(f"cannot read triggers from {path}: {exc}", EXIT_USAGE) from None
     items = data if isinstance(data, list) else [data]
     for i, item in enumerate(items, 1):
         if not isinstance(item, dict):
             where = (
                 f" (item {i} of {len(items)}: {json.dumps(item)[:40]})" if len(items) > 1 else ""
             )
-            raise CliError(f"{path}{where}: a trigger object, or a list of them")
+            raise CliError(f"{path}{where}: a trigger object, or a list of them", EXIT_USAGE)
     return items
 
 

@@ -74,7 +74,9 @@ def collection_deferred() -> Iterator[None]:
     ``create_session`` until its plans have gone out. At 10,000 agents a full collection
     takes 60-150 ms and Python's pacing ran one to three of them before the plans left
     (measured in process: ``bench/create_latency.py``). Nesting and overlapping holders
-    are counted; the collector comes back on when the last one leaves, if it was on."""
+    are counted (no lock: one event loop's coroutines, on its thread); the collector comes
+    back on when the last one leaves, if it was on. Hold it for a stretch of work, not
+    across a wait of unknown length."""
     if _Deferral.holders == 0:
         _Deferral.was_enabled = gc.isenabled()
         gc.disable()

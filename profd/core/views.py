@@ -156,6 +156,12 @@ class PartView(_View):
     missed_steps: list[int] = Field(description="Steps that could not be recorded.")
     traces: list[str] = Field(description="Ids of the traces this target wrote.")
     armed_at: float | None = Field(None, description="Unix time the agent received its plan.")
+    agent_done: bool = Field(
+        False,
+        description="The agent finished its share (its part_done or its end came): nothing "
+        "more will arrive for this target, also after a cancel. Not kept over a coordinator "
+        "restart.",
+    )
 
 
 class ProgressView(_View):

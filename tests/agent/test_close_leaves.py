@@ -162,3 +162,69 @@ def test_a_job_whose_training_thread_ends_mid_window_survives_its_close(tmp_path
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
     assert "state: failed" in r.stdout, r.stdout
     assert "the thread that started this torch window (training) ended" in r.stdout, r.stdout
+
+
+# In a process of its own (the profiler state it checks is the process's).
+CLOSED_ELSEWHERE = r"""
+import sys, tempfile, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from helpers import coordinator_settings, start_agents, wait_armed
+from profd.actors.coordinator import ProfileCoordinator
+from profd.testing.coordinator import InProcessCoordinator
+
+owner = InProcessCoordinator(ProfileCoordinator(coordinator_settings(Path(tempfile.mkdtemp()))))
+(agent,) = start_agents(owner, 1, "actor")
+sid = owner.call("create_session", {"steps": list(range(3, 200)),
+                                    "profile_continuous_steps": True}).session_id
+wait_armed(agent, sid)
+stop, seen = threading.Event(), []
+
+def training():  # goes on after the agent was closed from elsewhere
+    n = 0
+    while not stop.is_set():
+        n += 1
+        with agent.step(n), agent.stage("work"):
+            torch.ones(4).sum()
+        seen.append(torch.autograd._profiler_enabled())
+        time.sleep(0.01)
+
+thread = threading.Thread(target=training, name="training")
+thread.start()
+deadline = time.monotonic() + 30
+while not (seen and seen[-1]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("recording:", bool(seen and seen[-1]))
+agent.close(timeout=10)  # from the main thread, while the training thread goes on
+marks = len(seen)
+deadline = time.monotonic() + 10
+while seen[-1] and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("stopped on its thread:", not seen[-1], "marks later:", len(seen) - marks)
+stop.set()
+thread.join()
+part = owner.call("get_session", sid).targets[0]
+print("state:", part.state.value)
+print("reason:", part.reason)
+owner.close()
+"""
+
+
+def test_an_agent_closed_off_the_training_thread_stops_its_window_there(tmp_path) -> None:
+    """The agent is closed from another thread while the training thread goes on: the
+    window cannot be stopped there, so its part fails saying why, and the training thread's
+    next mark stops it (it recorded every op of that thread until the thread ended)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", CLOSED_ELSEWHERE, tests], capture_output=True, text=True,
+        timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "recording: True" in r.stdout, r.stdout
+    assert "stopped on its thread: True" in r.stdout, r.stdout
+    assert "state: failed" in r.stdout and "is being ended on MainThread" in r.stdout, r.stdout

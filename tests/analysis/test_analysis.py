@@ -442,6 +442,15 @@ with coll.annotate("step1"):
         for p in layer.parameters():
             p -= 0.01 * p.grad
 coll.close()[0].write()
+# a discrete trace: one stage's window, no step or mini-batch marks (its scope names it)
+meta = {**meta, "profd": {**meta["profd"], "scope": "forward_backward"}}
+coll = TorchBackend({"contents": ["cpu"]}).open(CollectionSpec(
+    out / "discrete", "trainer_forward_backward_step1_rank0_pid1_20260101000000000", meta))
+with coll.annotate("forward_backward"):
+    layer(torch.randn(32, 64)).sum().backward()
+    for p in layer.parameters():
+        dist.all_reduce(p.grad)
+coll.close()[0].write()
 dist.destroy_process_group()
 """
 
@@ -464,3 +473,5 @@ def test_a_librarys_range_on_its_own_thread_is_no_stage(tmp_path) -> None:
     minis = summary.mini_batches
     assert [(m.stage, m.index) for m in minis] == [("forward_backward", 0), ("forward_backward", 1)]
     assert all(g.stage != "gloo:all_reduce" for g in summary.top_ops)
+    discrete = summarize_dir(tmp_path / "discrete")
+    assert {s.stage for s in discrete.stage_times} == {"forward_backward"}, discrete.stage_times

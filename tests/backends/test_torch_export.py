@@ -116,6 +116,13 @@ opener_alive = sys.argv[2] == "alive"
 def spec(step):
     return CollectionSpec(out, f"actor_train_step{step}_rank0_pid1_20260101000000000", {})
 
+def next_window(step):
+    coll = TorchBackend({"contents": ["cpu"]}).open(spec(step))
+    with coll.annotate(f"step{step}"):
+        torch.ones(4).sum()
+    (written,) = coll.close()[0].write()
+    return f"step{step}" in [e["name"] for e in read_trace(written.path)["traceEvents"]]
+
 box, release = {}, threading.Event()
 
 def training():
@@ -124,6 +131,8 @@ def training():
         torch.ones(4).sum()
     if opener_alive:
         release.wait(30)
+        # its next window first stops the refused one (on this, its own thread)
+        box["next"] = next_window(3)
 
 thread = threading.Thread(target=training, name="training")
 thread.start()
@@ -138,14 +147,16 @@ try:
     print("closed off its thread")
 except RuntimeError as exc:
     print("refused:", exc)
-release.set()
-thread.join()
-coll = TorchBackend({"contents": ["cpu"]}).open(spec(2))  # the process can profile again
-with coll.annotate("step2"):
-    torch.ones(4).sum()
-(written,) = coll.close()[0].write()
-names = [e["name"] for e in read_trace(written.path)["traceEvents"]]
-print("next window:", "step2" in names)
+if opener_alive:
+    try:  # the refused window still records on its thread: no second one beside it
+        TorchBackend({"contents": ["cpu"]}).open(spec(9))
+        print("a second window started beside it")
+    except RuntimeError as exc:
+        print("beside it:", exc)
+    release.set()
+    thread.join()
+    print("opener's next window:", box.get("next"))
+print("next window:", next_window(2))  # the process can profile again
 """
 
 
@@ -167,4 +178,6 @@ def test_a_window_ended_off_its_thread_is_refused_not_crashed(tmp_path, opener) 
     else:
         assert "refused: this torch window was started on thread training and is being " \
             "ended on MainThread" in r.stdout, r.stdout  # fmt: skip
+        assert "beside it: another torch profiler window is open" in r.stdout, r.stdout
+        assert "opener's next window: True" in r.stdout, r.stdout
     assert "this trace is lost" in r.stdout and "next window: True" in r.stdout, r.stdout

@@ -160,7 +160,7 @@ def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_p
         assert all((dest / f).stat().st_size > 0 for f in files)
 
         bad = cli(["profile", "--next-steps", "1", "--role", "nobody"], cli_env)
-        assert bad.returncode == 1 and "no live agent has role nobody" in bad.stderr
+        assert bad.returncode == 2 and "no live agent has role nobody" in bad.stderr  # 422
         ray.get(budget.extend_to.remote(0))
         ray.get(runs, timeout=120)
     finally:

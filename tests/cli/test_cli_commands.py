@@ -98,6 +98,31 @@ def progress(url: str, sid: str) -> dict[str, Any]:
 
 
 # -- pure helpers ---------------------------------------------------------------------------
+def test_a_cancel_waits_for_each_writer_until_its_trace_or_its_end() -> None:
+    """`profd cancel` waits for a target that was writing until it wrote one more trace or
+    said it is done (a window with nothing to flush), never for the rest of its timeout."""
+    from profd.cli.session_view import settle_cancelled
+
+    def target(aid: str, traces: int, done: bool) -> dict[str, Any]:
+        return {"agent_id": aid, "traces": ["t"] * traces, "agent_done": done,
+                "state": "cancelled", "role": "actor", "rank": 0}  # fmt: skip
+
+    class Api:
+        def __init__(self, views: list[dict[str, Any]]) -> None:
+            self.views = views
+
+        def get(self, path: str) -> dict[str, Any]:
+            return self.views.pop(0)
+
+    first = {"session_id": "s", "targets": [target("a", 0, False), target("b", 1, False)]}
+    then = {"session_id": "s", "targets": [target("a", 0, False), target("b", 2, False)]}
+    last = {"session_id": "s", "targets": [target("a", 0, True), target("b", 2, False)]}
+    view, left = settle_cancelled(Api([then, last]), first, {"a": 0, "b": 1}, 30, quiet=True)
+    assert view is last and left == []
+    view, left = settle_cancelled(Api([then] * 3), first, {"a": 0, "b": 1}, 1.0, quiet=True)
+    assert left == ["a"]  # still writing when the wait ended
+
+
 def test_sizes_are_decimal_units_everywhere() -> None:
     assert format_bytes(0) == "0 B"
     assert format_bytes(999) == "999 B"

@@ -126,11 +126,17 @@ def test_events_for_unknown_agents_or_after_the_end_are_ignored_but_its_files() 
     s.cancel("x")
     run(s)
     s.apply("a", ev(EventKind.ERROR, message="late"))
+    assert not s.targets["a"].ended_by_agent
     s.apply("a", ev(EventKind.PART_DONE, payload=PartDone((3,))))
     s.apply("a", trace("t", [3]))
     part = s.targets["a"]
     assert part.traces == ["t"] and part.errors == [] and part.state is PartState.CANCELLED
     assert part.recorded == {3}
+    # its end still counts: nothing more will come (what `profd cancel` waits for)
+    assert part.ended_by_agent and "a" in s.dirty_parts
+    from profd.actors.reporting import session_view
+
+    assert session_view(s, {}, []).targets[0].agent_done
     # an agent that closed while its file was still being written: the step was missed,
     # the file comes after; recorded, and no longer missed
     closed = make(agents=("a",))

@@ -113,7 +113,7 @@ def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> 
         (["--stage", "update", "--straggler", "--baseline-steps", "5"], "when.baseline_steps"),
     ]:
         r = cli(["watch", "--role", "critic", *extra, "--url", sidecar.url], env)
-        assert r.returncode == 1 and field in " ".join(r.stderr.split()), (extra, r.stderr)
+        assert r.returncode == 2 and field in " ".join(r.stderr.split()), (extra, r.stderr)
     # one thing per command
     for args in (["--list", "--delete", "x"], ["--file", "t.json", "--role", "a", "--oom"]):
         r = cli(["watch", *args, "--url", sidecar.url], env)
@@ -208,7 +208,7 @@ def test_trigger_files_are_all_or_nothing(sidecar: Any, tmp_path: Path) -> None:
         path = tmp_path / "many.json"
         path.write_text(json.dumps(items))
         r = cli(["watch", "--file", str(path), "--url", sidecar.url], tmp_path)
-        assert r.returncode == 1 and said in " ".join(r.stderr.split()), r.stderr
+        assert r.returncode == 2 and said in " ".join(r.stderr.split()), r.stderr  # bad input
         assert httpx.get(url).json()["count"] == 0  # nothing half-applied
     path.write_text(json.dumps([other, GOOD]))
     r = cli(["watch", "--file", str(path), "--url", sidecar.url], tmp_path)
