@@ -8,7 +8,10 @@ never sent."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from profd.agent.channel import Channel
@@ -113,6 +116,18 @@ def test_told_unknown_before_closed_got_through_it_registers_and_sends_it() -> N
     ch.stop()
 
 
+def run_script(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``script`` in a Python process of its own (``tests/`` as its argv[1]), which must end
+    normally: a crash there is a failure here, not of the test run."""
+    tests = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", script, tests], capture_output=True, text=True, timeout=120,
+        cwd=cwd,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    return r
+
+
 # In a process of its own: before the torch backend refused it, this crashed the process.
 THREAD_ENDED = r"""
 import sys, tempfile, threading
@@ -150,16 +165,7 @@ def test_a_job_whose_training_thread_ends_mid_window_survives_its_close(tmp_path
     """The training thread ends inside a window and the agent is closed from the main
     thread (atexit does that): torch can stop the window only on its thread, so the window
     fails, saying why, and the process ends normally (it crashed in Kineto's export)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = str(Path(__file__).resolve().parents[1])
-    r = subprocess.run(
-        [sys.executable, "-c", THREAD_ENDED, tests], capture_output=True, text=True,
-        timeout=120, cwd=tmp_path,
-    )  # fmt: skip
-    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    r = run_script(THREAD_ENDED, tmp_path)
     assert "state: failed" in r.stdout, r.stdout
     assert "the thread that started this torch window (training) ended" in r.stdout, r.stdout
 
@@ -215,16 +221,7 @@ def test_an_agent_closed_off_the_training_thread_stops_its_window_there(tmp_path
     """The agent is closed from another thread while the training thread goes on: the
     window cannot be stopped there, so its part fails saying why, and the training thread's
     next mark stops it (it recorded every op of that thread until the thread ended)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = str(Path(__file__).resolve().parents[1])
-    r = subprocess.run(
-        [sys.executable, "-c", CLOSED_ELSEWHERE, tests], capture_output=True, text=True,
-        timeout=120, cwd=tmp_path,
-    )  # fmt: skip
-    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    r = run_script(CLOSED_ELSEWHERE, tmp_path)
     assert "recording: True" in r.stdout, r.stdout
     assert "stopped on its thread: True" in r.stdout, r.stdout
     assert "state: failed" in r.stdout and "is being ended on MainThread" in r.stdout, r.stdout
