@@ -73,13 +73,16 @@ def comma_list(text: str | None, name: str, as_int: bool = False) -> list[Any] |
                 continue
             lo, hi = int(first), int(last)
         except ValueError:
+            where = "" if item == text.strip() else f" in {text!r}"
             raise typer.BadParameter(
-                f"expected comma-separated integers or runs like 3-5, got {item!r} in {text!r}",
+                f"expected comma-separated integers or runs like 3-5, got {item!r}{where}",
                 param_hint=name,
             ) from None
-        if hi < lo or hi - lo >= MAX_RUN:
+        if hi < lo:
+            raise typer.BadParameter(f"a run goes up (3-5), got {item!r}", param_hint=name)
+        if hi - lo >= MAX_RUN:
             raise typer.BadParameter(
-                f"a run goes up, by at most {MAX_RUN} numbers: got {item!r}", param_hint=name
+                f"a run stands for at most {MAX_RUN:,} numbers, got {item!r}", param_hint=name
             )
         out.extend(range(lo, hi + 1))
     return out

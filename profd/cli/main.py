@@ -444,7 +444,7 @@ def cancel(
         )
         console.print(
             f"  still writing their last trace after {wait_s:g} s: {who}; `profd traces "
-            f"{session_id}` lists them once written",
+            f"--session {session_id}` lists them once written",
             markup=False,
             highlight=False,
         )

@@ -312,6 +312,16 @@ def test_cancel_waits_for_the_trace_its_flush_writes(
         view = httpx.get(f"{url}/api/v1/sessions/{sid}", headers=AUTH).json()
         assert view["state"] == "cancelled" and len(view["traces"]) == 1, view["traces"]
         assert view["targets"][0]["recorded_steps"], view["targets"][0]
+        # not waiting: it names who still writes and a command that lists their traces
+        sid = create(url, {"next_steps": 30, "profile_continuous_steps": True})
+        wait_until(lambda: part_state() == "recording", 30, 0.1, what="recording")
+        r = cli(["cancel", sid, "--url", url, "--wait-s", "0"], env)
+        hint = flat(r.stdout)
+        assert r.returncode == 0 and "still writing their last trace after 0 s: actor rank 0" \
+            in hint, r.stdout  # fmt: skip
+        command = re.search(r"`(profd traces [^`]+)`", hint).group(1).split()
+        listed = cli([*command[1:], "--url", url], env)
+        assert listed.returncode == 0, listed.stderr
     finally:
         stop.set()
         loop.join(10)
