@@ -205,10 +205,13 @@ class Tenant:
     job_id: str
     pid: int | None
     what: str  # the driver's command line, or the actor's class and name
+    #: An actor whose job has ended (a detached one it left: nothing runs it any more).
+    job_ended: bool = False
 
     def describe(self) -> str:
         pid = f"pid {self.pid}" if self.pid else "pid unknown"
-        return f"{self.kind} of job {self.job_id} ({pid}): {self.what}"
+        left = ", left by that job, which has ended (detached)" if self.job_ended else ""
+        return f"{self.kind} of job {self.job_id} ({pid}{left}): {self.what}"
 
 
 def is_profd_actor(name: str) -> bool:
@@ -228,8 +231,12 @@ def cluster_tenants() -> list[Tenant]:
 
     me = ray.get_runtime_context().get_job_id()
     out = []
+    live = set()
     for job in ray_state.jobs():
-        if job.get("IsDead") or job.get("JobID") == me:
+        if job.get("IsDead"):
+            continue
+        live.add(str(job.get("JobID")))
+        if job.get("JobID") == me:
             continue
         entry = str(job.get("Entrypoint") or "").strip() or "(no command line)"
         out.append(Tenant("driver", str(job.get("JobID")), job.get("DriverPid"), entry))
@@ -238,7 +245,8 @@ def cluster_tenants() -> list[Tenant]:
             continue
         name = actor.get("Name") or ""
         what = f"{actor.get('ActorClassName')}" + (f" named {name!r}" if name else "")
-        out.append(Tenant("actor", str(actor.get("JobID")), actor.get("Pid") or None, what))
+        job = str(actor.get("JobID"))
+        out.append(Tenant("actor", job, actor.get("Pid") or None, what, job not in live))
     return out
 
 
