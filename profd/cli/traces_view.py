@@ -48,15 +48,17 @@ def steps_cell(steps: list[int]) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
 
 
-def traces_tables(traces: list[dict[str, Any]]) -> list[Table]:
-    """One table per session: its traces newest first, paths under the save root."""
+def traces_tables(traces: list[dict[str, Any]], page: bool = False) -> list[Table]:
+    """One table per session: its traces newest first, paths under the save root (``page``:
+    a page of a longer listing, so a session's count is this page's)."""
     tables = []
+    where = " on this page" if page else ""
     for sid, group in by_session(traces):
         roots = {save_root_of(t) for t in group}
         root = roots.pop() if len(roots) == 1 else None
         size = format_bytes(sum(t["bytes"] for t in group))
         table = Table(
-            title=f"session {sid}: {len(group)} trace(s), {size}",
+            title=f"session {sid}: {len(group)} trace(s){where}, {size}",
             title_justify="left",
             caption=f"paths under {root}/" if root else None,
             caption_justify="left",
@@ -88,7 +90,7 @@ def print_traces(
     if not data:
         console.print("no traces" + (f" of session {session}" if session else ""))
         return
-    for table in traces_tables(data):
+    for table in traces_tables(data, page=total > len(data)):
         console.print(table)
     shown = format_bytes(sum(t["bytes"] for t in data))
     if total == len(data):

@@ -672,6 +672,7 @@ def test_traces_grouped_by_session_newest_first_under_the_save_root(
     assert r.returncode == 0, r.stderr
     text = flat(r.stdout)
     assert "the newest 3 of 6 traces; 3 more" in text
+    assert "2 trace(s) on this page" in text  # a session's count is the page's, said so
     assert "3 of 6 trace(s) shown" in text and f"of {format_bytes(every['bytes'])}" in text
     # one line, however narrow: the command (its cursor token) copies whole
     cursor = re.search(r"--cursor (\S+)` for the next page", r.stdout).group(1)
