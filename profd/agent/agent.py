@@ -39,7 +39,7 @@ from profd.agent.step_marks import ADOPT, StepMark, TimedStepMark
 from profd.agent.timed import TimedWindows
 from profd.agent.timings import UNTIMED, TimedRange, Timings, mark_clock
 from profd.agent.window_state import IDLE, ArmedPlan
-from profd.backends import NULL_RANGE, Backend, capabilities, make_backend
+from profd.backends import NULL_RANGE, Backend, capabilities, make_backend, orphaned_here
 from profd.backends.nvtx_guard import apply_guard as apply_nvtx_guard
 from profd.backends.torch_backend import warm_up_profiler
 from profd.core.naming import sanitize
@@ -409,8 +409,11 @@ class ProfilerAgent:
                     warm_up_profiler()  # the first start's imports, off the training thread
 
     def _wake_at_next_mark(self) -> None:
-        """The next stage mark attends (after a failed window: see Recorder's on_fault)."""
+        """The next mark attends, a step mark too (after a failed window: see Recorder's
+        on_fault; a window refused off its thread is stopped there). Race-free as
+        :meth:`_sync_wake` says: the window is held as refused before this runs."""
         self._attention += 1
+        self._step_mark.wake = ADOPT
 
     def _coordinator_lost(self) -> None:
         """Poller thread: the coordinator is out of reach. A worker that follows a driver's
@@ -511,8 +514,8 @@ class ProfilerAgent:
         wake = self._recorder.wake_at
         mark.wake_exit = wake
         mark.wake = wake
-        if self._armed is not self._recorder.seen:
-            mark.wake = ADOPT
+        if self._armed is not self._recorder.seen or orphaned_here():
+            mark.wake = ADOPT  # (a window of this thread refused elsewhere: stopped then)
 
 
 def _default_find_link() -> Callable[[], CoordinatorLink | None] | None:

@@ -133,7 +133,7 @@ class Recorder:
         """At a mark: adopt a new plan, open pending timed windows, close expired ones, stop
         a window of this thread that another thread could not."""
         try:
-            end_orphaned_windows()
+            end_orphaned_windows()  # never raises
             self._attend(armed)
         finally:
             self._refresh_wake()
@@ -180,6 +180,7 @@ class Recorder:
     # -- step boundaries ----------------------------------------------------------------
     def enter_step(self, step: int, armed: ArmedPlan) -> None:
         try:
+            end_orphaned_windows()  # a loop that marks only steps (see attend)
             self._attend(armed)
             for ws in list(self._windows.values()):
                 try:
@@ -345,7 +346,7 @@ class Recorder:
         except Exception as exc:
             with self._lock:
                 ticket.errors.append(f"stopping the profiler failed: {exc}")
-                ticket.failed = True
+                ticket.ws.stop_failed = True  # its end waits for fault() to tell why
             raise
         finally:
             ticket.stall_s += time.perf_counter() - started  # what the training thread paid
@@ -410,8 +411,7 @@ class Recorder:
 
     def _settle(self, ticket: Ticket) -> None:
         """A closed collection whose files are all written: its steps are now resolved, and
-        the window ends if that was its last (one whose stop failed: only once :meth:`fault`
-        told why, else the coordinator, told the window ended, drops the error)."""
+        the window ends if that was its last (see :meth:`_maybe_done`)."""
         ws = ticket.ws
         with self._lock:
             if ticket.settled or not ticket.closed or ticket.pending > 0:
@@ -430,12 +430,16 @@ class Recorder:
                     StepsMissed(tuple(ticket.steps)),
                 )
             )
-        if not ticket.failed or ws.fault_told:
-            self._maybe_done(ws)
+        self._maybe_done(ws)
 
     def _maybe_done(self, ws: WindowState) -> None:
+        """The window's end, once every step is handled and every file written; a window
+        whose stop failed only once :meth:`fault` told why (else the coordinator, told the
+        window ended, drops the error)."""
         with self._lock:
             if ws.done_sent or not ws.all_handled or ws.scope is not None:
+                return
+            if ws.stop_failed and not ws.fault_told:
                 return
             if not ws.collecting_sent:
                 ws.collecting_sent = True

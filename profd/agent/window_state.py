@@ -91,7 +91,9 @@ class WindowState:
     recording_sent: bool = False
     collecting_sent: bool = False
     done_sent: bool = False
-    #: A failure was reported (its error event is out; the window may end after it).
+    #: A collection of it could not be stopped: it ends only once the fault is told...
+    stop_failed: bool = False
+    #: ...that is, its error event is out (the coordinator drops one after the end).
     fault_told: bool = False
     #: Timed windows: the window opened, ran and closed (or could not open at all).
     timed_done: bool = False
@@ -122,8 +124,6 @@ class Ticket:
     files: int = 0
     errors: list[str] = field(default_factory=list)
     closed: bool = False
-    #: Its collection could not be stopped (the window ends after the fault is told).
-    failed: bool = False
     settled: bool = False
     #: Seconds the training thread spent on this collection's export: stopping it, and at its
     #: start waiting for an earlier window's export (the export stall).

@@ -54,6 +54,7 @@ __all__ = [
     "KinetoGate",
     "TorchBackend",
     "end_orphaned_windows",
+    "orphaned_here",
     "torch_profiler_kwargs",
 ]
 
@@ -324,9 +325,18 @@ class _OneProfilerPerProcess:
     lock = threading.Lock()
     holder: str | None = None
 
+    #: The holder is a window refused off its thread, waiting for that thread (see _Orphans).
+    orphaned_on: str | None = None
+
     @classmethod
     def acquire(cls, who: str) -> None:
         with cls.lock:
+            if cls.holder is not None and cls.orphaned_on is not None:
+                raise RuntimeError(
+                    f"a torch window of this process ({cls.holder}) was ended off its thread "
+                    f"and still records until thread {cls.orphaned_on} marks again or ends; "
+                    "no second window starts beside it"
+                )
             if cls.holder is not None:
                 raise RuntimeError(
                     f"another torch profiler window is open in this process ({cls.holder}); "
@@ -336,9 +346,14 @@ class _OneProfilerPerProcess:
             cls.holder = who
 
     @classmethod
+    def orphaned(cls, thread: str) -> None:
+        with cls.lock:
+            cls.orphaned_on = thread
+
+    @classmethod
     def release(cls) -> None:
         with cls.lock:
-            cls.holder = None
+            cls.holder = cls.orphaned_on = None
 
 
 class _Orphans:
@@ -356,6 +371,10 @@ class _Orphans:
     def __bool__(self) -> bool:
         return bool(self._held)  # read without the lock: a hint, checked again under it
 
+    def of(self, thread: threading.Thread) -> bool:
+        """Whether one of them is ``thread``'s (read without the lock: a hint)."""
+        return any(c.opener is thread for c in list(self._held))
+
     def add(self, coll: _TorchCollection) -> None:
         with self._lock:
             self._held.append(coll)
@@ -370,17 +389,31 @@ class _Orphans:
             due = [c for c in self._held if c.opener is here or not c.opener.is_alive()]
             self._held = [c for c in self._held if c not in due]
         for coll in due:
-            coll.stop_discarding()
+            try:
+                coll.stop_discarding()
+            except Exception:  # each its own: one failure leaves none of the others running
+                log.exception("profd: stopping a torch window refused off its thread failed")
         return len(due)
 
 
 _ORPHANS = _Orphans()
 
 
+def orphaned_here() -> bool:
+    """Whether this thread has a torch window refused off it, to stop at its next mark."""
+    return bool(_ORPHANS) and _ORPHANS.of(threading.current_thread())
+
+
 def end_orphaned_windows() -> int:
     """Stop the torch windows left running off their thread that this thread may stop now;
-    how many. Cheap when there are none (a mark after a failure calls it)."""
-    return _ORPHANS.reap() if _ORPHANS else 0
+    how many. Cheap when there are none (a mark after a failure calls it); never raises."""
+    if not _ORPHANS:
+        return 0
+    try:
+        return _ORPHANS.reap()
+    except Exception:  # a mark must go on whatever happens here
+        log.exception("profd: stopping torch windows refused off their thread failed")
+        return 0
 
 
 class _TorchCollection(Collection):
@@ -408,6 +441,7 @@ class _TorchCollection(Collection):
         #: torch keeps a window's events with the thread that started it; only it can stop it.
         self._opener = threading.current_thread()
         self._discard = False  # stopped off its thread: what stop() hands over is empty
+        self._orphaned = False  # refused off its live thread: stopped later (_Orphans)
         self._record_function = tp.record_function
         self._ready: list[_TorchOutput] = []
         self._saves = 0
@@ -472,8 +506,8 @@ class _TorchCollection(Collection):
 
     def close(self) -> list[PendingOutput]:
         # Stopping twice crashes Kineto: a second close (after a fault) only drains.
-        if self._closed:
-            return self.take_ready()
+        if self._closed:  # (an orphan's saved windows are its stop's to discard)
+            return [] if self._orphaned else self.take_ready()
         self._closed = True
         self._closing = True
         # torch saves a window cut short in RECORD on stop() (the partial-window flush).
@@ -485,6 +519,8 @@ class _TorchCollection(Collection):
                 _OneProfilerPerProcess.release()
             return self.take_ready()
         if self._opener.is_alive():  # its thread stops it later (its stop here crashes)
+            self._orphaned = True
+            _OneProfilerPerProcess.orphaned(self._opener.name)
             _ORPHANS.add(self)
         else:
             self.stop_discarding()
@@ -505,10 +541,11 @@ class _TorchCollection(Collection):
             with contextlib.suppress(Exception):
                 self._prof.stop()
         finally:
+            _OneProfilerPerProcess.release()
             ready, self._ready = self._ready, []
             for output in ready:  # windows a schedule saved before: never published
-                output.discard()
-            _OneProfilerPerProcess.release()
+                with contextlib.suppress(OSError):
+                    output.discard()
 
     def _check_thread(self) -> None:
         if (error := self._off_thread()) is not None:

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from profd.agent.channel import Channel
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, PollReply
 
@@ -116,13 +118,13 @@ def test_told_unknown_before_closed_got_through_it_registers_and_sends_it() -> N
     ch.stop()
 
 
-def run_script(script: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``script`` in a Python process of its own (``tests/`` as its argv[1]), which must end
-    normally: a crash there is a failure here, not of the test run."""
+def run_script(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``script`` in a Python process of its own (``tests/`` as its argv[1], then ``args``),
+    which must end normally: a crash there is a failure here, not of the test run."""
     tests = str(Path(__file__).resolve().parents[1])
     r = subprocess.run(
-        [sys.executable, "-c", script, tests], capture_output=True, text=True, timeout=120,
-        cwd=cwd,
+        [sys.executable, "-c", script, tests, *args], capture_output=True, text=True,
+        timeout=120, cwd=cwd,
     )  # fmt: skip
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
     return r
@@ -187,12 +189,18 @@ sid = owner.call("create_session", {"steps": list(range(3, 200)),
 wait_armed(agent, sid)
 stop, seen = threading.Event(), []
 
+stages = sys.argv[2] == "stages"
+
 def training():  # goes on after the agent was closed from elsewhere
     n = 0
     while not stop.is_set():
         n += 1
-        with agent.step(n), agent.stage("work"):
-            torch.ones(4).sum()
+        with agent.step(n):
+            if stages:
+                with agent.stage("work"):
+                    torch.ones(4).sum()
+            else:  # a loop that marks only its steps
+                torch.ones(4).sum()
         seen.append(torch.autograd._profiler_enabled())
         time.sleep(0.01)
 
@@ -217,11 +225,14 @@ owner.close()
 """
 
 
-def test_an_agent_closed_off_the_training_thread_stops_its_window_there(tmp_path) -> None:
+@pytest.mark.parametrize("marks", ["stages", "steps"])
+def test_an_agent_closed_off_the_training_thread_stops_its_window_there(
+    tmp_path, marks: str
+) -> None:
     """The agent is closed from another thread while the training thread goes on: the
     window cannot be stopped there, so its part fails saying why, and the training thread's
     next mark stops it (it recorded every op of that thread until the thread ended)."""
-    r = run_script(CLOSED_ELSEWHERE, tmp_path)
+    r = run_script(CLOSED_ELSEWHERE, tmp_path, marks)
     assert "recording: True" in r.stdout, r.stdout
     assert "stopped on its thread: True" in r.stdout, r.stdout
     assert "state: failed" in r.stdout and "is being ended on MainThread" in r.stdout, r.stdout
