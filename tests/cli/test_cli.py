@@ -265,7 +265,13 @@ def test_a_clusters_processes_are_found_by_whole_arguments(tmp_path: Path) -> No
         arg: subprocess.Popen([sys.executable, "-c", code, arg])
         for arg in (f"--temp-dir={marker}", f"{marker}/session/logs", f"{marker}-logs")
     }
+
+    def execed(arg: str, proc: subprocess.Popen) -> bool:  # (a child not yet exec'd
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:  # shows its parent's command)
+            return arg.encode() in f.read().split(b"\0")
+
     try:
+        wait_until(lambda: all(execed(a, p) for a, p in procs.items()), 30, 0.02, what="exec")
         found = set(_pids_mentioning(marker))
         assert procs[f"--temp-dir={marker}"].pid in found
         assert procs[f"{marker}/session/logs"].pid in found
