@@ -24,7 +24,6 @@ loop waits for it anyway, a loop blocked on its device (GIL released) does not.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
@@ -44,6 +43,12 @@ from profd.backends.base import (
     CollectionSpec,
     PendingOutput,
     WrittenFile,
+)
+from profd.backends.torch_threads import (
+    ORPHANS,
+    OneProfilerPerProcess,
+    end_orphaned_windows,
+    orphaned_here,
 )
 from profd.core.files import TRACE_EXT, free_name, gzip_file, link_new, temp_path
 from profd.core.request import ToolKind, TorchToolConfig
@@ -318,104 +323,6 @@ def _trace_name(path: Path) -> bytes:
     return b'"traceName": ' + json.dumps(str(path)).encode()
 
 
-class _OneProfilerPerProcess:
-    """torch.profiler is process-wide: a second one in the same process corrupts the first
-    (and can crash the process). profd refuses it instead."""
-
-    lock = threading.Lock()
-    holder: str | None = None
-
-    #: The holder is a window refused off its thread, waiting for that thread (see _Orphans).
-    orphaned_on: str | None = None
-
-    @classmethod
-    def acquire(cls, who: str) -> None:
-        with cls.lock:
-            if cls.holder is not None and cls.orphaned_on is not None:
-                raise RuntimeError(
-                    f"a torch window of this process ({cls.holder}) was ended off its thread "
-                    f"and still records until thread {cls.orphaned_on} marks again or ends; "
-                    "no second window starts beside it"
-                )
-            if cls.holder is not None:
-                raise RuntimeError(
-                    f"another torch profiler window is open in this process ({cls.holder}); "
-                    "attach the roles of one process to one agent (profd.attach once per "
-                    "role in the same process shares it)"
-                )
-            cls.holder = who
-
-    @classmethod
-    def orphaned(cls, thread: str) -> None:
-        with cls.lock:
-            cls.orphaned_on = thread
-
-    @classmethod
-    def release(cls) -> None:
-        with cls.lock:
-            cls.holder = cls.orphaned_on = None
-
-
-class _Orphans:
-    """Windows that could not be stopped where their end came (off the thread that started
-    them, which still runs): each is stopped, its result discarded, on its own thread's next
-    mark (:func:`end_orphaned_windows`, which the agent calls at the mark after a failure) or
-    next window start, or by anyone once that thread has ended (and at exit). Until then it
-    keeps the process's one profiler slot: no second Kineto trace starts beside it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: list[_TorchCollection] = []
-        self._at_exit = False
-
-    def __bool__(self) -> bool:
-        return bool(self._held)  # read without the lock: a hint, checked again under it
-
-    def of(self, thread: threading.Thread) -> bool:
-        """Whether one of them is ``thread``'s (read without the lock: a hint)."""
-        return any(c.opener is thread for c in list(self._held))
-
-    def add(self, coll: _TorchCollection) -> None:
-        with self._lock:
-            self._held.append(coll)
-            if not self._at_exit:
-                self._at_exit = True
-                atexit.register(self.reap)
-
-    def reap(self) -> int:
-        """Stop the windows this thread may stop now (its own, or whose thread ended)."""
-        here = threading.current_thread()
-        with self._lock:
-            due = [c for c in self._held if c.opener is here or not c.opener.is_alive()]
-            self._held = [c for c in self._held if c not in due]
-        for coll in due:
-            try:
-                coll.stop_discarding()
-            except Exception:  # each its own: one failure leaves none of the others running
-                log.exception("profd: stopping a torch window refused off its thread failed")
-        return len(due)
-
-
-_ORPHANS = _Orphans()
-
-
-def orphaned_here() -> bool:
-    """Whether this thread has a torch window refused off it, to stop at its next mark."""
-    return bool(_ORPHANS) and _ORPHANS.of(threading.current_thread())
-
-
-def end_orphaned_windows() -> int:
-    """Stop the torch windows left running off their thread that this thread may stop now;
-    how many. Cheap when there are none (a mark after a failure calls it); never raises."""
-    if not _ORPHANS:
-        return 0
-    try:
-        return _ORPHANS.reap()
-    except Exception:  # a mark must go on whatever happens here
-        log.exception("profd: stopping torch windows refused off their thread failed")
-        return 0
-
-
 class _TorchCollection(Collection):
     """A torch.profiler run; with a schedule it may save several windows while open."""
 
@@ -424,12 +331,12 @@ class _TorchCollection(Collection):
     ) -> None:
         self._notes = notes  # warnings every window of this collection carries
         end_orphaned_windows()  # this thread's own first: its start would be refused
-        _OneProfilerPerProcess.acquire(spec.stem)
+        OneProfilerPerProcess.acquire(spec.stem)
         try:
             self.export_wait_s = KINETO_GATE.wait_clear()
             self._setup(spec, kwargs)
         except BaseException:
-            _OneProfilerPerProcess.release()
+            OneProfilerPerProcess.release()
             raise
 
     def _setup(self, spec: CollectionSpec, kwargs: dict[str, Any]) -> None:
@@ -441,7 +348,7 @@ class _TorchCollection(Collection):
         #: torch keeps a window's events with the thread that started it; only it can stop it.
         self._opener = threading.current_thread()
         self._discard = False  # stopped off its thread: what stop() hands over is empty
-        self._orphaned = False  # refused off its live thread: stopped later (_Orphans)
+        self._orphaned = False  # refused off its live thread: stopped later (Orphans)
         self._record_function = tp.record_function
         self._ready: list[_TorchOutput] = []
         self._saves = 0
@@ -516,12 +423,12 @@ class _TorchCollection(Collection):
             try:
                 self._prof.stop()
             finally:
-                _OneProfilerPerProcess.release()
+                OneProfilerPerProcess.release()
             return self.take_ready()
         if self._opener.is_alive():  # its thread stops it later (its stop here crashes)
             self._orphaned = True
-            _OneProfilerPerProcess.orphaned(self._opener.name)
-            _ORPHANS.add(self)
+            OneProfilerPerProcess.orphaned(self._opener.name)
+            ORPHANS.add(self)
         else:
             self.stop_discarding()
         raise error
@@ -541,7 +448,7 @@ class _TorchCollection(Collection):
             with contextlib.suppress(Exception):
                 self._prof.stop()
         finally:
-            _OneProfilerPerProcess.release()
+            OneProfilerPerProcess.release()
             ready, self._ready = self._ready, []
             for output in ready:  # windows a schedule saved before: never published
                 with contextlib.suppress(OSError):
