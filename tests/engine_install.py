@@ -1,7 +1,7 @@
 """Installing the real vLLM for the ``engine`` tests, in a venv of its own (profd never
 imports vLLM): :func:`vllm_python` creates the venv on first use under
 :func:`engine_cache_dir` (``$PROFD_ENGINE_CACHE``, by default
-``<repo>/.pytest_cache/profd-engines``) as ``vllm-venv``; a file lock keeps two test processes
+``<tmp>/profd-engines-<uid>``) as ``vllm-venv``; a file lock keeps two test processes
 from installing at once, and a marker file written only after ``import vllm`` worked makes a
 half-done install be redone. Failures raise :class:`EngineInstallError` with pip's last lines;
 ``.unavailable`` says it looked like the registry could not be reached (a test skips then,
@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -83,10 +84,13 @@ class EngineStartError(RuntimeError):
 
 
 def engine_cache_dir() -> Path:
-    """Where engine venvs live: ``$PROFD_ENGINE_CACHE`` or ``<repo>/.pytest_cache/profd-engines``
-    (``.pytest_cache`` is git-ignored)."""
+    """Where engine venvs live: ``$PROFD_ENGINE_CACHE`` or ``<tmp>/profd-engines-<uid>``.
+    Outside the repository: the engines' own code (vLLM, HTA, their dependencies) is not
+    the project's, and scans of the tree read it as such."""
     env = os.environ.get("PROFD_ENGINE_CACHE")
-    return Path(env).expanduser() if env else REPO / ".pytest_cache" / "profd-engines"
+    if env:
+        return Path(env).expanduser()
+    return Path(tempfile.gettempdir()) / f"profd-engines-{os.getuid()}"
 
 
 def vllm_venv_dir() -> Path:

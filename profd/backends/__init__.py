@@ -78,11 +78,17 @@ def end_orphaned_windows() -> int:
     """Stop the windows a backend could not stop where their end came (off the thread that
     started them) that this thread may stop now; how many. Only torch's are bound to a
     thread; nothing is imported for this (no window of it, none to stop)."""
-    end = getattr(sys.modules.get("profd.backends.torch_threads"), "end_orphaned_windows", None)
+    end = _torch_threads("end_orphaned_windows")
     return end() if end is not None else 0
 
 
 def orphaned_here() -> bool:
     """Whether this thread has a window refused off it (stopped at its next mark)."""
-    here = getattr(sys.modules.get("profd.backends.torch_threads"), "orphaned_here", None)
+    here = _torch_threads("orphaned_here")
     return bool(here is not None and here())
+
+
+def _torch_threads(name: str) -> Any:
+    """A function of :mod:`profd.backends.torch_threads` if a torch window was ever made here
+    (else ``None``: nothing to look at, and nothing imported for it)."""
+    return getattr(sys.modules.get("profd.backends.torch_threads"), name, None)
