@@ -153,14 +153,20 @@ class Admission:
     ) -> Session:
         """A new session, its window placed and its plans published (``origin``: the trigger
         that started it, and why)."""
-        # No cyclic collection while the session is made and while its plans go out: at
-        # 10,000 agents one takes 60-150 ms, and one to three fell there (profd.core.heap,
-        # bench/create_latency.py). Not across the wait for fresh steps (next_steps).
+        # No cyclic collection from the request until its plans have gone out: at 10,000
+        # agents one takes 60-150 ms, and one to three fell there (profd.core.heap,
+        # bench/create_latency.py). Not across a next_steps session's wait for fresh steps
+        # (up to align_timeout_s): the collection deferred so far may run there.
         with collection_deferred():
             req, session, targets = self._new_session(request, origin)
-        await self._alignment.place(session, req, targets)
-        with collection_deferred():
-            await self._publish(session)
+            waits = req.steps is None and req.duration_s is None  # (see Alignment.place)
+            if not waits:
+                await self._alignment.place(session, req, targets)
+                await self._publish(session)
+        if waits:
+            await self._alignment.place(session, req, targets)
+            with collection_deferred():
+                await self._publish(session)
         # Encoding 10,000 parts for the store and building the reply come after the plans
         # (the writer thread commits the rows in the background).
         self._book.persist(session)

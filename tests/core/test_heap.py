@@ -114,11 +114,19 @@ def test_a_sessions_plans_leave_with_the_collector_held_off(tmp_path: Path) -> N
                 steps[info.agent_id] = 1
             await coord.relay_sync(node, known, steps, PushTarget(), node)
         seen.clear()
+        placing = coord._admission._alignment  # (a collection between the steps: none)
+        place = placing.place
+
+        async def place_seen(*args: Any) -> None:
+            seen.append(gc.isenabled())
+            await place(*args)
+
+        placing.place = place_seen
         await coord.create_session({"steps": [5, 6], "roles": {"actor": {"all_ranks": True}}})
         on_after = gc.isenabled()
         coord.close()
         return list(seen), on_after
 
     pushes, on_after = asyncio.run(go())
-    assert pushes == [False, False], pushes  # both relays' pushes, the collector held off
+    assert pushes == [False, False, False], pushes  # placed, and both relays' pushes, held off
     assert on_after
