@@ -116,7 +116,8 @@ class Part:
     #: The last controller phase a rollout agent confirmed, as ``[step, phase]``.
     last_phase: list[Any] | None = None
     #: It ended by the agent's own word (its ``part_done``, or its end): the agent knows,
-    #: so the window leaving its plan need not wake it (not persisted).
+    #: so the window leaving its plan need not wake it, and ``profd cancel`` need not wait
+    #: for it (persisted when set, so a restart does not make it wait again).
     ended_by_agent: bool = field(default=False, compare=False)
 
     def finish(self, state: PartState, reason: str = "") -> None:
@@ -141,6 +142,7 @@ class Part:
             "armed_at": self.armed_at,
             "keep_global_ranks": self.keep_global_ranks,
             "last_phase": self.last_phase,
+            **({"ended_by_agent": True} if self.ended_by_agent else {}),
         }
 
     @classmethod

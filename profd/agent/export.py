@@ -108,7 +108,7 @@ class Exporter:
     def _write(self, job: ExportJob) -> None:
         started = time.perf_counter()
         try:
-            files = job.output.write()
+            files = job.output.write(job.steps)
         except Exception as exc:
             self._log_failure(job, exc)
             self._on_done(job, [], f"export failed: {type(exc).__name__}: {exc}")

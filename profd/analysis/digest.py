@@ -76,6 +76,9 @@ class FileDigest:
     ops: list[OpTotal] = field(default_factory=list)
     #: Device time (HTA's temporal breakdown), None without device events in its steps.
     gpu: GpuFile | None = None
+    #: Steps the file holds only in part (its window ended inside them), left out of
+    #: ``ranges`` and ``stages``: profd's header names the steps it holds whole.
+    partial_steps: list[int] = field(default_factory=list)
     mode: str = ""
     seconds: float = 0.0
     error: str | None = None
@@ -260,8 +263,10 @@ def _fill(
     digest.threads = list(thread_ids)
     thread = thread_of_head[gid]
     _fill_ranges(digest, heads, gid, ts, dur, thread)
-    steps = step_ranges(digest.ranges)
     if isinstance(own := header.get("profd"), dict):
+        _drop_partial_steps(digest, own.get("steps"))
+    steps = step_ranges(digest.ranges)
+    if isinstance(own, dict):
         scope = own.get("scope")  # a discrete trace's: its stage
         stages = select_stages(digest.ranges, scope if isinstance(scope, str) else None)
         digest.stages = [digest.ranges[i] for i in stages]
@@ -283,6 +288,20 @@ def _fill(
         d = np.flatnonzero(device)
         spans = [(r.ts, r.end) for _, r in steps]
         digest.gpu = file_gpu(ts[d], dur[d], cls[gid[d]], when[d], spans, digest.stages)
+
+
+def _drop_partial_steps(digest: FileDigest, whole: Any) -> None:
+    """Leave out the steps a window ended inside, and the ranges that began in them: their
+    times are cut short. ``whole``: the header's ``profd.steps`` (absent before profd wrote
+    it: every step counts)."""
+    if not isinstance(whole, list):
+        return
+    cut = [(n, r) for n, r in step_ranges(digest.ranges) if n not in whole]
+    if not cut:
+        return
+    digest.partial_steps = sorted({n for n, _ in cut})
+    spans = [(r.ts, r.end) for _, r in cut]
+    digest.ranges = [r for r in digest.ranges if not any(a <= r.ts <= b for a, b in spans)]
 
 
 def _fill_ranges(

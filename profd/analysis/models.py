@@ -86,6 +86,11 @@ class FileInfo(_Frozen):
     events: int = Field(description="Complete ('X') events read.")
     parse: str = Field(description="'fast' (Kineto layout scan) or 'generic' (full JSON parse).")
     seconds: float = Field(description="Time spent reading it (in its worker).")
+    partial_steps: list[int] = Field(
+        default_factory=list,
+        description="Steps this file holds only in part (its window ended inside them: a "
+        "cancel, or the step cut short), left out of step and stage times.",
+    )
 
 
 class SkipKind(StrEnum):

@@ -324,7 +324,15 @@ def _tables(s: SessionSummary) -> dict[str, str]:
         for m in s.mini_batches
     )
     files = (
-        (f.name, f.track, f"{f.json_bytes / 1e6:,.1f}", f.events, f.parse, f"{f.seconds:.3f}")
+        (
+            f.name,
+            f.track,
+            f"{f.json_bytes / 1e6:,.1f}",
+            f.events,
+            f.parse,
+            f"{f.seconds:.3f}",
+            ", ".join(map(str, f.partial_steps)),  # left out of the step and stage times
+        )
         for f in s.files
     )
     return {
@@ -337,7 +345,9 @@ def _tables(s: SessionSummary) -> dict[str, str]:
         "minis": _table(
             ("step", "stage", "track", "mini-batch", "wall ms", "micro-batches"), minis, left=3
         ),
-        "files": _table(("file", "track", "MB (json)", "events", "parse", "s"), files, left=2),
+        "files": _table(
+            ("file", "track", "MB (json)", "events", "parse", "s", "partial steps"), files, left=2
+        ),
         "skipped": _table(("file", "reason"), ((x.name, x.reason) for x in s.skipped), left=2)
         if s.skipped
         else "",

@@ -363,4 +363,5 @@ def _file_info(d: FileDigest, track: str) -> FileInfo:
         events=d.events,
         parse=d.mode,
         seconds=round(d.seconds, 4),
+        partial_steps=d.partial_steps,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +64,12 @@ class PendingOutput(ABC):
     """A stopped collection whose files are not yet written."""
 
     @abstractmethod
-    def write(self) -> list[WrittenFile]:
-        """Write the files (runs off the training thread); raise on failure."""
+    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
+        """Write the files (runs off the training thread); raise on failure.
+
+        ``steps``: the steps the window holds whole, known only once it ended (a step cut
+        short is not among them; ``None``: not counted, as in a timed window). A backend
+        whose files carry profd's header records them there (``profd.steps``)."""
 
 
 class Collection(ABC):
@@ -113,7 +117,7 @@ class Backend(ABC):
 
 
 class _NoopOutput(PendingOutput):
-    def write(self) -> list[WrittenFile]:
+    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
         return []
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -89,7 +89,7 @@ class _NpuOutput(PendingOutput):
     def __init__(self, out_dir: Path) -> None:
         self._dir = out_dir
 
-    def write(self) -> list[WrittenFile]:
+    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
         # torch_npu's handler already wrote (and analysed) the directory in stop().
         produced = [p for p in self._dir.iterdir()] if self._dir.is_dir() else []
         if not produced:

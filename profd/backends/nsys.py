@@ -135,7 +135,7 @@ class _NsysOutput(PendingOutput):
             f"{self._opts.flush_timeout_s:.0f} s (any late report stays there)"
         )
 
-    def write(self) -> list[WrittenFile]:
+    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
         directory = self._api.report_dir()
         out = []
         for report in self._wait_complete(directory):

@@ -27,11 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import threading
-import time
 import warnings
-import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -42,7 +39,14 @@ from profd.backends.base import (
     Collection,
     CollectionSpec,
     PendingOutput,
-    WrittenFile,
+)
+from profd.backends.torch_output import (
+    DEVICE_EVENTS,
+    DEVICE_LAUNCHES,
+    KINETO_GATE,
+    NO_DEVICE_EVENTS,
+    KinetoGate,
+    TorchOutput,
 )
 from profd.backends.torch_threads import (
     ORPHANS,
@@ -50,12 +54,14 @@ from profd.backends.torch_threads import (
     end_orphaned_windows,
     orphaned_here,
 )
-from profd.core.files import TRACE_EXT, free_name, gzip_file, link_new, temp_path
 from profd.core.request import ToolKind, TorchToolConfig
 from profd.core.schedule import window_suffix
 
 __all__ = [
+    "DEVICE_EVENTS",
+    "DEVICE_LAUNCHES",
     "KINETO_GATE",
+    "NO_DEVICE_EVENTS",
     "KinetoGate",
     "TorchBackend",
     "end_orphaned_windows",
@@ -143,20 +149,6 @@ def _distributed_info_present() -> bool:
 
 
 NO_CUDA_HERE = "contents asked for cuda but this worker has no CUDA device: recorded CPU only"
-#: Kineto categories of events recorded on the device (not launches seen from the CPU).
-DEVICE_EVENTS = re.compile(rb'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
-#: A CUDA (or HIP: roctracer's calls are ``cuda_runtime`` too) call that puts work on the
-#: device (a kernel launch, a copy, a memset), seen from the CPU, in either of Kineto's
-#: layouts (cat and name on one line or two).
-DEVICE_LAUNCHES = re.compile(
-    rb'"cat"\s*:\s*"cuda_(?:runtime|driver)"\s*,\s*"name"\s*:\s*"(?:cu|hip)\w*'
-    rb"(?:Launch|Memcpy|Memset)"
-)
-NO_DEVICE_EVENTS = (
-    "asked for CUDA activity and the window launched device work, but the trace holds no "
-    "device events (CUPTI taken by another subscriber? check NVTX_INJECTION64_PATH and other "
-    "profilers in the process)"
-)
 
 
 def _quiet(fn: Any, **kwargs: Any) -> Any:
@@ -166,161 +158,6 @@ def _quiet(fn: Any, **kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(warmup|clears events).*")
         return fn(**kwargs)
-
-
-class KinetoGate:
-    """Orders Kineto's trace exports against profiler starts in this process.
-
-    Kineto's export is not safe while a profiler starts in the same process (adding the new
-    window's trace metadata races with the export and corrupts the heap), and torch.profiler
-    is process-wide. So profd keeps one rule: **a window's trace is exported off the training
-    thread only while no profiler runs here.** A window that ends registers its export
-    (:meth:`hold`, on the training thread, inside ``close()``) before anything else can start;
-    the next profiler start first waits until no registered export is left
-    (:meth:`wait_clear`), at most ``wait_s`` seconds; past that it raises, so that window is
-    reported as failed and training goes on, rather than risk the heap.
-
-    The step the start waits for is Kineto's ``export_chrome_trace`` (``_ProfilerResult.save``)
-    only: gzip, the device-event scan and publishing run after :meth:`release`.
-    """
-
-    def __init__(self, wait_s: float = 60.0) -> None:
-        self.wait_s = wait_s
-        self._cond = threading.Condition()
-        self._pending = 0
-
-    @property
-    def pending(self) -> int:
-        """Exports registered and not finished yet."""
-        return self._pending
-
-    def hold(self) -> None:
-        with self._cond:
-            self._pending += 1
-
-    def release(self) -> None:
-        with self._cond:
-            self._pending -= 1
-            self._cond.notify_all()
-
-    def wait_clear(self) -> float:
-        """Wait until no export is registered; return the seconds waited."""
-        started = time.perf_counter()
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._pending == 0, timeout=self.wait_s):
-                raise RuntimeError(
-                    f"the previous torch window's trace was still being exported after "
-                    f"{self.wait_s:g} s; this window is not recorded (Kineto's export must "
-                    "not overlap a profiler start)"
-                )
-        return time.perf_counter() - started
-
-
-#: The gate of this process (torch.profiler is process-wide, so is its export).
-KINETO_GATE = KinetoGate()
-
-
-class _TorchOutput(PendingOutput):
-    """One saved window: Kineto's JSON, then gzip and publishing, all in :meth:`write`.
-
-    ``deferred`` (the window ended with the collection): the trace stays in Kineto's memory
-    until :meth:`write` exports it on the exporter thread, under :data:`KINETO_GATE`.
-    Otherwise (a window a schedule saved while the profiler restarts in the same ``step()``)
-    the plain JSON is written at once, on the training thread, as before the gate existed.
-    """
-
-    def __init__(
-        self,
-        window: Any,
-        spec: CollectionSpec,
-        suffix: str,
-        expect_device: bool,
-        notes: tuple[str, ...] = (),
-        deferred: bool = False,
-    ) -> None:
-        self._spec = spec
-        self._suffix = suffix
-        self._expect_device = expect_device
-        self._notes = notes
-        self._error: Exception | None = None
-        self._raw = temp_path(spec.save_dir, spec.stem, ".json")
-        self._window: Any = None
-        self._unhold: Any = None
-        if deferred:
-            KINETO_GATE.hold()
-            self._window = window
-            # an output dropped unwritten must not keep every later window from starting
-            self._unhold = weakref.finalize(self, KINETO_GATE.release)
-        else:
-            try:
-                self._export(window)
-            except Exception as exc:  # reported by write(), on the exporter thread
-                self._error = exc
-
-    def _export(self, window: Any) -> None:
-        try:
-            self._spec.save_dir.mkdir(parents=True, exist_ok=True)
-            window.export_chrome_trace(str(self._raw))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                self._raw.unlink(missing_ok=True)
-            raise
-
-    def discard(self) -> None:
-        """Never written: its temporary file goes, and the gate lets the next start in."""
-        self._window = None
-        if self._unhold is not None:
-            self._unhold()
-            self._unhold = None
-        self._raw.unlink(missing_ok=True)
-
-    def write(self) -> list[WrittenFile]:
-        if self._unhold is not None:
-            window, self._window = self._window, None
-            try:
-                self._export(window)
-            finally:
-                del window  # free the events as soon as they are on disk
-                self._unhold()  # runs release() once
-                self._unhold = None
-        if self._error is not None:
-            raise self._error
-        return self._pack()
-
-    def _pack(self) -> list[WrittenFile]:
-        """gzip and publish; the trace's ``traceName`` (Kineto wrote the temporary file's
-        name) becomes the published name, so a second writer of the name means packing again."""
-        spec = self._spec
-        packed = temp_path(spec.save_dir, spec.stem, TRACE_EXT)
-        index = 0
-        try:
-            while True:
-                final, index = free_name(spec.save_dir, spec.stem, self._suffix, TRACE_EXT, index)
-                found = gzip_file(
-                    self._raw,
-                    packed,
-                    find=(DEVICE_EVENTS, DEVICE_LAUNCHES) if self._expect_device else (),
-                    replace=(_trace_name(self._raw), _trace_name(final)),
-                )
-                if link_new(packed, final):
-                    break
-                index += 1
-        finally:
-            self._raw.unlink(missing_ok=True)
-            packed.unlink(missing_ok=True)
-        suffix = final.name[len(spec.stem) : -len(TRACE_EXT)]
-        warnings = self._notes
-        # launches without device events: CUPTI recorded nothing. A window that launched
-        # nothing (a CPU-only role on a GPU machine) has none to record.
-        has_device, launched = found or (False, False)
-        if launched and not has_device:
-            warnings = (*warnings, NO_DEVICE_EVENTS)
-        return [WrittenFile(final, final.stat().st_size, suffix, warnings)]
-
-
-def _trace_name(path: Path) -> bytes:
-    """Kineto's ``"traceName": "<path>"`` entry for a file at ``path``."""
-    return b'"traceName": ' + json.dumps(str(path)).encode()
 
 
 class _TorchCollection(Collection):
@@ -350,7 +187,7 @@ class _TorchCollection(Collection):
         self._discard = False  # stopped off its thread: what stop() hands over is empty
         self._orphaned = False  # refused off its live thread: stopped later (Orphans)
         self._record_function = tp.record_function
-        self._ready: list[_TorchOutput] = []
+        self._ready: list[TorchOutput] = []
         self._saves = 0
         self._last_saved_step: int | None = None
         sched = spec.schedule
@@ -388,7 +225,7 @@ class _TorchCollection(Collection):
             self._spec.name_mini_batches,
         )
         self._ready.append(
-            _TorchOutput(
+            TorchOutput(
                 prof.profiler,
                 self._spec,
                 suffix,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
@@ -94,7 +94,7 @@ class _SnapshotOutput(PendingOutput):
         self._spec = spec
         self._suffix = suffix
 
-    def write(self) -> list[WrittenFile]:
+    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
         spec = self._spec
         spec.save_dir.mkdir(parents=True, exist_ok=True)
         tmp = temp_path(spec.save_dir, spec.stem, SNAPSHOT_EXT)

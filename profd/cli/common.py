@@ -57,9 +57,11 @@ def comma_list(text: str | None, name: str, as_int: bool = False) -> list[Any] |
     usage error naming the option."""
     if text is None:
         return None
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
         raise typer.BadParameter("expected a comma-separated list", param_hint=name)
+    if not all(items):  # "1,,2" or "1,2,": a slip, not a list of two
+        raise typer.BadParameter(f"an empty item in {text!r}", param_hint=name)
     if not as_int:
         return items
     out: list[int] = []

@@ -144,6 +144,13 @@ def print_summary(
         _print_top_ops(s, out, names, wide)
     for x in s.skipped:
         err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
+    for f in s.files:
+        if f.partial_steps:
+            which = ", ".join(map(str, f.partial_steps))
+            err_console.print(
+                f"[yellow]partial[/yellow] {f.name}: step {which} ended inside the window "
+                "(cancelled or cut short), left out of step and stage times"
+            )
     for a in s.aligned:
         err_console.print(
             f"[yellow]placed[/yellow] {a.name} has no wall clock of its own: its ts 0 was "

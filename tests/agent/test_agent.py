@@ -205,6 +205,41 @@ def test_cancel_keeps_what_was_recorded(local_coordinator) -> None:
     agent.close()
 
 
+def test_a_step_cancelled_midway_is_named_partial_in_the_trace(local_coordinator) -> None:
+    """The trace keeps what the cut step recorded, but its header names the steps held whole
+    (``profd.steps``), so a summary leaves the cut one out instead of counting it short."""
+    from profd.analysis.summary import summarize_dir
+
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1, 2, 3], "profile_continuous_steps": True})
+    wait_armed(agent, view.session_id)
+    train_step(agent, 1)
+    with agent.step(2):
+        with agent.stage("compute_log_prob"):
+            MODEL(torch.randn(8, 16))
+        owner.call("cancel_session", view.session_id)
+        wait_until(lambda: not agent.plan.windows, 10, what="window withdrawn")
+        with agent.stage("update"):  # the window ends at this mark, inside step 2
+            MODEL(torch.randn(8, 16))
+    wait_until(lambda: owner.call("list_traces", view.session_id), 10, what="trace indexed")
+    (trace,) = owner.call("list_traces", view.session_id)
+    assert trace.steps == [1]
+    data = read_trace(trace.path)
+    assert {"step1", "step2"} <= set(user_ranges(data))  # the cut step's start is still there
+    assert data["profd"]["group"] == [1, 2, 3] and data["profd"]["steps"] == [1]
+    summary = summarize_dir(Path(trace.path).parent)
+    assert [r.step for r in summary.step_times] == [1]
+    assert {r.step for r in summary.stage_times} == {1}
+    assert summary.files[0].partial_steps == [2]
+    from profd.analysis import render_html
+
+    assert "partial steps</th>" in render_html(summary)
+    assert "<td>2</td></tr>" in render_html(summary)  # the file's row ends with its cut step
+    agent.close()
+
+
 def test_unwritable_save_path_is_reported_and_training_goes_on(local_coordinator, tmp_path) -> None:
     owner = local_coordinator
     blocker = tmp_path / "not-a-dir"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -137,10 +137,10 @@ class _GatedOutput(PendingOutput):
     def __init__(self, inner: PendingOutput, gate: GatedBackend) -> None:
         self._inner, self._gate = inner, gate
 
-    def write(self) -> list[WrittenFile]:
+    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
         self._gate.entered.set()
         assert self._gate.release.wait(30), "the test never released the export"
-        return self._inner.write()
+        return self._inner.write(steps)
 
 
 def test_training_goes_on_while_the_export_is_pending(events, tmp_path) -> None:

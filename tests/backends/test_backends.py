@@ -378,10 +378,10 @@ _CPU = '"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1,'
 def test_a_window_that_launched_device_work_but_holds_none_is_flagged(
     tmp_path, events: list[str], flagged: bool
 ) -> None:
-    from profd.backends.torch_backend import _TorchOutput
+    from profd.backends.torch_output import TorchOutput
 
     text = '{"traceEvents": [' + ", ".join("{" + e + "}" for e in events) + "]}"
-    out = _TorchOutput(_Window(text), spec(tmp_path), "", expect_device=True)
+    out = TorchOutput(_Window(text), spec(tmp_path), "", expect_device=True)
     (written,) = out.write()
     assert written.warnings == ((NO_DEVICE_EVENTS,) if flagged else ())
 
@@ -422,18 +422,30 @@ def test_gzip_replaces_across_chunk_boundaries(tmp_path, at) -> None:
     body = b"a" * at + old + b"b" * 100 + old + b"c" * ((1 << 20) + 7)
     raw = tmp_path / "t.json"
     raw.write_bytes(body)
-    gzip_file(raw, tmp_path / "t.json.gz", replace=(old, new))
+    gzip_file(raw, tmp_path / "t.json.gz", replace=[(old, new)])
     assert gzip.decompress((tmp_path / "t.json.gz").read_bytes()) == body.replace(old, new)
+    # two pairs, the second's text at the end of the file (held back by both at once)
+    head, head2 = b'"profd": {"steps": null}', b'"profd": {"steps": [1, 2]}'
+    body = head + body + head
+    gzip_file(raw_of(tmp_path, body), tmp_path / "u.json.gz", replace=[(old, new), (head, head2)])
+    want = body.replace(old, new).replace(head, head2)
+    assert gzip.decompress((tmp_path / "u.json.gz").read_bytes()) == want
+
+
+def raw_of(tmp_path, body: bytes):
+    raw = tmp_path / "u.json"
+    raw.write_bytes(body)
+    return raw
 
 
 def test_device_warning_reaches_the_session(monkeypatch, local_coordinator) -> None:
     import re
 
-    from profd.backends import torch_backend
+    from profd.backends import torch_output
 
     real_open = TorchBackend.open
     # no GPU here: the stage's range stands for a launch whose device events CUPTI lost
-    monkeypatch.setattr(torch_backend, "DEVICE_LAUNCHES", re.compile(rb'"name"\s*:\s*"update"'))
+    monkeypatch.setattr(torch_output, "DEVICE_LAUNCHES", re.compile(rb'"name"\s*:\s*"update"'))
 
     def open_expecting_device(self, spec):
         coll = real_open(self, spec)

@@ -73,9 +73,11 @@ def test_integer_lists_take_runs() -> None:
 
     assert comma_list("120-123, 130", "--steps", as_int=True) == [120, 121, 122, 123, 130]
     assert comma_list("a, b", "--roles") == ["a", "b"] and comma_list(None, "--x") is None
-    for bad in ("3-", "-1", "5-4", "1-1000000", " , "):
+    for bad in ("3-", "-1", "5-4", "1-1000000", " , ", "1,,2", "1,2,"):
         with pytest.raises(typer.BadParameter):
             comma_list(bad, "--steps", as_int=True)
+    with pytest.raises(typer.BadParameter, match="empty item"):
+        comma_list("actor,,critic", "--roles")
 
 
 def test_up_profile_traces_down(cli_env: dict[str, str], ray_session: Any, tmp_path: Path) -> None:

@@ -90,6 +90,8 @@ def test_finished_sessions_survive_a_restart(tmp_path: Path) -> None:
     listed = again.call("list_traces", sid)
     again.close()
     assert after.state == before.state and after.reason == before.reason
+    # the agent's own end is kept: `profd cancel` after a restart does not wait for it
+    assert before.targets[0].agent_done and after.targets[0].agent_done
     assert [t.trace_id for t in listed] == [t.trace_id for t in before.traces]
     assert (tmp_path / "state" / "coordinator.sqlite3").stat().st_mode & 0o777 == 0o600
 
