@@ -207,7 +207,9 @@ class ProfileCoordinator:
         saved = self._store.load()
         n_traces = self._traces.restore(saved["traces"])
         n_live = self._book.restore(saved["sessions"])
-        n_triggers = self._triggers.restore(saved.get("triggers", ()), self._book.all())
+        n_triggers = self._triggers.restore(
+            saved.get("triggers", ()), self._book.all(), self.settings.heartbeat_timeout_s
+        )
         if n_triggers:
             log.info("coordinator restored %d trigger(s)", n_triggers)
         if saved["sessions"]:

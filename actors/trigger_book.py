@@ -428,12 +428,34 @@ class TriggerBook:
             if not isinstance(firing_id, str):
                 firing_id = f"{trigger_id}.{next(self._seq)}"
             evidence = evidence_from(origin.get("evidence") or {})
+            # when its condition held (the origin says since it was kept), not its session
+            when = origin.get("at")
+            when = float(when) if isinstance(when, int | float) else at
             t.firings.append(
-                Firing(firing_id, trigger_id, at, evidence, FiringState.FIRED, session_id)
+                Firing(firing_id, trigger_id, when, evidence, FiringState.FIRED, session_id)
             )
             t.last_fired_at = at if t.last_fired_at is None else max(t.last_fired_at, at)
             if now - at <= HOUR_S:
                 t.fired_at.append(at)
+
+    def recall_due(self, trigger_id: str, saved: dict[str, Any]) -> Firing | None:
+        """A firing that was due (its ranks busy, or its session being started) when the
+        coordinator went down, as :func:`saved_firing` kept it: due again, so it starts once
+        its ranks are free. ``None`` when the record cannot be read (logged)."""
+        t = self.get(trigger_id)
+        try:
+            firing = Firing(
+                str(saved["firing_id"]),
+                trigger_id,
+                float(saved["at"]),
+                evidence_from(dict(saved.get("evidence") or {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("trigger %s: its due firing could not be restored (%s)", trigger_id, exc)
+            return None
+        t.due = firing
+        t.firings.append(firing)
+        return firing
 
     def add_disk(self, trigger_id: str, nbytes: int) -> None:
         """A trace of one of its sessions was written (for the disk budget)."""
@@ -447,6 +469,11 @@ class TriggerBook:
             if f.firing_id == firing.firing_id:
                 t.firings[i] = firing
         return firing
+
+
+def saved_firing(f: Firing) -> dict[str, Any]:
+    """What the store keeps of a due firing (:meth:`TriggerBook.recall_due` reads it)."""
+    return {"firing_id": f.firing_id, "at": f.at, "evidence": f.evidence.as_dict()}
 
 
 def _baseline(t: Trigger, history: History) -> tuple[dict[int, Sequence[float]], float | None, int]:

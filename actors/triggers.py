@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from profd.actors.trigger_book import Firing, Trigger, TriggerBook
+from profd.actors.trigger_book import Firing, Trigger, TriggerBook, saved_firing
 from profd.actors.trigger_reports import AGENT, Report, RoleSpans, report
 from profd.core.errors import ConflictError, NotFoundError, ProfdError
 from profd.core.protocol import AgentEvent, AgentInfo, MarkDurations, OutOfMemory
@@ -83,6 +83,9 @@ class TriggerDesk:
         self._unjudged: list[Report] = []
         self._pass: asyncio.TimerHandle | None = None
         self.passes = 0
+        #: A restored coordinator's agents come back within this (wall clock): a due firing
+        #: whose rank is not back yet waits for it until then, rather than fail.
+        self._returning_until = 0.0
 
     # -- the API -------------------------------------------------------------------------
     def add(self, request: TriggerRequest | dict) -> TriggerView:
@@ -117,26 +120,40 @@ class TriggerDesk:
         return request
 
     def _save(self, t: Trigger) -> None:
-        if self._store is not None:  # a restarted coordinator watches it again
-            self._store.save_trigger(t.trigger_id, _saved(t))
+        self._persist(t)
         self._sync_spans()
 
-    def restore(self, saved: Iterable[dict[str, Any]], sessions: Iterable[Session] = ()) -> int:
+    def _persist(self, t: Trigger) -> None:
+        if self._store is not None:  # a restarted coordinator watches it again
+            self._store.save_trigger(t.trigger_id, _saved(t))
+
+    def restore(
+        self,
+        saved: Iterable[dict[str, Any]],
+        sessions: Iterable[Session] = (),
+        return_within_s: float = 0.0,
+    ) -> int:
         """The triggers a previous incarnation persisted; the number restored. A row this
         version cannot read is skipped. ``sessions``: the restored sessions; those a trigger
         started are its firings again (cooldown, the hourly cap and the disk budget count
-        them); only its suppressed counts start again from zero."""
+        them); only its suppressed counts start again from zero. A firing that was due is
+        due again (unless its session was made: then it fired), and waits up to
+        ``return_within_s`` for its rank's agent to come back."""
+        saved = list(saved)
         started: dict[str, list[Session]] = {}
         for s in sessions:
             tid = (s.origin or {}).get("trigger_id")
             if isinstance(tid, str):
                 started.setdefault(tid, []).append(s)
-        self.book.number_after(
+        made = {
             str(s.origin["firing_id"])
             for own in started.values()
             for s in own
             if s.origin and isinstance(s.origin.get("firing_id"), str)
-        )
+        }
+        due_ids = [str(d.get("firing_id")) for r in saved if isinstance(d := r.get("due"), dict)]
+        self.book.number_after([*made, *due_ids])
+        self._returning_until = self._clock() + return_within_s
         n = 0
         for row in saved:
             try:
@@ -153,6 +170,10 @@ class TriggerDesk:
                 t.trigger_id,
                 [(s.created_at, s.session_id, s.origin or {}) for s in own],
             )
+            due = row.get("due")
+            waiting = isinstance(due, dict) and due.get("firing_id") not in made
+            if waiting and self.book.recall_due(t.trigger_id, due) is not None:
+                log.info("trigger %s: firing %s is due again", t.trigger_id, due["firing_id"])
             n += 1
         self._sync_spans()
         return n
@@ -258,8 +279,10 @@ class TriggerDesk:
             return
         self._count_disk()
         info = rec.info
-        if self.book.out_of_memory(agent_id, info.role, info.rank, oom, event.step, info.job_id):
-            self.fire_soon()
+        firings = self.book.out_of_memory(
+            agent_id, info.role, info.rank, oom, event.step, info.job_id
+        )
+        self._due(firings)
 
     def on_times(self, agent_id: str, times: MarkDurations, step: int | None = None) -> None:
         """New durations of one agent (already in the rolling windows); ``step``: the step
@@ -307,6 +330,12 @@ class TriggerDesk:
             history = functools.partial(self._history, job=job)
             spans = functools.partial(self._spans, job=job)
             firings += self.book.observe_pass(reports, history, spans, profiled, job=job)
+        self._due(firings)
+
+    def _due(self, firings: list[Firing]) -> None:
+        """New due firings: kept (a restarted coordinator starts them), then started."""
+        for f in firings:
+            self._persist(self.book.get(f.trigger_id))
         if firings:
             self.fire_soon()
 
@@ -386,11 +415,16 @@ class TriggerDesk:
     async def fire_due(self) -> None:
         for firing in self.book.due():
             t = self.book.get(firing.trigger_id)
+            if self._registry.get(firing.evidence.agent_id) is None and (
+                self._clock() < self._returning_until
+            ):
+                continue  # restored: its rank's agent has not come back yet
             ranks = self._ranks(firing, t)
             job = firing.evidence.job_id
             origin = {
                 "trigger_id": t.trigger_id,
                 "firing_id": firing.firing_id,
+                "at": firing.at,
                 "evidence": firing.evidence.as_dict(),
             }
             try:
@@ -399,8 +433,10 @@ class TriggerDesk:
                 continue  # a live session holds the ranks: stays due, the next tick retries
             except (ProfdError, ValueError) as exc:
                 self.book.failed(firing, str(exc))
+                self._persist(t)
                 continue
             self.book.fired(firing, s.session_id)
+            self._persist(t)  # no longer due: its session names it now
             self._sessions.setdefault(t.trigger_id, []).append(s.session_id)
             self.firings_total += 1
             ev = firing.evidence
@@ -445,9 +481,11 @@ def _firing_view(f: Firing) -> FiringView:
 
 
 def _saved(t: Trigger) -> dict[str, Any]:
-    """What the store keeps of a trigger: its id, request and creation time."""
+    """What the store keeps of a trigger: its id, request and creation time, and the firing
+    that is due (a coordinator restarted meanwhile starts it)."""
     return {
         "trigger_id": t.trigger_id,
         "request": t.request.model_dump(mode="json"),
         "created_at": t.created_at,
+        **({"due": saved_firing(t.due)} if t.due is not None else {}),
     }

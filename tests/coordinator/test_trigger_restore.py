@@ -159,3 +159,60 @@ def test_a_restarted_coordinator_keeps_a_triggers_firings_cooldown_and_cap(
             a.close(5)
     finally:
         again.close()
+
+
+def test_a_due_firing_outlives_a_coordinator_crash(tmp_path: Path) -> None:
+    """A firing that waits for busy ranks when the coordinator dies is due again after the
+    restart (same id, same time) and starts its session once the ranks are free; a hand
+    test lost one (only the trigger's request was kept), and the rank, slow for good by
+    then, no longer stood out against a baseline full of its own slow steps."""
+    from profd.actors.coordinator import ProfileCoordinator
+    from profd.agent import ProfilerAgent
+    from profd.testing.coordinator import InProcessCoordinator
+
+    from helpers import wait_until
+
+    settings = coordinator_settings(tmp_path)
+    holder = {"owner": InProcessCoordinator(ProfileCoordinator(settings))}
+    agents = [
+        ProfilerAgent("actor", r, 2, find_link=lambda: holder["owner"].link()).start()
+        for r in range(2)
+    ]
+    try:
+        wait_until(lambda: all(a.connected for a in agents), 10, what="agents registered")
+        first = holder["owner"]
+        busy = first.call("create_session", {"steps": [100000]}).session_id  # holds the ranks
+        tid = first.call("add_trigger", {**OOM, "session": {"next_steps": 1}}).trigger_id
+        _oom(first, agents[0], 3)
+        due = wait_until(
+            lambda: (f := first.call("get_trigger", tid).firings) and f[0].state == "due" and f[0],
+            10,
+            what="a due firing",
+        )
+        assert first.call("flush_state", 5.0)
+        first.down = True  # dies: no goodbye
+        first.close()
+        wait_until(lambda: not any(a.connected for a in agents), 10, what="agents notice")
+
+        holder["owner"] = again = InProcessCoordinator(ProfileCoordinator(settings))
+        (back,) = again.call("get_trigger", tid).firings
+        assert (back.firing_id, back.at, back.state) == (due.firing_id, due.at, "due")
+        # the ranks are free before their agents are back: it waits for them, not fails
+        again.call("cancel_session", busy)
+        fired = wait_until(
+            lambda: (v := again.call("get_trigger", tid)).fired == 1 and v, 15, what="fired"
+        )
+        (f,) = fired.firings
+        assert (f.firing_id, f.at) == (due.firing_id, due.at)
+        assert again.call("get_session", f.session_id).trigger_id == tid
+        assert again.call("flush_state", 5.0)
+        again.close()
+
+        holder["owner"] = third = InProcessCoordinator(ProfileCoordinator(settings))
+        (kept,) = third.call("get_trigger", tid).firings  # fired, not due again
+        assert (kept.firing_id, kept.at, kept.state) == (due.firing_id, due.at, "fired")
+        assert len(third.call("list_sessions")) == 2  # the busy one and the firing's
+    finally:
+        for a in agents:
+            a.close(5)
+        holder["owner"].close()
