@@ -55,7 +55,7 @@ async def get_stacks(
         Query(description="auto: py-spy where it can attach, else the agents; py_spy; agent."),
     ] = StackMethod.AUTO,
     timeout_s: Annotated[
-        float, Query(gt=0, le=60, description="How long to wait for answers.")
+        float, Query(gt=0, le=60, allow_inf_nan=False, description="How long to wait for answers.")
     ] = 5.0,
 ) -> Response:
     """The Python stack of every matching attached process's training thread now, grouped by

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from profd.cli.client import EXIT_USAGE, ApiClient, CliError, format_bytes
-from profd.cli.common import comma_list
+from profd.cli.common import comma_list, finite
 from profd.cli.summary_view import print_summary
 
 if TYPE_CHECKING:
@@ -128,14 +128,19 @@ def merge(
     ranks: Annotated[str | None, typer.Option(help="Keep only these ranks, e.g. 0,8.")] = None,
     roles: Annotated[str | None, typer.Option(help="Keep only these roles.")] = None,
     start: Annotated[
-        float | None, typer.Option(help="Window start, ms after the earliest event.")
+        float | None,
+        typer.Option(callback=finite, help="Window start, ms after the earliest event."),
     ] = None,
     end: Annotated[
-        float | None, typer.Option(help="Window end, ms after the earliest event.")
+        float | None, typer.Option(callback=finite, help="Window end, ms after the earliest event.")
     ] = None,
     max_mb: Annotated[
         float | None,
-        typer.Option("--max-mb", help="Size budget (uncompressed MB): drop the shortest events."),
+        typer.Option(
+            "--max-mb",
+            callback=finite,
+            help="Size budget (uncompressed MB): drop the shortest events.",
+        ),
     ] = None,
     workers: WorkersOpt = None,
     url: UrlOpt = None,
@@ -204,13 +209,19 @@ def summarize(
     ] = None,
     top: Annotated[int, typer.Option(help="Operators listed per stage.", min=1)] = 10,
     late_k: Annotated[
-        float, typer.Option(help="Straggler: multiple of the peers' spread (scaled MAD).")
+        float,
+        typer.Option(
+            callback=finite, help="Straggler: multiple of the peers' spread (scaled MAD)."
+        ),
     ] = 3.0,
     late_floor_ms: Annotated[
-        float, typer.Option(help="Straggler: never late by less than this (ms).")
+        float, typer.Option(callback=finite, help="Straggler: never late by less than this (ms).")
     ] = 5.0,
     late_fraction: Annotated[
-        float, typer.Option(help="Straggler: never late by less than this share of the stage.")
+        float,
+        typer.Option(
+            callback=finite, help="Straggler: never late by less than this share of the stage."
+        ),
     ] = 0.05,
     per_step: Annotated[
         bool, typer.Option("--per-step", help="Every step x stage x rank, not folded over steps.")

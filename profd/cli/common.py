@@ -4,7 +4,9 @@ how a failure ends the command."""
 from __future__ import annotations
 
 import json
+import math
 import sys
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -49,6 +51,26 @@ def print_json(data: Any) -> None:
 
 #: The most numbers one ``a-b`` run may stand for (a typo like ``1-1000000`` is refused).
 MAX_RUN = 100_000
+
+
+def finite(param: typer.CallbackParam, value: float | None) -> float | None:
+    """A float option's value, refused when it is not a finite number (``nan``, ``inf``):
+    a bound compares false with NaN, and JSON has neither."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, got {value}", param=param)
+    return value
+
+
+def finite_from(low: float) -> Callable[[typer.CallbackParam, float], float]:
+    """:func:`finite`, and at least ``low`` (a click ``min`` lets NaN through)."""
+
+    def check(param: typer.CallbackParam, value: float) -> float:
+        value = finite(param, value)  # type: ignore[assignment]
+        if value < low:
+            raise typer.BadParameter(f"must be at least {low:g}, got {value:g}", param=param)
+        return value
+
+    return check
 
 
 def comma_list(text: str | None, name: str, as_int: bool = False) -> list[Any] | None:

@@ -23,6 +23,7 @@ from profd.cli.analysis import (
     resolve_target,
 )
 from profd.cli.client import CliError
+from profd.cli.common import finite
 
 __all__ = ["diff", "print_diff"]
 
@@ -128,9 +129,15 @@ def diff(
     as_json: Annotated[bool, typer.Option("--json", help="Print the diff as JSON.")] = False,
     html: Annotated[Path | None, typer.Option("--html", help="Also write an HTML view.")] = None,
     top: Annotated[int, typer.Option(help="Operators listed.", min=1)] = 10,
-    noise_k: Annotated[float, typer.Option(help="Noise: multiple of the spread.")] = 3.0,
-    noise_floor_ms: Annotated[float, typer.Option(help="Noise: at least this (ms).")] = 1.0,
-    noise_fraction: Annotated[float, typer.Option(help="Noise: at least this share of A.")] = 0.05,
+    noise_k: Annotated[
+        float, typer.Option(callback=finite, help="Noise: multiple of the spread.")
+    ] = 3.0,
+    noise_floor_ms: Annotated[
+        float, typer.Option(callback=finite, help="Noise: at least this (ms).")
+    ] = 1.0,
+    noise_fraction: Annotated[
+        float, typer.Option(callback=finite, help="Noise: at least this share of A.")
+    ] = 0.05,
     workers: WorkersOpt = None,
     url: UrlOpt = None,
 ) -> None:

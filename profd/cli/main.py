@@ -22,6 +22,8 @@ from profd.cli.common import (
     console,
     err_console,
     fail,
+    finite,
+    finite_from,
     print_json,
     sidecar_client,
 )
@@ -340,6 +342,7 @@ def profile(
         float | None,
         typer.Option(
             "--duration",
+            callback=finite,
             metavar="SECONDS",
             help="Profile for SECONDS (targets without steps: rollout servers, timed tools).",
         ),
@@ -361,7 +364,7 @@ def profile(
         bool, typer.Option("--continuous-steps", help="Consecutive steps share one trace.")
     ] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the session ends.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to --wait.")] = 3600.0,
+    timeout: Annotated[float, typer.Option(callback=finite, help="Seconds to --wait.")] = 3600.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Start a profiling session over HTTP (one of --steps, --next-steps, --duration)."""
@@ -413,7 +416,7 @@ def cancel(
         float,
         typer.Option(
             "--wait-s",
-            min=0,
+            callback=finite_from(0),
             help="Seconds to wait for the traces the cancel flushes (targets recording).",
         ),
     ] = 30.0,

@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from profd.actors.selection import rank_ranges
 from profd.cli.client import CliError
-from profd.cli.common import JsonOpt, UrlOpt, console, fail, print_json, sidecar_client
+from profd.cli.common import JsonOpt, UrlOpt, console, fail, finite, print_json, sidecar_client
 
 __all__ = ["print_stacks", "stacks"]
 
@@ -72,7 +72,9 @@ def stacks(
     depth: Annotated[
         int | None, typer.Option(min=1, help="Show at most this many frames per group.")
     ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for answers.")] = 5.0,
+    timeout: Annotated[
+        float, typer.Option(callback=finite, help="Seconds to wait for answers.")
+    ] = 5.0,
     url: UrlOpt = None,
     as_json: JsonOpt = False,
 ) -> None:

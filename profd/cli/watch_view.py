@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from profd.cli.client import EXIT_USAGE, CliError
-from profd.cli.common import JsonOpt, UrlOpt, console, fail, print_json, sidecar_client
+from profd.cli.common import JsonOpt, UrlOpt, console, fail, finite, print_json, sidecar_client
 
 __all__ = ["describe", "print_triggers", "trigger_body", "watch"]
 
@@ -90,10 +90,12 @@ def print_triggers(triggers: list[dict[str, Any]]) -> None:
 def watch(
     role: Annotated[str | None, typer.Option(help="Role whose ranks are watched.")] = None,
     step_time: Annotated[
-        float | None, typer.Option(help="Fire when a rank's step takes this x the median.")
+        float | None,
+        typer.Option(callback=finite, help="Fire when a rank's step takes this x the median."),
     ] = None,
     stage_time: Annotated[
-        float | None, typer.Option(help="Fire when a rank's --stage takes this x the median.")
+        float | None,
+        typer.Option(callback=finite, help="Fire when a rank's --stage takes this x the median."),
     ] = None,
     stage: Annotated[
         str | None, typer.Option(help="The stage of --stage-time or --straggler.")
@@ -107,14 +109,19 @@ def watch(
         int | None, typer.Option(help="Durations per rank in the median (default 20).")
     ] = None,
     min_ms: Annotated[
-        float | None, typer.Option(help="Never fire below this duration (default 0).")
+        float | None,
+        typer.Option(callback=finite, help="Never fire below this duration (default 0)."),
     ] = None,
     for_steps: Annotated[
         int | None, typer.Option(help="Slow durations in a row needed (default 1).")
     ] = None,
-    cooldown_s: Annotated[float, typer.Option("--cooldown", help="Quiet seconds after.")] = 300,
+    cooldown_s: Annotated[
+        float, typer.Option("--cooldown", callback=finite, help="Quiet seconds after.")
+    ] = 300,
     max_per_hour: Annotated[int, typer.Option(help="Firings in any 60 minutes.")] = 4,
-    max_disk_mb: Annotated[float, typer.Option(help="Trace budget of its sessions.")] = 1024,
+    max_disk_mb: Annotated[
+        float, typer.Option(callback=finite, help="Trace budget of its sessions.")
+    ] = 1024,
     tool: Annotated[str, typer.Option(help="Profiling backend of its sessions.")] = "torch",
     name: Annotated[str | None, typer.Option(help="Name shown with its firings.")] = None,
     from_file: Annotated[
@@ -208,7 +215,40 @@ def _body(
     if kind in ("stage_time", "straggler") and stage is None:
         raise typer.BadParameter(f"--{kind.replace('_', '-')} needs --stage", param_hint="--stage")
     factor = step_time if step_time is not None else stage_time
-    return trigger_body(role, factor, stage, next_steps, opts, kind=kind)
+    body = trigger_body(role, factor, stage, next_steps, opts, kind=kind)
+    _check_options(body, kind)
+    return body
+
+
+#: The option that gave each field of a command line's trigger.
+_OPTION_OF = {
+    "when.role": "--role", "when.stage": "--stage", "when.min_ms": "--min-ms",
+    "when.for_steps": "--for-steps", "when.baseline_steps": "--baseline-steps",
+    "session.next_steps": "--next-steps", "session.tool": "--tool", "name": "--name",
+    "cooldown_s": "--cooldown", "max_per_hour": "--max-per-hour",
+    "max_disk_mb": "--max-disk-mb",
+}  # fmt: skip
+
+
+def _check_options(body: dict[str, Any], kind: str) -> None:
+    """Check the trigger here as the sidecar will, so a bad value is named by the option
+    the user typed (``--step-time``), not by its field in the request (``when.factor``)."""
+    from pydantic import ValidationError
+
+    from profd.core.request import field_errors
+    from profd.core.trigger_request import TriggerRequest
+
+    try:
+        TriggerRequest.model_validate(body)
+    except ValidationError as exc:
+        errors = field_errors(exc)
+        first = errors[0]
+        factor = "--step-time" if kind == "step_time" else "--stage-time"
+        option = factor if first.field == "when.factor" else _OPTION_OF.get(first.field)
+        raise typer.BadParameter(
+            "; ".join(e.message if e is first else f"{e.field}: {e.message}" for e in errors),
+            param_hint=option or first.field or "the trigger",
+        ) from None
 
 
 def checked_triggers(path: Path) -> list[tuple[str, dict[str, Any]]]:

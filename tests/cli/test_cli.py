@@ -66,6 +66,32 @@ def test_bad_usage_is_exit_2(tmp_path: Path) -> None:
         assert r.returncode == 2 and f"Invalid value for {option}:" in text, (args, text)
 
 
+def test_every_float_option_refuses_nan_and_inf() -> None:
+    """A bound compares false with NaN and JSON has no NaN or inf: a float option that let
+    them through ended in a traceback (`profd watch --step-time nan`) or the wrong rule."""
+    import typer
+    from typer.testing import CliRunner
+
+    from profd.cli.main import app
+
+    runner = CliRunner()
+    seen = []
+    for name, cmd in sorted(typer.main.get_command(app).commands.items()):
+        for p in cmd.params:
+            if type(p).__name__ != "TyperOption":
+                continue
+            if p.type_descriptor.annotation not in (float, float | None):
+                continue
+            needed = ["x" for q in cmd.params if type(q).__name__ == "TyperArgument" and q.required]
+            for bad in ("nan", "inf", "-inf"):
+                r = runner.invoke(app, [name, *needed, p.opts[0], bad])
+                text = " ".join(r.output.replace("│", " ").split())
+                assert r.exit_code == 2, (name, p.opts, bad, text)
+                assert f"'{p.opts[0]}': must be a finite number" in text, (name, text)
+            seen.append(p.opts[0])
+    assert len(seen) >= 18 and "--step-time" in seen and "--wait-s" in seen, seen
+
+
 def test_integer_lists_take_runs() -> None:
     import typer
 

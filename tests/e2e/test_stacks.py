@@ -148,6 +148,8 @@ def test_native_frames_filters_and_bad_queries(hung: Home) -> None:
     assert r.status_code == 422 and r.json()["fields"][0]["field"] == "ranks"
     r = hung.http("GET", "/api/v1/stacks", params={"native": "true", "method": "agent"})
     assert r.status_code == 422 and r.json()["fields"][0]["field"] == "native"
+    r = hung.http("GET", "/api/v1/stacks", params={"timeout_s": "nan"})  # not "<= 60"
+    assert r.status_code == 422 and "finite" in r.json()["fields"][0]["message"], r.text
 
 
 def test_profd_up_posted_the_launch_time_triggers(hung: Home) -> None:

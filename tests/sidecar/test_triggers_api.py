@@ -105,12 +105,15 @@ def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> 
     two = cli(["watch", "--role", "actor", "--oom", "--straggler", "--url", sidecar.url], env)
     assert two.returncode == 2 and "one of" in two.stderr
     assert "(got --straggler and --oom)" in " ".join(two.stderr.split())
-    # an option the kind does not use is refused naming it, never dropped on the way
+    # an option the kind does not use is refused naming it, never dropped on the way; a
+    # bad value is named by the option typed, not its field in the request
     for extra, field in [
-        (["--step-time", "3", "--stage", "update"], "when.stage: not used by a step_time"),
-        (["--oom", "--baseline-steps", "5"], "when.baseline_steps: not used by an oom"),
-        (["--oom", "--min-ms", "10"], "when.min_ms: not used by an oom"),
-        (["--stage", "update", "--straggler", "--baseline-steps", "5"], "when.baseline_steps"),
+        (["--step-time", "3", "--stage", "update"], "--stage: not used by a step_time"),
+        (["--oom", "--baseline-steps", "5"], "--baseline-steps: not used by an oom"),
+        (["--oom", "--min-ms", "10"], "--min-ms: not used by an oom"),
+        (["--stage", "update", "--straggler", "--baseline-steps", "5"], "--baseline-steps"),
+        (["--step-time", "0.5"], "--step-time: Input should be greater than 1"),
+        (["--step-time", "2", "--cooldown", "-1"], "--cooldown: Input should be greater"),
     ]:
         r = cli(["watch", "--role", "critic", *extra, "--url", sidecar.url], env)
         assert r.returncode == 2 and field in " ".join(r.stderr.split()), (extra, r.stderr)
