@@ -118,7 +118,8 @@ def _check_bearer(request: Request, token: str) -> None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
             "missing bearer token: send `Authorization: Bearer <token>` with the token from the "
-            "file `profd up` printed (~/.profd/token by default)",
+            "file `profd up` printed (`token` in its state directory: ~/.profd unless "
+            "PROFD_STATE_DIR moved it)",
             headers={"WWW-Authenticate": "Bearer"},
         )
     # Constant time in the token's content (compare_digest); its length is not a secret.

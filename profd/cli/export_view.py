@@ -82,7 +82,7 @@ def export(
     url: UrlOpt = None,
 ) -> None:
     """Write a session's traces as a folder HTA (Holistic Trace Analysis) loads as is: one
-    file per role x rank with a unique distributedInfo.rank, ProfilerStep#<n> rows over
+    file per role x rank with a unique distributedInfo.rank, `ProfilerStep#N` rows over
     profd's steps, and a rank map; the session's files are never touched."""
     from profd.analysis.hta_export import export_hta
 

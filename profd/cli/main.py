@@ -48,6 +48,7 @@ app = typer.Typer(
     help="Live, step-aligned profiling of PyTorch training on Ray.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode="markdown",  # joins a docstring's lines (rich mode kept its breaks)
 )
 
 

@@ -53,7 +53,8 @@ def print_stacks(view: dict[str, Any], depth: int | None = None) -> None:
         if len(frames) < len(g["stack"]):
             console.print(f"    [dim]... {len(g['stack']) - len(frames)} more frame(s)[/dim]")
     for m in view["missing"]:
-        who = f"{m['role']} rank {m['rank']}" + (f" (pid {m['pid']})" if m.get("pid") else "")
+        role = "" if m["role"] in ("*", None) else f"{m['role']} "  # no --role: any role's
+        who = f"{role}rank {m['rank']}" + (f" (pid {m['pid']})" if m.get("pid") else "")
         console.print(f"[yellow]no stack from {escape(who)}: {escape(m['reason'])}[/yellow]")
     for note in view["notes"]:
         console.print(f"[dim]note: {escape(note)}[/dim]")

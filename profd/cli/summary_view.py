@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
@@ -110,6 +110,24 @@ def _pct(part: float | None, whole: float = 100.0) -> str:
     return "-" if part is None or whole <= 0 else f"{100 * part / whole:.1f}%"
 
 
+class _Spaced:
+    """A console whose next print comes after a blank line, when ``gap`` is set: a section
+    that prints nothing leaves no empty line (three stood before the operators)."""
+
+    def __init__(self, out: Console) -> None:
+        self._out = out
+        self.gap = False
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.gap:
+            self.gap = False
+            self._out.print()
+        self._out.print(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
 def print_summary(
     s: SessionSummary, out: Console | None = None, per_step: bool = False, wide: bool = False
 ) -> None:
@@ -137,11 +155,12 @@ def print_summary(
             _print_minis_folded,
             _print_gpu,
         )
+        spaced = _Spaced(out)
         for section in sections:
-            out.print()
-            section(s, out, names)
-        out.print()
-        _print_top_ops(s, out, names, wide)
+            spaced.gap = True
+            section(s, spaced, names)  # type: ignore[arg-type]
+        spaced.gap = True
+        _print_top_ops(s, spaced, names, wide)  # type: ignore[arg-type]
     for x in s.skipped:
         err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
     for f in s.files:

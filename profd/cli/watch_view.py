@@ -54,12 +54,19 @@ def trigger_body(
 def describe(when: dict[str, Any]) -> str:
     """A trigger's condition in a few words."""
     kind = when["kind"]
-    if kind == "straggler":
-        return f"{when['role']} stage {when['stage']} ends late vs its peers"
     if kind == "oom":
         return f"{when['role']}: CUDA out of memory"
+    extra = []  # what else must hold, as the dashboard says it
+    if when.get("min_ms"):
+        extra.append(f"{'by ' if kind == 'straggler' else ''}at least {when['min_ms']:g} ms")
+    if (when.get("for_steps") or 1) > 1:
+        extra.append(f"{when['for_steps']} in a row")
+    tail = f" ({', '.join(extra)})" if extra else ""
+    if kind == "straggler":
+        return f"{when['role']} stage {when['stage']} ends late vs its peers{tail}"
     mark = f"stage {when['stage']}" if when.get("stage") else "step"
-    return f"{when['role']} {mark} > {when['factor']:g} x median of {when['baseline_steps']}"
+    median = f"median of {when['baseline_steps']}"
+    return f"{when['role']} {mark} > {when['factor']:g} x {median}{tail}"
 
 
 def _last(f: dict[str, Any]) -> str:
@@ -136,10 +143,11 @@ def watch(
     its role's rolling median, its stage ends late against its peers', or it runs out of
     memory, profile its next steps and one healthy peer's.
 
-    profd watch --role actor --step-time 2.0;
-    profd watch --role actor --stage update_actor --stage-time 1.5 --min-ms 500;
-    profd watch --role actor --stage update_actor --straggler --min-ms 50;
-    profd watch --role actor --oom; profd watch --list; profd watch --delete TRIGGER_ID."""
+    * `profd watch --role actor --step-time 2.0`
+    * `profd watch --role actor --stage update_actor --stage-time 1.5 --min-ms 500`
+    * `profd watch --role actor --stage update_actor --straggler --min-ms 50`
+    * `profd watch --role actor --oom`
+    * `profd watch --list`, `profd watch --delete TRIGGER_ID`"""
     _one_mode(locals())
     try:
         api = sidecar_client(url)

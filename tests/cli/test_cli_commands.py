@@ -785,3 +785,47 @@ def test_up_forgets_the_last_address(tmp_path: Path) -> None:
     record_last(tmp_path, "http://127.0.0.1:1111")
     _forget_last(tmp_path)
     assert load_last(tmp_path) is None
+
+
+def test_a_missing_stack_names_the_rank_asked_for(capsys: Any) -> None:
+    """`profd stacks --ranks 9` without --role: "rank 9", not "* rank 9"."""
+    from profd.cli.stacks_view import print_stacks
+
+    missing = [
+        {"role": "*", "rank": 9, "reason": "no live agent has this rank"},
+        {"role": "actor", "rank": 3, "pid": 41, "reason": "py-spy could not attach"},
+    ]
+    print_stacks({"groups": [], "missing": missing, "notes": []})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no stack from rank 9: no live agent has this rank" in out
+    assert "no stack from actor rank 3 (pid 41): py-spy could not attach" in out
+
+
+def test_watch_list_says_every_part_of_a_condition() -> None:
+    from profd.cli.watch_view import describe
+
+    step = {"kind": "step_time", "role": "actor", "factor": 2.0, "baseline_steps": 20}
+    assert describe(step) == "actor step > 2 x median of 20"
+    full = {**step, "min_ms": 100.0, "for_steps": 2}
+    assert describe(full) == "actor step > 2 x median of 20 (at least 100 ms, 2 in a row)"
+    late = {"kind": "straggler", "role": "actor", "stage": "update", "min_ms": 50.0}
+    assert describe(late) == "actor stage update ends late vs its peers (by at least 50 ms)"
+
+
+def test_summary_sections_are_one_blank_line_apart() -> None:
+    """A section with nothing to print leaves no empty line (three stood before the
+    operators of a summary without mini-batches)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from profd.analysis import summarize_dir
+    from profd.cli.summary_view import print_summary
+
+    buf = StringIO()
+    summary = summarize_dir(Path(__file__).parents[1] / "fixtures" / "cuda")
+    assert not summary.mini_batches  # a section that prints nothing
+    print_summary(summary, Console(file=buf, width=80))
+    text = buf.getvalue()
+    assert "Top operators" in text and "GPU time per track" in text
+    assert "\n\n\n" not in text.replace(" ", "")
