@@ -414,11 +414,9 @@ class TriggerDesk:
 
     async def fire_due(self) -> None:
         for firing in self.book.due():
-            t = self.book.get(firing.trigger_id)
-            if self._registry.get(firing.evidence.agent_id) is None and (
-                self._clock() < self._returning_until
-            ):
-                continue  # restored: its rank's agent has not come back yet
+            t = self._triggers_of(firing)  # (the awaits below let a PUT or DELETE in)
+            if t is None or t.due is not firing or self._not_back(firing):
+                continue
             ranks = self._ranks(firing, t)
             job = firing.evidence.job_id
             origin = {
@@ -432,19 +430,41 @@ class TriggerDesk:
             except ConflictError:
                 continue  # a live session holds the ranks: stays due, the next tick retries
             except (ProfdError, ValueError) as exc:
-                self.book.failed(firing, str(exc))
-                self._persist(t)
+                if (t := self._triggers_of(firing)) is not None:
+                    self.book.failed(firing, str(exc))
+                    self._persist(t)
                 continue
-            self.book.fired(firing, s.session_id)
-            self._persist(t)  # no longer due: its session names it now
-            self._sessions.setdefault(t.trigger_id, []).append(s.session_id)
+            self._sessions.setdefault(firing.trigger_id, []).append(s.session_id)
             self.firings_total += 1
+            if (t := self._triggers_of(firing)) is not None:  # deleted meanwhile: its session
+                self.book.fired(firing, s.session_id)  # runs, and names it (origin)
+                self._persist(t)  # the trigger as it is now, no longer due
             ev = firing.evidence
             log.info(
                 "trigger %s fired: %s rank %d %s %.3f s against %.3f s; session %s on ranks %s",
-                t.request.name, ev.role, ev.rank, ev.mark, ev.observed_s, ev.baseline_s,
+                firing.trigger_id, ev.role, ev.rank, ev.mark, ev.observed_s, ev.baseline_s,
                 s.session_id, list(ranks),
             )  # fmt: skip
+
+    def _triggers_of(self, firing: Firing) -> Trigger | None:
+        try:
+            return self.book.get(firing.trigger_id)
+        except KeyError:
+            return None
+
+    def _not_back(self, firing: Firing) -> bool:
+        """A restored firing whose rank's agent, or every peer of its role, has not come
+        back yet (agents register again after a coordinator restart): it waits, up to the
+        restart's grace, rather than fail or start without a healthy peer."""
+        if self._clock() >= self._returning_until:
+            return False
+        ev = firing.evidence
+        if self._registry.get(ev.agent_id) is None:
+            return True
+        return not any(
+            r.info.role == ev.role and r.info.rank != ev.rank and r.info.job_id == ev.job_id
+            for r in self._registry.alive()
+        )
 
     def _ranks(self, firing: Firing, t: Trigger) -> tuple[int, ...]:
         """The offending rank, and the healthy peer: the one the condition chose

@@ -58,6 +58,9 @@ class ExportJob:
     output: PendingOutput
     #: Whatever the submitter needs back in the callback (the recorder's ticket).
     context: Any = None
+    #: The steps the file holds whole, for its header (``None``: not known yet: a window
+    #: saved while its collection records on); see :meth:`PendingOutput.write`.
+    whole: tuple[int, ...] | None = None
 
 
 class Exporter:
@@ -108,7 +111,7 @@ class Exporter:
     def _write(self, job: ExportJob) -> None:
         started = time.perf_counter()
         try:
-            files = job.output.write(job.steps)
+            files = job.output.write(job.whole)
         except Exception as exc:
             self._log_failure(job, exc)
             self._on_done(job, [], f"export failed: {type(exc).__name__}: {exc}")

@@ -315,14 +315,20 @@ class Recorder:
             ws.open_tickets += 1
         return collection, ticket
 
-    def submit(self, ticket: Ticket, outputs: list[Any]) -> None:
+    def submit(self, ticket: Ticket, outputs: list[Any], final: bool = False) -> None:
+        """Send windows to the exporter. ``final``: the collection's last (it was closed), so
+        the steps it holds whole are known and go into the file's header; a window a
+        schedule saved while the collection records on (``take_ready``) says none."""
         if not outputs:
             return
         window = ticket.ws.window
         with self._lock:
             ticket.pending += len(outputs)
-            # a step cut short (missed, said why) is in the file, but no step it holds whole
-            steps = tuple(s for s in ticket.steps if s not in ticket.ws.missed)
+            # a step cut short (missed, said why) or ended inside (a deadline, a failure) is
+            # in the file, but not a step it holds whole
+            steps = tuple(
+                s for s in ticket.steps if s not in ticket.ws.missed and s not in ticket.partial
+            )
         for output in outputs:
             self._exporter.submit(
                 ExportJob(
@@ -332,6 +338,7 @@ class Recorder:
                     window.tool,
                     output,
                     context=ticket,
+                    whole=steps if final else None,
                 )
             )
 
@@ -351,7 +358,7 @@ class Recorder:
         finally:
             ticket.stall_s += time.perf_counter() - started  # what the training thread paid
             ticket.closed = True
-            self.submit(ticket, outputs)
+            self.submit(ticket, outputs, final=True)
             self._settle(ticket)
 
     def _close_scope(
@@ -370,6 +377,7 @@ class Recorder:
             if scope.current is not None and scope.ticket is not None:  # ended mid-stage
                 collection, ticket = scope.current, scope.ticket
                 scope.current = scope.ticket = None
+                ticket.partial.add(scope.step)
                 self.close_ticket(ticket, collection)
             with self._lock:
                 ws.handled.add(scope.step)
@@ -419,7 +427,9 @@ class Recorder:
             ticket.settled = True
             ws.open_tickets -= 1
             if ticket.files:
-                ws.recorded.update(s for s in ticket.steps if s not in ws.missed)
+                ws.recorded.update(
+                    s for s in ticket.steps if s not in ws.missed and s not in ticket.partial
+                )
         if not ticket.files and not ticket.errors and ticket.steps:
             self._emit(
                 AgentEvent(
@@ -472,8 +482,11 @@ class Recorder:
             self._activate(None)
         if scope is not None:
             # Detach first: marks still open (a stage's __exit__) must not stop it again.
+            inside = scope.step_in_progress()
             collection, ticket = scope.current, scope.ticket
             scope.current = scope.ticket = None
+            if ticket is not None and inside is not None:
+                ticket.partial.add(inside)
             if collection is not None and ticket is not None and not ticket.closed:
                 try:
                     self.close_ticket(ticket, collection)

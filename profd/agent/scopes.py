@@ -86,6 +86,10 @@ class Scope:
     def stage(self, label: str, update_loop: bool) -> AbstractContextManager[Any]:
         raise NotImplementedError
 
+    def step_in_progress(self) -> int | None:
+        """The step a close now would end inside (its file then does not hold it whole)."""
+        return None
+
     def _after_mini_batch(self) -> None:
         if self.in_update_loop and self.current is not None and self.ticket is not None:
             self.current.step()
@@ -107,9 +111,11 @@ class ContinuousScope(Scope):
         self.done: list[int] = []
         self.current, self.ticket = recorder.open_collection(ws, CONTINUOUS_SCOPE, group[0])
         self._step_range: SafeRange | None = None
+        self._in_step: int | None = None
 
     def enter_step(self, step: int) -> None:
         self.ticket.steps.append(step)  # type: ignore[union-attr]
+        self._in_step = step
         rng = self.ranged(f"step{step}")
         rng.__enter__()
         self._step_range = rng if isinstance(rng, SafeRange) else None
@@ -118,7 +124,11 @@ class ContinuousScope(Scope):
         if self._step_range is not None:
             self._step_range.__exit__(None, None, None)
             self._step_range = None
+        self._in_step = None
         self.done.append(step)
+
+    def step_in_progress(self) -> int | None:
+        return self._in_step
 
     def _end_update_loop(self) -> None:
         self.in_update_loop = False
@@ -134,6 +144,9 @@ class ContinuousScope(Scope):
             self._step_range.__exit__(None, None, None)
             self._step_range = None
         collection, ticket = self.current, self.ticket
+        if self._in_step is not None:
+            ticket.partial.add(self._in_step)  # type: ignore[union-attr]
+            self._in_step = None
         self.current = None
         self.recorder.close_ticket(ticket, collection)  # type: ignore[arg-type]
 
@@ -192,6 +205,9 @@ class DiscreteScope(Scope):
             return self.ranged(label)
         return DiscreteStage(self, label, update_loop)
 
+    def step_in_progress(self) -> int | None:
+        return self.step if self.current is not None else None  # inside a stage's window
+
 
 class TimedScope(ContinuousScope):
     """A timed window (``duration_s``) of a thread-bound backend: opened at a mark, closed at
@@ -205,6 +221,7 @@ class TimedScope(ContinuousScope):
         # counted from when the profiler runs (the first start can take a second)
         self.deadline = time.monotonic() + duration_s
         self._step_range = None
+        self._in_step = None
 
     def expired(self) -> bool:
         return time.monotonic() >= self.deadline

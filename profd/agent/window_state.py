@@ -125,6 +125,9 @@ class Ticket:
     errors: list[str] = field(default_factory=list)
     closed: bool = False
     settled: bool = False
+    #: Steps the collection ended inside (a cancel, a timed window's deadline, a failure):
+    #: their start is in its file, their end is not, so the file does not hold them whole.
+    partial: set[int] = field(default_factory=set)
     #: Seconds the training thread spent on this collection's export: stopping it, and at its
     #: start waiting for an earlier window's export (the export stall).
     stall_s: float = 0.0
@@ -137,7 +140,7 @@ class ScopeHost(Protocol):
         self, ws: WindowState, label: str, step: int | None, update_loop: bool = False
     ) -> tuple[Collection, Ticket]: ...
 
-    def submit(self, ticket: Ticket, outputs: list[Any]) -> None: ...
+    def submit(self, ticket: Ticket, outputs: list[Any], final: bool = False) -> None: ...
 
     def close_ticket(self, ticket: Ticket, collection: Collection) -> None: ...
 

@@ -264,7 +264,7 @@ def _fill(
     thread = thread_of_head[gid]
     _fill_ranges(digest, heads, gid, ts, dur, thread)
     if isinstance(own := header.get("profd"), dict):
-        _drop_partial_steps(digest, own.get("steps"))
+        _drop_partial_steps(digest, own.get("steps"), own.get("step"))
     steps = step_ranges(digest.ranges)
     if isinstance(own, dict):
         scope = own.get("scope")  # a discrete trace's: its stage
@@ -290,13 +290,18 @@ def _fill(
         digest.gpu = file_gpu(ts[d], dur[d], cls[gid[d]], when[d], spans, digest.stages)
 
 
-def _drop_partial_steps(digest: FileDigest, whole: Any) -> None:
+def _drop_partial_steps(digest: FileDigest, whole: Any, step: Any) -> None:
     """Leave out the steps a window ended inside, and the ranges that began in them: their
     times are cut short. ``whole``: the header's ``profd.steps`` (absent before profd wrote
-    it: every step counts)."""
+    it: every step counts); ``step``: the header's own (a discrete trace holds a stage of
+    it and no step range: cut inside that stage, nothing in it counts)."""
     if not isinstance(whole, list):
         return
-    cut = [(n, r) for n, r in step_ranges(digest.ranges) if n not in whole]
+    steps = step_ranges(digest.ranges)
+    if not steps and isinstance(step, int) and step not in whole:
+        digest.partial_steps, digest.ranges = [step], []
+        return
+    cut = [(n, r) for n, r in steps if n not in whole]
     if not cut:
         return
     digest.partial_steps = sorted({n for n, _ in cut})

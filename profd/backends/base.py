@@ -67,9 +67,10 @@ class PendingOutput(ABC):
     def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
         """Write the files (runs off the training thread); raise on failure.
 
-        ``steps``: the steps the window holds whole, known only once it ended (a step cut
-        short is not among them; ``None``: not counted, as in a timed window). A backend
-        whose files carry profd's header records them there (``profd.steps``)."""
+        ``steps``: the steps the window holds whole, known only once it ended (a step it
+        ended inside is not among them; ``None``: not known, as for a window a schedule
+        saved while its collection records on). A backend whose files carry profd's header
+        records them there (``profd.steps``)."""
 
 
 class Collection(ABC):

@@ -240,6 +240,36 @@ def test_a_step_cancelled_midway_is_named_partial_in_the_trace(local_coordinator
     agent.close()
 
 
+def test_a_discrete_stage_cancelled_midway_is_named_partial(local_coordinator) -> None:
+    """Discrete mode: the first stage's trace is whole; the second's window ends inside the
+    stage (the cancel, met at a nested mark), so its header does not claim the step and a
+    summary leaves its stage out."""
+    from profd.analysis.summary import summarize_dir
+
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1], "roles": {"actor": {"discrete": True}}})
+    wait_armed(agent, view.session_id)
+    with agent.step(1):
+        with agent.stage("compute_log_prob"):
+            MODEL(torch.randn(8, 16))
+        with agent.stage("update"):
+            owner.call("cancel_session", view.session_id)
+            wait_until(lambda: not agent.plan.windows, 10, what="window withdrawn")
+            with agent.stage("inner"):  # the mark that ends the window, mid-stage
+                MODEL(torch.randn(8, 16))
+    wait_until(lambda: len(owner.call("list_traces", view.session_id)) == 2, 10, what="traces")
+    traces = {t.scope: t for t in owner.call("list_traces", view.session_id)}
+    assert traces["compute_log_prob"].steps == [1] and traces["update"].steps == []
+    assert read_trace(traces["update"].path)["profd"]["steps"] == []
+    summary = summarize_dir(Path(traces["update"].path).parent)
+    partial = {f.name: f.partial_steps for f in summary.files}
+    assert partial == {traces["compute_log_prob"].file_name: [], traces["update"].file_name: [1]}
+    assert {r.stage for r in summary.stage_times} == {"compute_log_prob"}
+    agent.close()
+
+
 def test_unwritable_save_path_is_reported_and_training_goes_on(local_coordinator, tmp_path) -> None:
     owner = local_coordinator
     blocker = tmp_path / "not-a-dir"

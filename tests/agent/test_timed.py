@@ -60,6 +60,32 @@ def test_torch_timed_window_opens_and_closes_at_marks(local_coordinator) -> None
     agent.close()
 
 
+def test_a_timed_window_ended_inside_a_step_does_not_claim_it(local_coordinator) -> None:
+    """The deadline passes in a step's long first stage, so the window ends at the second
+    stage's mark, inside the step: the file keeps the step's start, but neither its header
+    (``profd.steps``) nor the session counts it whole, and a summary leaves it out."""
+    from profd.analysis.summary import summarize_dir
+
+    (agent,) = start_agents(local_coordinator)
+    view = local_coordinator.call("create_session", {"duration_s": 0.3})
+    wait_armed(agent, view.session_id)
+    for step in range(1, 4):
+        with agent.step(step):
+            with agent.stage("rollout"):
+                time.sleep(0.4)  # past the deadline, counted from the window's start
+            with agent.stage("update"):
+                torch.ones(16).sum()
+    view = wait_terminal(local_coordinator, view.session_id)
+    assert view.state.value == "done", view.reason
+    (trace,) = view.traces
+    data = read_trace(trace.path)
+    assert "step1" in user_ranges(data) and "update" not in user_ranges(data)
+    assert data["profd"]["steps"] == [] and trace.steps == []
+    summary = summarize_dir(Path(trace.path).parent)
+    assert summary.files[0].partial_steps == [1] and summary.step_times == []
+    agent.close()
+
+
 def test_timed_window_without_any_mark_is_missed_with_a_hint(local_coordinator) -> None:
     (agent,) = start_agents(local_coordinator)
     view = local_coordinator.call("create_session", {"duration_s": 0.5})

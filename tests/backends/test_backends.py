@@ -424,9 +424,10 @@ def test_gzip_replaces_across_chunk_boundaries(tmp_path, at) -> None:
     raw.write_bytes(body)
     gzip_file(raw, tmp_path / "t.json.gz", replace=[(old, new)])
     assert gzip.decompress((tmp_path / "t.json.gz").read_bytes()) == body.replace(old, new)
-    # two pairs, the second's text at the end of the file (held back by both at once)
+    # two pairs, the second's text across the same boundary and at the end of the file
+    # (held back by both pairs at once)
     head, head2 = b'"profd": {"steps": null}', b'"profd": {"steps": [1, 2]}'
-    body = head + body + head
+    body = head + body[:at] + head + body[at:] + head
     gzip_file(raw_of(tmp_path, body), tmp_path / "u.json.gz", replace=[(old, new), (head, head2)])
     want = body.replace(old, new).replace(head, head2)
     assert gzip.decompress((tmp_path / "u.json.gz").read_bytes()) == want

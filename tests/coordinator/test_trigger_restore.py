@@ -216,3 +216,38 @@ def test_a_due_firing_outlives_a_coordinator_crash(tmp_path: Path) -> None:
         for a in agents:
             a.close(5)
         holder["owner"].close()
+
+
+def test_a_trigger_changed_while_its_session_is_made_is_kept_as_changed(tmp_path: Path) -> None:
+    """A PUT lands while a firing's session is being made (an await): what is kept after
+    the firing is the trigger as changed, not the one read before the await."""
+    from helpers import wait_until
+
+    request = {**OOM, "session": {"next_steps": 1}, "cooldown_s": 600}
+    first = _owner(tmp_path)
+    try:
+        agents = start_agents(first, 2, "actor")
+        tid = first.call("add_trigger", request).trigger_id
+        desk = first.coordinator._triggers
+        real = desk._admission.admit
+
+        async def admit_with_a_put_meanwhile(session: Any, origin: Any) -> Any:
+            desk.replace(tid, {**request, "cooldown_s": 7})
+            return await real(session, origin)
+
+        desk._admission.admit = admit_with_a_put_meanwhile
+        _oom(first, agents[0], 3)
+        wait_until(lambda: first.call("get_trigger", tid).fired == 1, 10, what="fired")
+        assert first.call("flush_state", 5.0)
+        for a in agents:
+            a.close(5)
+    finally:
+        first.close()
+
+    again = _owner(tmp_path)
+    try:
+        back = again.call("get_trigger", tid)
+        assert back.request["cooldown_s"] == 7 and back.fired == 1
+        assert [f.state for f in back.firings] == ["fired"]
+    finally:
+        again.close()
