@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from urllib.parse import quote
 
 import typer
-from rich.table import Table
+from rich.markup import escape
 
 from profd.cli.client import EXIT_USAGE, CliError
 from profd.cli.common import JsonOpt, UrlOpt, console, fail, finite, print_json, sidecar_client
@@ -80,18 +80,21 @@ def _last(f: dict[str, Any]) -> str:
 
 
 def print_triggers(triggers: list[dict[str, Any]]) -> None:
-    table = Table(title="Triggers", title_justify="left")
-    for col in ("trigger", "name", "when", "fired", "suppressed", "last firing"):
-        table.add_column(col, overflow="fold", no_wrap=col == "trigger")  # ids stay whole
+    """A block per trigger, not a table: in 80 columns a table folded its session ids in
+    two, and an id cut in two cannot be copied."""
+    if not triggers:
+        console.print("No trigger.")
     for t in triggers:
-        when = describe(t["request"]["when"])
-        quiet = ", ".join(f"{k} {v}" for k, v in sorted(t["suppressed"].items())) or "-"
-        last = _last(t["firings"][0]) if t["firings"] else "-"
-        table.add_row(t["trigger_id"], t["name"], when, str(t["fired"]), quiet, last)
-    console.print(table)
-    for t in triggers:
+        quiet = ", ".join(f"{k} {v}" for k, v in sorted(t["suppressed"].items()))
+        console.print(
+            f"[bold]{escape(t['trigger_id'])}[/bold]  {escape(t['name'])}  fired {t['fired']}"
+            + (f" (suppressed: {escape(quiet)})" if quiet else "")
+        )
+        console.print(f"  when: {escape(describe(t['request']['when']))}")
+        if t["firings"]:
+            console.print(f"  last: {escape(_last(t['firings'][0]))}")
         if t.get("idle_reason"):  # a sidecar of an older profd does not say
-            console.print(f"{t['trigger_id']} ({t['name']}) judges nothing: {t['idle_reason']}")
+            console.print(f"  [yellow]judges nothing: {escape(t['idle_reason'])}[/yellow]")
 
 
 def watch(

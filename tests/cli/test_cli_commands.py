@@ -829,3 +829,23 @@ def test_summary_sections_are_one_blank_line_apart() -> None:
     text = buf.getvalue()
     assert "Top operators" in text and "GPU time per track" in text
     assert "\n\n\n" not in text.replace(" ", "")
+
+
+def test_watch_list_keeps_session_ids_whole_in_80_columns(capsys: Any) -> None:
+    from profd.cli import watch_view
+
+    when = {"kind": "stage_time", "role": "actor", "stage": "update", "factor": 2.0,
+            "baseline_steps": 20, "min_ms": 100.0, "for_steps": 2}  # fmt: skip
+    firing = {"state": "fired", "session_id": "20261205-093027-b405",
+              "evidence": {"rank": 1, "observed_s": 0.84, "baseline_s": 0.42}}  # fmt: skip
+    t = {"trigger_id": "trg-9369e822", "name": "slow-update", "request": {"when": when},
+         "suppressed": {"cooldown": 3, "max_per_hour": 12}, "fired": 2,
+         "firings": [firing]}  # fmt: skip
+    idle = {**t, "trigger_id": "trg-1", "firings": [], "suppressed": {}, "fired": 0,
+            "idle_reason": "no alive agent of role 'actor'"}  # fmt: skip
+    watch_view.print_triggers([t, idle])
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 80
+    assert "last: fired 20261205-093027-b405: rank 1 840 ms vs 420 ms" in out
+    assert "fired 2 (suppressed: cooldown 3, max_per_hour 12)" in out
+    assert "trg-1  slow-update  fired 0\n" in out and "judges nothing: no alive agent" in out
