@@ -58,8 +58,8 @@ class ExportJob:
     output: PendingOutput
     #: Whatever the submitter needs back in the callback (the recorder's ticket).
     context: Any = None
-    #: The steps the file holds whole, for its header (``None``: not known yet: a window
-    #: saved while its collection records on); see :meth:`PendingOutput.write`.
+    #: The steps the file holds whole, for its header (``None``: not known, as for a
+    #: schedule's windows); see :meth:`PendingOutput.write`.
     whole: tuple[int, ...] | None = None
 
 

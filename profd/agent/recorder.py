@@ -310,6 +310,7 @@ class Recorder:
         )
         collection = backend.open(spec)
         ticket = Ticket(ws, label, [step] if window.discrete and step is not None else [])
+        ticket.scheduled = schedule is not None
         ticket.stall_s = collection.export_wait_s  # waited for an earlier window's export
         with self._lock:
             ws.open_tickets += 1
@@ -317,8 +318,8 @@ class Recorder:
 
     def submit(self, ticket: Ticket, outputs: list[Any], final: bool = False) -> None:
         """Send windows to the exporter. ``final``: the collection's last (it was closed), so
-        the steps it holds whole are known and go into the file's header; a window a
-        schedule saved while the collection records on (``take_ready``) says none."""
+        the steps it holds whole are known and go into the file's header; a schedule's
+        windows (a few mini-batches each) say none."""
         if not outputs:
             return
         window = ticket.ws.window
@@ -338,7 +339,7 @@ class Recorder:
                     window.tool,
                     output,
                     context=ticket,
-                    whole=steps if final else None,
+                    whole=steps if final and not ticket.scheduled else None,
                 )
             )
 

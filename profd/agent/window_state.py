@@ -128,6 +128,8 @@ class Ticket:
     #: Steps the collection ended inside (a cancel, a timed window's deadline, a failure):
     #: their start is in its file, their end is not, so the file does not hold them whole.
     partial: set[int] = field(default_factory=set)
+    #: A schedule saves its windows (mini-batches): no file of it holds its steps whole.
+    scheduled: bool = False
     #: Seconds the training thread spent on this collection's export: stopping it, and at its
     #: start waiting for an earlier window's export (the export stall).
     stall_s: float = 0.0

@@ -68,9 +68,9 @@ class PendingOutput(ABC):
         """Write the files (runs off the training thread); raise on failure.
 
         ``steps``: the steps the window holds whole, known only once it ended (a step it
-        ended inside is not among them; ``None``: not known, as for a window a schedule
-        saved while its collection records on). A backend whose files carry profd's header
-        records them there (``profd.steps``)."""
+        ended inside is not among them; ``None``: not known, as for a schedule's windows of
+        a few mini-batches). A backend whose files carry profd's header records them there
+        (``profd.steps``)."""
 
 
 class Collection(ABC):

@@ -153,6 +153,28 @@ def test_discrete_mode_writes_one_trace_per_stage(local_coordinator) -> None:
     agent.close()
 
 
+def test_a_mini_batch_schedules_windows_claim_no_whole_step(local_coordinator) -> None:
+    """A schedule's windows hold a few mini-batches of the update stage each: their header
+    names no whole step; the plain stage's trace names its step."""
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    schedule = {"wait": 0, "warmup": 0, "active": 1, "repeat": 0, "skip_first": 0}
+    roles = {"actor": {"discrete": True, "tool_config": {"torch": {"schedule": schedule}}}}
+    view = owner.call("create_session", {"steps": [1], "roles": roles})
+    wait_armed(agent, view.session_id)
+    for s in range(1, 3):
+        train_step(agent, s)
+    view = wait_terminal(owner, view.session_id)
+    assert view.state.value == "done", view.reason
+    headers = [read_trace(t.path)["profd"] for t in view.traces]
+    windows = [h for h in headers if h["scope"] == "actor_update"]  # _mb0, _mb1, the rest
+    assert len(windows) >= 2 and all("steps" not in h for h in windows), headers
+    (plain,) = [h for h in headers if h["scope"] == "compute_log_prob"]
+    assert plain["steps"] == [1]
+    agent.close()
+
+
 def test_plan_arriving_late_reports_the_missed_step(local_coordinator) -> None:
     owner = local_coordinator
     (agent,) = start_agents(owner)
