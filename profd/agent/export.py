@@ -1,7 +1,7 @@
 """The exporter thread: writes stopped collections to disk so the training loop never waits.
 
 Jobs are written one at a time, in the order they were submitted (a torch window's Kineto
-export then runs before the next window's, see ``profd.backends.torch_backend.KinetoGate``).
+export then runs before the next window's, see ``profd.backends.torch_output.KinetoGate``).
 A failed job is reported through ``on_done``; its traceback is logged once per session and
 kind of failure, later ones of the same kind at debug level.
 """

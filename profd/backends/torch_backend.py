@@ -9,8 +9,8 @@ while the profiler runs, because torch drops metadata added after ``stop()``.
 Export: torch's own ``.json.gz`` export gzips at level 9 on the calling thread (about 9 s per
 100 MB here). When a window ends profd only stops the profiler on the training thread; Kineto's
 JSON export, gzip at level 6 and publishing run on the agent's exporter thread. Kineto's export
-must not overlap the next profiler start in the process (see :class:`KinetoGate`), so that
-start waits for it. Windows a schedule saves while the collection stays open (the profiler
+must not overlap the next profiler start in the process (see ``torch_output.KinetoGate``),
+so that start waits for it. Windows a schedule saves while the collection stays open (the profiler
 restarts inside the same ``step()``) are still exported on the training thread.
 
 Two limits, measured (``bench/export.py``): ``_disable_profiler`` inside ``stop()`` turns the
@@ -40,14 +40,7 @@ from profd.backends.base import (
     CollectionSpec,
     PendingOutput,
 )
-from profd.backends.torch_output import (
-    DEVICE_EVENTS,
-    DEVICE_LAUNCHES,
-    KINETO_GATE,
-    NO_DEVICE_EVENTS,
-    KinetoGate,
-    TorchOutput,
-)
+from profd.backends.torch_output import KINETO_GATE, TorchOutput
 from profd.backends.torch_threads import (
     ORPHANS,
     OneProfilerPerProcess,
@@ -58,11 +51,6 @@ from profd.core.request import ToolKind, TorchToolConfig
 from profd.core.schedule import window_suffix
 
 __all__ = [
-    "DEVICE_EVENTS",
-    "DEVICE_LAUNCHES",
-    "KINETO_GATE",
-    "NO_DEVICE_EVENTS",
-    "KinetoGate",
     "TorchBackend",
     "end_orphaned_windows",
     "orphaned_here",

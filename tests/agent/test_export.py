@@ -18,7 +18,8 @@ from profd.agent.recorder import Recorder
 from profd.agent.window_state import ArmedPlan
 from profd.backends import make_backend
 from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
-from profd.backends.torch_backend import KINETO_GATE, read_trace
+from profd.backends.torch_backend import read_trace
+from profd.backends.torch_output import KINETO_GATE
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, WindowPlan
 from profd.core.request import ToolKind
 

@@ -23,8 +23,9 @@ from profd.backends.npu import NpuBackend
 from profd.backends.nsys import NsysApi, NsysBackend, launcher_command, nsys_runtime_env
 from profd.backends.nvtx_guard import DISABLED_PATH, NVTX_VAR, apply_guard, runtime_env
 from profd.backends.py_spy import py_spy_command
-from profd.backends.torch_backend import NO_DEVICE_EVENTS, TorchBackend
+from profd.backends.torch_backend import TorchBackend
 from profd.backends.torch_memory import CudaMemoryApi, TorchMemoryBackend
+from profd.backends.torch_output import NO_DEVICE_EVENTS
 from profd.core.request import NpuToolConfig, PySpyToolConfig
 
 from helpers import busy_python_work, start_agents, wait_armed, wait_terminal
@@ -399,7 +400,7 @@ def test_a_cpu_window_expecting_the_device_is_not_flagged(tmp_path) -> None:
 
 
 def test_device_event_scan_finds_kernels_across_chunks(tmp_path) -> None:
-    from profd.backends.torch_backend import DEVICE_EVENTS, DEVICE_LAUNCHES
+    from profd.backends.torch_output import DEVICE_EVENTS, DEVICE_LAUNCHES
     from profd.core.files import gzip_file
 
     raw = tmp_path / "t.json"

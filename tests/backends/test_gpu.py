@@ -15,8 +15,9 @@ import torch
 
 from profd.backends import capabilities
 from profd.backends.base import CollectionSpec
-from profd.backends.torch_backend import NO_DEVICE_EVENTS, read_trace
+from profd.backends.torch_backend import read_trace
 from profd.backends.torch_memory import TorchMemoryBackend
+from profd.backends.torch_output import NO_DEVICE_EVENTS
 
 from helpers import start_agents, wait_armed, wait_terminal
 
