@@ -151,8 +151,10 @@ class TriggerDesk:
             for s in own
             if s.origin and isinstance(s.origin.get("firing_id"), str)
         }
+        # every number a firing had, a failed one's too (not kept, but its id was seen)
         due_ids = [str(d.get("firing_id")) for r in saved if isinstance(d := r.get("due"), dict)]
-        self.book.number_after([*made, *due_ids])
+        seen = [f"{r.get('trigger_id')}.{r.get('numbered_to')}" for r in saved]
+        self.book.number_after([*made, *due_ids, *seen])
         self._returning_until = self._clock() + return_within_s
         n = 0
         for row in saved:
@@ -503,9 +505,11 @@ def _firing_view(f: Firing) -> FiringView:
 def _saved(t: Trigger) -> dict[str, Any]:
     """What the store keeps of a trigger: its id, request and creation time, and the firing
     that is due (a coordinator restarted meanwhile starts it)."""
+    numbers = [int(n) for f in t.firings if (n := f.firing_id.rpartition(".")[2]).isdigit()]
     return {
         "trigger_id": t.trigger_id,
         "request": t.request.model_dump(mode="json"),
         "created_at": t.created_at,
         **({"due": saved_firing(t.due)} if t.due is not None else {}),
+        **({"numbered_to": max(numbers)} if numbers else {}),  # never given again
     }

@@ -434,7 +434,8 @@ class ProfilerAgent:
         if self._announced != self._followed:
             self._follow_controller()
         try:
-            self._recorder.attend(self._armed)
+            # a timed window opened at this mark began inside the step the loop is in
+            self._recorder.attend(self._armed, self._current_step)
         except Exception:
             log.exception("profd: attending to a new plan failed")
         self._sync_wake()

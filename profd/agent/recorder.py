@@ -129,12 +129,13 @@ class Recorder:
             self._windows[sid] = WindowState(window, group_of, armed.received_at_step)
 
     # -- timed windows of thread-bound backends --------------------------------------------
-    def attend(self, armed: ArmedPlan) -> None:
+    def attend(self, armed: ArmedPlan, step: int | None = None) -> None:
         """At a mark: adopt a new plan, open pending timed windows, close expired ones, stop
-        a window of this thread that another thread could not."""
+        a window of this thread that another thread could not. ``step``: the step the loop
+        is in, as far as the agent knows (a timed window opened here began inside it)."""
         try:
             end_orphaned_windows()  # never raises
-            self._attend(armed)
+            self._attend(armed, step)
         finally:
             self._refresh_wake()
 
@@ -142,7 +143,7 @@ class Recorder:
         """Training thread, after anything that may add windows or resolve steps."""
         self.wake_at = min((ws.wake_step() for ws in list(self._windows.values())), default=NO_STEP)
 
-    def _attend(self, armed: ArmedPlan) -> None:
+    def _attend(self, armed: ArmedPlan, step: int | None = None) -> None:
         if armed is not self.seen:
             self.sync(armed)
         for ws in list(self._windows.values()):
@@ -150,7 +151,7 @@ class Recorder:
                 continue
             try:
                 if ws.scope is None:
-                    ws.scope = TimedScope(self, ws, ws.window.duration_s)
+                    ws.scope = TimedScope(self, ws, ws.window.duration_s, began_in=step)
                     ws.recording_sent = True
                     self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id))
                     self._activate(ws.scope)
@@ -294,8 +295,14 @@ class Recorder:
 
     # -- collections and tickets ----------------------------------------------------------
     def open_collection(
-        self, ws: WindowState, label: str, step: int | None, update_loop: bool = False
+        self,
+        ws: WindowState,
+        label: str,
+        step: int | None,
+        update_loop: bool = False,
+        began_in: int | None = None,
     ) -> tuple[Collection, Ticket]:
+        """``began_in``: a timed window opened inside that step (its header says so)."""
         window = ws.window
         backend = self._make_backend(window.tool, window.tool_config)
         if not window.discrete:
@@ -306,8 +313,9 @@ class Recorder:
             schedule, by_mini_batch = None, False
         group = ws.group_of.get(step, (step,)) if step is not None else ()
         spec = build_spec(
-            self.info, window, label, step, group, schedule, by_mini_batch, self._clock()
-        )
+            self.info, window, label, step, group, schedule, by_mini_batch, self._clock(),
+            began_in,
+        )  # fmt: skip
         collection = backend.open(spec)
         ticket = Ticket(ws, label, [step] if window.discrete and step is not None else [])
         ticket.scheduled = schedule is not None
@@ -319,7 +327,7 @@ class Recorder:
     def submit(self, ticket: Ticket, outputs: list[Any], final: bool = False) -> None:
         """Send windows to the exporter. ``final``: the collection's last (it was closed), so
         the steps it holds whole are known and go into the file's header; a schedule's
-        windows (a few mini-batches each) say none."""
+        windows (a few mini-batches each) hold none whole."""
         if not outputs:
             return
         window = ticket.ws.window
@@ -339,7 +347,7 @@ class Recorder:
                     window.tool,
                     output,
                     context=ticket,
-                    whole=steps if final and not ticket.scheduled else None,
+                    whole=() if ticket.scheduled else steps if final else None,
                 )
             )
 

@@ -213,11 +213,17 @@ class TimedScope(ContinuousScope):
     """A timed window (``duration_s``) of a thread-bound backend: opened at a mark, closed at
     the first mark after its deadline. Steps seen meanwhile become ``step<n>`` ranges."""
 
-    def __init__(self, recorder: ScopeHost, ws: WindowState, duration_s: float) -> None:
+    def __init__(
+        self, recorder: ScopeHost, ws: WindowState, duration_s: float, began_in: int | None
+    ) -> None:
+        """``began_in``: the step the loop was in when the window opened at a mark inside
+        it; the file holds its rest only (its header says so: ``profd.began_in_step``)."""
         Scope.__init__(self, recorder, ws)
         self.group = ()
         self.done = []
-        self.current, self.ticket = recorder.open_collection(ws, TIMED_SCOPE, None)
+        self.current, self.ticket = recorder.open_collection(
+            ws, TIMED_SCOPE, None, began_in=began_in
+        )
         # counted from when the profiler runs (the first start can take a second)
         self.deadline = time.monotonic() + duration_s
         self._step_range = None

@@ -139,7 +139,12 @@ class ScopeHost(Protocol):
     """The recorder, as the scopes see it."""
 
     def open_collection(
-        self, ws: WindowState, label: str, step: int | None, update_loop: bool = False
+        self,
+        ws: WindowState,
+        label: str,
+        step: int | None,
+        update_loop: bool = False,
+        began_in: int | None = None,
     ) -> tuple[Collection, Ticket]: ...
 
     def submit(self, ticket: Ticket, outputs: list[Any], final: bool = False) -> None: ...

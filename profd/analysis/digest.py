@@ -32,7 +32,7 @@ from profd.analysis.gpu import (
 )
 from profd.analysis.heap import pad_worker_heap
 from profd.analysis.jsonscan import SEGMENT_BYTES, TraceReadError, TraceStream
-from profd.analysis.ranges import RANGE_CATEGORY, Range, select_stages, step_ranges
+from profd.analysis.ranges import RANGE_CATEGORY, Range, marker, select_stages, step_ranges
 from profd.analysis.scan import MERGED, Columns, LayoutMismatch, scan_fast, scan_generic
 
 __all__ = ["CPU_OP_CATEGORIES", "GPU_OP_CATEGORIES", "FileDigest", "OpTotal", "digest_file"]
@@ -264,7 +264,7 @@ def _fill(
     thread = thread_of_head[gid]
     _fill_ranges(digest, heads, gid, ts, dur, thread)
     if isinstance(own := header.get("profd"), dict):
-        _drop_partial_steps(digest, own.get("steps"), own.get("step"))
+        _drop_partial_steps(digest, own)
     steps = step_ranges(digest.ranges)
     if isinstance(own, dict):
         scope = own.get("scope")  # a discrete trace's: its stage
@@ -290,23 +290,36 @@ def _fill(
         digest.gpu = file_gpu(ts[d], dur[d], cls[gid[d]], when[d], spans, digest.stages)
 
 
-def _drop_partial_steps(digest: FileDigest, whole: Any, step: Any) -> None:
-    """Leave out the steps a window ended inside, and the ranges that began in them: their
-    times are cut short. ``whole``: the header's ``profd.steps`` (absent before profd wrote
-    it: every step counts); ``step``: the header's own (a discrete trace holds a stage of
-    it and no step range: cut inside that stage, nothing in it counts)."""
+def _drop_partial_steps(digest: FileDigest, own: dict[str, Any]) -> None:
+    """Leave out what the file holds of steps only in part, whose times are cut short.
+
+    ``own``: the header's ``profd`` keys. ``steps``: the steps the file holds whole
+    (absent before profd wrote it: every step counts). A step range not among them goes,
+    with the ranges that began in it (the window ended inside the step). Ranges before the
+    first step range go when the window began inside ``began_in_step`` (a timed window
+    opened at a stage mark). A discrete trace holds a stage of its ``step`` and no step
+    range: not among ``steps`` (cut inside the stage, or one of a schedule's windows of a
+    few mini-batches), its stage ranges go and its mini-batches stay (each is whole)."""
+    whole = own.get("steps")
     if not isinstance(whole, list):
         return
     steps = step_ranges(digest.ranges)
+    partial = {n for n, _ in steps if n not in whole}
+    cut = [(r.ts, r.end) for n, r in steps if n not in whole]
+    kept = digest.ranges
+    began = own.get("began_in_step")
+    if isinstance(began, int) and began not in whole:
+        partial.add(began)
+        first = steps[0][1].ts if steps else float("inf")
+        kept = [r for r in kept if r.ts >= first]
+    step = own.get("step")
     if not steps and isinstance(step, int) and step not in whole:
-        digest.partial_steps, digest.ranges = [step], []
-        return
-    cut = [(n, r) for n, r in steps if n not in whole]
-    if not cut:
-        return
-    digest.partial_steps = sorted({n for n, _ in cut})
-    spans = [(r.ts, r.end) for _, r in cut]
-    digest.ranges = [r for r in digest.ranges if not any(a <= r.ts <= b for a, b in spans)]
+        partial.add(step)
+        kept = [r for r in kept if marker(r.name) is not None]
+    if cut:
+        kept = [r for r in kept if not any(a <= r.ts <= b for a, b in cut)]
+    digest.ranges = kept
+    digest.partial_steps = sorted(partial)
 
 
 def _fill_ranges(

@@ -149,11 +149,15 @@ def _collect_minis(v: FileView, track: str, out: list[MiniBatchTime]) -> None:
         if not m or m[0] != "mini_batch":
             continue
         stage = v.stage_at(r.ts)
+        # a discrete trace's window of a few mini-batches (a schedule's) holds mini-batches
+        # of its stage, whose range began before the window: its stage is the file's
+        discrete = not v.steps and v.ident.step is not None
+        name = stage.name if stage else (v.ident.scope if discrete else None)
         inner = bisect.bisect_right(micro, r.end) - bisect.bisect_left(micro, r.ts)
         out.append(
             MiniBatchTime(
                 step=v.step_at(r.ts),
-                stage=stage.name if stage else None,
+                stage=name,
                 track=track,
                 index=m[1],
                 start_ms=v.ms(r.ts),

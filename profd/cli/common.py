@@ -61,13 +61,19 @@ def finite(param: typer.CallbackParam, value: float | None) -> float | None:
     return value
 
 
-def finite_from(low: float) -> Callable[[typer.CallbackParam, float], float]:
-    """:func:`finite`, and at least ``low`` (a click ``min`` lets NaN through)."""
+def finite_from(
+    low: float, high: float | None = None, above: bool = False
+) -> Callable[[typer.CallbackParam, float], float]:
+    """:func:`finite`, at least ``low`` (more than it with ``above``) and at most ``high``
+    (a click ``min`` lets NaN through)."""
 
     def check(param: typer.CallbackParam, value: float) -> float:
         value = finite(param, value)  # type: ignore[assignment]
-        if value < low:
-            raise typer.BadParameter(f"must be at least {low:g}, got {value:g}", param=param)
+        if value < low or (above and value == low):
+            rule = f"more than {low:g}" if above else f"at least {low:g}"
+            raise typer.BadParameter(f"must be {rule}, got {value:g}", param=param)
+        if high is not None and value > high:
+            raise typer.BadParameter(f"must be at most {high:g}, got {value:g}", param=param)
         return value
 
     return check

@@ -235,7 +235,7 @@ def _print_sessions_narrow(data: list[dict[str, Any]]) -> None:
         by = f"  by {s['trigger_id']}" if s.get("trigger_id") else ""
         console.print(
             f"{escape(s['session_id'])}  {s['state']}  {escape(s['tool'])}  "
-            f"steps {_steps_shown(s)}  {len(s['targets'])} target(s)  "
+            f"{_window_shown(s)}  {len(s['targets'])} target(s)  "
             f"{len(s['traces'])} trace(s){escape(by)}",
             highlight=False,
         )
@@ -244,13 +244,20 @@ def _print_sessions_narrow(data: list[dict[str, Any]]) -> None:
 
 
 def _steps_shown(session: dict[str, Any]) -> str:
-    """A session's steps as runs (``82-111``, not thirty numbers), or its timed window."""
+    """A session's steps as runs (``82-111``, not thirty numbers), or its timed window
+    (``for 2.5 s``)."""
     from profd.actors.selection import rank_ranges
 
     if session.get("steps"):
         return rank_ranges(session["steps"])
     duration = (session.get("request") or {}).get("duration_s")
-    return f"{duration:g} s" if duration else "-"
+    return f"for {duration:g} s" if duration else "-"
+
+
+def _window_shown(session: dict[str, Any]) -> str:
+    """``steps 82-111``, or ``for 2.5 s`` (a timed window has no steps)."""
+    shown = _steps_shown(session)
+    return shown if shown.startswith("for ") else f"steps {shown}"
 
 
 @app.command()
@@ -365,7 +372,9 @@ def profile(
         bool, typer.Option("--continuous-steps", help="Consecutive steps share one trace.")
     ] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the session ends.")] = False,
-    timeout: Annotated[float, typer.Option(callback=finite, help="Seconds to --wait.")] = 3600.0,
+    timeout: Annotated[
+        float, typer.Option(callback=finite_from(0), help="Seconds to --wait.")
+    ] = 3600.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Start a profiling session over HTTP (one of --steps, --next-steps, --duration)."""

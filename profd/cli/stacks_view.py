@@ -11,7 +11,15 @@ from rich.markup import escape
 
 from profd.actors.selection import rank_ranges
 from profd.cli.client import CliError
-from profd.cli.common import JsonOpt, UrlOpt, console, fail, finite, print_json, sidecar_client
+from profd.cli.common import (
+    JsonOpt,
+    UrlOpt,
+    console,
+    fail,
+    finite_from,
+    print_json,
+    sidecar_client,
+)
 
 __all__ = ["print_stacks", "stacks"]
 
@@ -74,7 +82,11 @@ def stacks(
         int | None, typer.Option(min=1, help="Show at most this many frames per group.")
     ] = None,
     timeout: Annotated[
-        float, typer.Option(callback=finite, help="Seconds to wait for answers.")
+        float,
+        typer.Option(
+            callback=finite_from(0, 60, above=True),  # the sidecar's bounds, checked here
+            help="Seconds to wait for answers (at most 60).",
+        ),
     ] = 5.0,
     url: UrlOpt = None,
     as_json: JsonOpt = False,

@@ -252,13 +252,14 @@ def _check_options(body: dict[str, Any], kind: str) -> None:
     try:
         TriggerRequest.model_validate(body)
     except ValidationError as exc:
-        errors = field_errors(exc)
-        first = errors[0]
         factor = "--step-time" if kind == "step_time" else "--stage-time"
-        option = factor if first.field == "when.factor" else _OPTION_OF.get(first.field)
+        options = {"when.factor": factor, **_OPTION_OF}
+        named = [
+            (options.get(e.field, e.field or "the trigger"), e.message) for e in field_errors(exc)
+        ]
+        first, message = named[0]
         raise typer.BadParameter(
-            "; ".join(e.message if e is first else f"{e.field}: {e.message}" for e in errors),
-            param_hint=option or first.field or "the trigger",
+            "; ".join([message, *(f"{o}: {m}" for o, m in named[1:])]), param_hint=first
         ) from None
 
 

@@ -155,7 +155,10 @@ def test_discrete_mode_writes_one_trace_per_stage(local_coordinator) -> None:
 
 def test_a_mini_batch_schedules_windows_claim_no_whole_step(local_coordinator) -> None:
     """A schedule's windows hold a few mini-batches of the update stage each: their header
-    names no whole step; the plain stage's trace names its step."""
+    names no whole step (a summary read a fragment as the whole stage: half its time); the
+    plain stage's trace names its step, and the mini-batches keep their stage."""
+    from profd.analysis.summary import summarize_dir
+
     owner = local_coordinator
     (agent,) = start_agents(owner)
     train_step(agent, 0)
@@ -169,9 +172,14 @@ def test_a_mini_batch_schedules_windows_claim_no_whole_step(local_coordinator) -
     assert view.state.value == "done", view.reason
     headers = [read_trace(t.path)["profd"] for t in view.traces]
     windows = [h for h in headers if h["scope"] == "actor_update"]  # _mb0, _mb1, the rest
-    assert len(windows) >= 2 and all("steps" not in h for h in windows), headers
+    assert len(windows) >= 2 and all(h["steps"] == [] for h in windows), headers
     (plain,) = [h for h in headers if h["scope"] == "compute_log_prob"]
     assert plain["steps"] == [1]
+    summary = summarize_dir(Path(view.traces[0].path).parent)
+    assert {r.stage for r in summary.stage_times} == {"compute_log_prob"}
+    assert sorted((m.stage, m.index) for m in summary.mini_batches) == [
+        ("actor_update", 0), ("actor_update", 1)
+    ]  # fmt: skip
     agent.close()
 
 

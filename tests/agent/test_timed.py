@@ -86,6 +86,35 @@ def test_a_timed_window_ended_inside_a_step_does_not_claim_it(local_coordinator)
     agent.close()
 
 
+def test_a_timed_window_begun_inside_a_step_does_not_count_its_rest(local_coordinator) -> None:
+    """The window opens at a stage mark inside step 1 and ends at one inside step 3: only
+    step 2 is whole. Step 1's rest (its update stage) was kept with no step before."""
+    from profd.analysis.summary import summarize_dir
+
+    (agent,) = start_agents(local_coordinator)
+    with agent.step(1):
+        with agent.stage("rollout"):
+            view = local_coordinator.call("create_session", {"duration_s": 0.6})
+            wait_armed(agent, view.session_id)
+        with agent.stage("update"):  # the window opens at this mark
+            torch.ones(16).sum()
+    for step in (2, 3):
+        with agent.step(step):
+            with agent.stage("rollout"):
+                time.sleep(0.1 if step == 2 else 0.7)  # step 3's passes the deadline
+            with agent.stage("update"):
+                torch.ones(16).sum()
+    view = wait_terminal(local_coordinator, view.session_id)
+    (trace,) = view.traces
+    header = read_trace(trace.path)["profd"]
+    assert (header["began_in_step"], header["steps"], trace.steps) == (1, [2], [2])
+    summary = summarize_dir(Path(trace.path).parent)
+    assert summary.files[0].partial_steps == [1, 3]
+    assert [r.step for r in summary.step_times] == [2]
+    assert {r.step for r in summary.stage_times} == {2}  # no stage without a step
+    agent.close()
+
+
 def test_timed_window_without_any_mark_is_missed_with_a_hint(local_coordinator) -> None:
     (agent,) = start_agents(local_coordinator)
     view = local_coordinator.call("create_session", {"duration_s": 0.5})

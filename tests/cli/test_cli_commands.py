@@ -382,8 +382,12 @@ def test_sessions_show_steps_as_runs_and_timed_windows_by_their_length() -> None
     from profd.cli.main import _steps_shown
 
     assert _steps_shown({"steps": [*range(82, 112), 120]}) == "82-111,120"
-    assert _steps_shown({"steps": [], "request": {"duration_s": 2.5}}) == "2.5 s"
+    assert _steps_shown({"steps": [], "request": {"duration_s": 2.5}}) == "for 2.5 s"
     assert _steps_shown({"steps": None, "request": {}}) == "-"
+    from profd.cli.main import _window_shown  # a line of `profd sessions` in 80 columns
+
+    assert _window_shown({"steps": [3, 4]}) == "steps 3-4"
+    assert _window_shown({"steps": [], "request": {"duration_s": 2.5}}) == "for 2.5 s"
 
 
 def test_a_config_that_cannot_be_read_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:

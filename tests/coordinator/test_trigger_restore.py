@@ -251,3 +251,36 @@ def test_a_trigger_changed_while_its_session_is_made_is_kept_as_changed(tmp_path
         assert [f.state for f in back.firings] == ["fired"]
     finally:
         again.close()
+
+
+def test_a_failed_firings_number_is_not_given_again_after_a_restart(tmp_path: Path) -> None:
+    """A firing that failed is not kept, but its id was seen (in the API, in logs): a
+    restarted coordinator numbers new firings after it, so one id never names two."""
+    from helpers import wait_until
+
+    first = _owner(tmp_path)
+    try:
+        agents = start_agents(first, 2, "actor")
+        first.call("create_session", {"steps": [100000]})  # holds the ranks: firings wait
+        tid = first.call("add_trigger", {**OOM, "session": {"next_steps": 1}}).trigger_id
+        _oom(first, agents[0], 3)
+        due = wait_until(lambda: first.call("get_trigger", tid).firings, 10, what="due")[0]
+        changed = {**OOM, "when": {"kind": "oom", "role": "critic"}}
+        (failed,) = first.call("replace_trigger", tid, changed).firings  # condition changed
+        assert (failed.firing_id, failed.state) == (due.firing_id, "failed")
+        assert first.call("flush_state", 5.0)
+        for a in agents:
+            a.close(5)
+    finally:
+        first.close()
+
+    again = _owner(tmp_path)
+    try:
+        (critic,) = start_agents(again, 1, "critic")
+        _oom(again, critic, 4)
+        fresh = wait_until(lambda: again.call("get_trigger", tid).firings, 10, what="a firing")
+        number = int(fresh[0].firing_id.rpartition(".")[2])
+        assert number > int(due.firing_id.rpartition(".")[2]), (fresh, due)
+        critic.close(5)
+    finally:
+        again.close()

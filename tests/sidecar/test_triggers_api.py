@@ -114,6 +114,7 @@ def test_profd_watch_creates_lists_and_deletes(sidecar: Any, tmp_path: Path) -> 
         (["--stage", "update", "--straggler", "--baseline-steps", "5"], "--baseline-steps"),
         (["--step-time", "0.5"], "--step-time: Input should be greater than 1"),
         (["--step-time", "2", "--cooldown", "-1"], "--cooldown: Input should be greater"),
+        (["--step-time", "0.5", "--cooldown", "-1"], "than 1; --cooldown: Input should be"),
     ]:
         r = cli(["watch", "--role", "critic", *extra, "--url", sidecar.url], env)
         assert r.returncode == 2 and field in " ".join(r.stderr.split()), (extra, r.stderr)
