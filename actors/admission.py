@@ -216,7 +216,13 @@ class Admission:
         )
         if req.steps is not None:
             check_reachable(req.steps, self._registry, targeting.targets, self._drivers.job_step)
-        return req, self._book.new(req, targeting, origin), targeting.targets
+        session = self._book.new(req, targeting, origin)
+        if req.duration_s is not None:  # said, not refused: a config made for steps still runs
+            session.warnings.extend(
+                f"roles.{key}.discrete: not used by a timed window (duration_s): one trace "
+                "per target" for key, block in req.roles.items() if block.discrete
+            )
+        return req, session, targeting.targets
 
     async def _publish(self, session: Session) -> None:
         """The placed session's plans out: parked long-polls answer and relays' pushes leave

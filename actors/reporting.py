@@ -37,7 +37,9 @@ def session_view(
         tool=s.request.tool.value,
         steps=list(s.steps) if s.steps is not None else None,
         groups=[list(g) for g in s.groups],
-        discrete_roles=sorted(k for k, b in blocks.items() if b.discrete),
+        discrete_roles=sorted(
+            k for k, b in blocks.items() if b.discrete and s.request.duration_s is None
+        ),
         save_dir=s.save_dir,
         created_at=s.created_at,
         finished_at=s.finished_at,

@@ -41,7 +41,12 @@ def test_py_spy_profiles_a_stalled_loop(local_coordinator) -> None:
 def test_torch_timed_window_opens_and_closes_at_marks(local_coordinator) -> None:
     """An inference worker with stages but no steps."""
     (agent,) = start_agents(local_coordinator, role="inference")
-    view = local_coordinator.call("create_session", {"duration_s": 1.0})
+    roles = {"inference": {"discrete": True}}  # said not to apply, not silently dropped
+    view = local_coordinator.call("create_session", {"duration_s": 1.0, "roles": roles})
+    assert view.discrete_roles == []
+    assert view.warnings == [
+        "roles.inference.discrete: not used by a timed window (duration_s): one trace per target"
+    ]
     wait_armed(agent, view.session_id)
     started = time.monotonic()
     calls = 0
