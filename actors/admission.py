@@ -220,7 +220,9 @@ class Admission:
         if req.duration_s is not None:  # said, not refused: a config made for steps still runs
             session.warnings.extend(
                 f"roles.{key}.discrete: not used by a timed window (duration_s): one trace "
-                "per target" for key, block in req.roles.items() if block.discrete
+                "per target"
+                for key, block in req.roles.items()
+                if block.discrete
             )
         return req, session, targeting.targets
 
