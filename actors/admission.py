@@ -219,8 +219,8 @@ class Admission:
         session = self._book.new(req, targeting, origin)
         if req.duration_s is not None:  # said, not refused: a config made for steps still runs
             session.warnings.extend(
-                f"roles.{key}.discrete: not used by a timed window (duration_s): one trace "
-                "per target"
+                f"roles.{key}.discrete: not used by a timed window (duration_s): one "
+                "collection per target"
                 for key, block in req.roles.items()
                 if block.discrete
             )

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from profd.backends.base import PendingOutput, WrittenFile
+from profd.backends.base import HeldSteps, PendingOutput, WrittenFile
 from profd.core.naming import trace_id_for
 from profd.core.protocol import AgentEvent, EventKind, TraceWritten
 
@@ -58,9 +58,9 @@ class ExportJob:
     output: PendingOutput
     #: Whatever the submitter needs back in the callback (the recorder's ticket).
     context: Any = None
-    #: The steps the file holds whole, for its header (``None``: not known, as for a
-    #: schedule's windows); see :meth:`PendingOutput.write`.
-    whole: tuple[int, ...] | None = None
+    #: What the file holds of the loop's steps, for its header (see
+    #: :meth:`PendingOutput.write`); ``None``: not counted.
+    held: HeldSteps | None = None
 
 
 class Exporter:
@@ -111,7 +111,7 @@ class Exporter:
     def _write(self, job: ExportJob) -> None:
         started = time.perf_counter()
         try:
-            files = job.output.write(job.whole)
+            files = job.output.write(job.held)
         except Exception as exc:
             self._log_failure(job, exc)
             self._on_done(job, [], f"export failed: {type(exc).__name__}: {exc}")

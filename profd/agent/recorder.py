@@ -36,7 +36,7 @@ from profd.agent.specs import build_spec
 from profd.agent.timed import is_timed_thread_free
 from profd.agent.window_state import IDLE, NO_STEP, ArmedPlan, FinishedIds, Ticket, WindowState
 from profd.backends import end_orphaned_windows
-from profd.backends.base import Backend, Collection, WrittenFile
+from profd.backends.base import Backend, Collection, HeldSteps, WrittenFile
 from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PartDone, StepsMissed
 from profd.core.schedule import continuous_schedule, discrete_schedule
 
@@ -151,7 +151,7 @@ class Recorder:
                 continue
             try:
                 if ws.scope is None:
-                    ws.scope = TimedScope(self, ws, ws.window.duration_s, began_in=step)
+                    ws.scope = TimedScope(self, ws, ws.window.duration_s, in_step=step)
                     ws.recording_sent = True
                     self._emit(AgentEvent(EventKind.RECORDING, ws.window.session_id))
                     self._activate(ws.scope)
@@ -251,8 +251,11 @@ class Recorder:
     def _exit(self, ws: WindowState, step: int) -> None:
         scope = ws.scope
         if ws.window.duration_s is not None:
-            if isinstance(scope, TimedScope) and step in scope.ticket.steps:  # type: ignore[union-attr]
-                scope.exit_step(step)
+            if isinstance(scope, TimedScope):
+                if step in scope.ticket.steps:  # type: ignore[union-attr]
+                    scope.exit_step(step)
+                else:
+                    scope.left(step)  # begun before the window
                 if scope.expired():
                     self.close_timed(ws)
             return
@@ -295,17 +298,11 @@ class Recorder:
 
     # -- collections and tickets ----------------------------------------------------------
     def open_collection(
-        self,
-        ws: WindowState,
-        label: str,
-        step: int | None,
-        update_loop: bool = False,
-        began_in: int | None = None,
+        self, ws: WindowState, label: str, step: int | None, update_loop: bool = False
     ) -> tuple[Collection, Ticket]:
-        """``began_in``: a timed window opened inside that step (its header says so)."""
         window = ws.window
         backend = self._make_backend(window.tool, window.tool_config)
-        if not window.discrete:
+        if not window.discrete or window.duration_s is not None:  # timed: one collection
             schedule, by_mini_batch = continuous_schedule(backend.schedule), False
         elif update_loop:
             schedule, by_mini_batch = discrete_schedule(backend.schedule), True
@@ -313,12 +310,12 @@ class Recorder:
             schedule, by_mini_batch = None, False
         group = ws.group_of.get(step, (step,)) if step is not None else ()
         spec = build_spec(
-            self.info, window, label, step, group, schedule, by_mini_batch, self._clock(),
-            began_in,
-        )  # fmt: skip
+            self.info, window, label, step, group, schedule, by_mini_batch, self._clock()
+        )
         collection = backend.open(spec)
         ticket = Ticket(ws, label, [step] if window.discrete and step is not None else [])
         ticket.scheduled = schedule is not None
+        ticket.stage_windows = by_mini_batch
         ticket.stall_s = collection.export_wait_s  # waited for an earlier window's export
         with self._lock:
             ws.open_tickets += 1
@@ -347,7 +344,7 @@ class Recorder:
                     window.tool,
                     output,
                     context=ticket,
-                    whole=() if ticket.scheduled else steps if final else None,
+                    held=_held(ticket, steps, final),
                 )
             )
 
@@ -579,3 +576,12 @@ class Recorder:
             )
             self._emit(AgentEvent(EventKind.ERROR, sid, None, message))
             self._emit(AgentEvent(EventKind.PART_DONE, sid, payload=done))
+
+
+def _held(ticket: Ticket, steps: tuple[int, ...], final: bool) -> HeldSteps | None:
+    """What a file of the collection holds of the loop's steps: a discrete stage's schedule
+    windows (a few mini-batches each) none whole; a continuous schedule's windows are not
+    counted (as before profd counted them); a plain collection's, once it closed."""
+    if ticket.scheduled:
+        return HeldSteps() if ticket.stage_windows else None
+    return HeldSteps(steps, ticket.began_in) if final else None

@@ -214,20 +214,31 @@ class TimedScope(ContinuousScope):
     the first mark after its deadline. Steps seen meanwhile become ``step<n>`` ranges."""
 
     def __init__(
-        self, recorder: ScopeHost, ws: WindowState, duration_s: float, began_in: int | None
+        self, recorder: ScopeHost, ws: WindowState, duration_s: float, in_step: Any = None
     ) -> None:
-        """``began_in``: the step the loop was in when the window opened at a mark inside
-        it; the file holds its rest only (its header says so: ``profd.began_in_step``)."""
+        """``in_step``: the step the loop marked last when the window opened at a mark that
+        is not a step's; the window began inside it if its exit comes before any step's
+        entry (:meth:`left`), else it had ended (a stage between steps)."""
         Scope.__init__(self, recorder, ws)
         self.group = ()
         self.done = []
-        self.current, self.ticket = recorder.open_collection(
-            ws, TIMED_SCOPE, None, began_in=began_in
-        )
+        self.current, self.ticket = recorder.open_collection(ws, TIMED_SCOPE, None)
         # counted from when the profiler runs (the first start can take a second)
         self.deadline = time.monotonic() + duration_s
         self._step_range = None
         self._in_step = None
+        self._maybe_in = in_step
+
+    def enter_step(self, step: int) -> None:
+        self._maybe_in = None  # a step begins: the one marked before had ended
+        super().enter_step(step)
+
+    def left(self, step: Any) -> None:
+        """A step that began before the window ended: if it is the one the loop marked last
+        at the window's start, the window began inside it (the file holds its rest)."""
+        if self._maybe_in is not None and step == self._maybe_in:
+            self.ticket.began_in = step  # type: ignore[union-attr]
+        self._maybe_in = None
 
     def expired(self) -> bool:
         return time.monotonic() >= self.deadline

@@ -23,12 +23,9 @@ def trace_metadata(
     step: int | None,
     group: Sequence[int],
     clock: ClockEstimate | None = None,
-    began_in: int | None = None,
 ) -> dict[str, Any]:
     """``distributedInfo`` (rank, world size: read by HTA) and profd's own keys, with this
-    process's offset to the coordinator's clock when it was measured (``profd.clock``) and
-    the step a timed window began inside (``profd.began_in_step``: its file holds the rest
-    of that step, not the whole)."""
+    process's offset to the coordinator's clock when it was measured (``profd.clock``)."""
     from profd.core.constants import __version__
 
     dist: dict[str, Any] = {"rank": info.rank}
@@ -53,7 +50,6 @@ def trace_metadata(
             "pid": os.getpid(),
             "duration_s": window.duration_s,
             **({"clock": clock.metadata()} if clock is not None else {}),
-            **({"began_in_step": began_in} if began_in is not None else {}),
         },
     }
 
@@ -67,7 +63,6 @@ def build_spec(
     schedule: Mapping[str, int] | None = None,
     name_mini_batches: bool = False,
     clock: ClockEstimate | None = None,
-    began_in: int | None = None,
 ) -> CollectionSpec:
     stem = trace_stem(
         prefix=info.role,
@@ -82,7 +77,7 @@ def build_spec(
     return CollectionSpec(
         save_dir=Path(window.save_dir),
         stem=stem,
-        metadata=trace_metadata(info, window, scope, step, group, clock, began_in),
+        metadata=trace_metadata(info, window, scope, step, group, clock),
         schedule=schedule,
         name_mini_batches=name_mini_batches,
         thread_id=info.thread_id,

@@ -128,8 +128,13 @@ class Ticket:
     #: Steps the collection ended inside (a cancel, a timed window's deadline, a failure):
     #: their start is in its file, their end is not, so the file does not hold them whole.
     partial: set[int] = field(default_factory=set)
-    #: A schedule saves its windows (mini-batches): no file of it holds its steps whole.
+    #: A schedule saves its windows; ``stage_windows``: a discrete stage's, a few
+    #: mini-batches each, so no file of it holds its step whole.
     scheduled: bool = False
+    stage_windows: bool = False
+    #: A timed window opened inside this step (its exit came before any step's entry): the
+    #: file holds the rest of it (header ``profd.began_in_step``).
+    began_in: int | None = None
     #: Seconds the training thread spent on this collection's export: stopping it, and at its
     #: start waiting for an earlier window's export (the export stall).
     stall_s: float = 0.0
@@ -139,12 +144,7 @@ class ScopeHost(Protocol):
     """The recorder, as the scopes see it."""
 
     def open_collection(
-        self,
-        ws: WindowState,
-        label: str,
-        step: int | None,
-        update_loop: bool = False,
-        began_in: int | None = None,
+        self, ws: WindowState, label: str, step: int | None, update_loop: bool = False
     ) -> tuple[Collection, Ticket]: ...
 
     def submit(self, ticket: Ticket, outputs: list[Any], final: bool = False) -> None: ...

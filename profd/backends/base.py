@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,17 +60,25 @@ class WrittenFile:
     warnings: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class HeldSteps:
+    """What a window's file holds of the loop's steps, known only once the window ended. A
+    backend whose files carry profd's header writes it there."""
+
+    #: The steps it holds whole (``profd.steps``): not one the window ended inside.
+    whole: tuple[int, ...] = ()
+    #: The step the window began inside, whose rest it holds (``profd.began_in_step``).
+    began_in: int | None = None
+
+
 class PendingOutput(ABC):
     """A stopped collection whose files are not yet written."""
 
     @abstractmethod
-    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
-        """Write the files (runs off the training thread); raise on failure.
-
-        ``steps``: the steps the window holds whole, known only once it ended (a step it
-        ended inside is not among them; ``None``: not known, as for a schedule's windows of
-        a few mini-batches). A backend whose files carry profd's header records them there
-        (``profd.steps``)."""
+    def write(self, held: HeldSteps | None = None) -> list[WrittenFile]:
+        """Write the files (runs off the training thread); raise on failure. ``held``: what
+        they hold of the loop's steps (``None``: not counted, as in a timed window of a
+        worker without a recorder's steps)."""
 
 
 class Collection(ABC):
@@ -118,7 +126,7 @@ class Backend(ABC):
 
 
 class _NoopOutput(PendingOutput):
-    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
+    def write(self, held: HeldSteps | None = None) -> list[WrittenFile]:
         return []
 
 

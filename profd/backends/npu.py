@@ -18,12 +18,19 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
+from profd.backends.base import (
+    Backend,
+    Collection,
+    CollectionSpec,
+    HeldSteps,
+    PendingOutput,
+    WrittenFile,
+)
 from profd.core.request import NpuToolConfig, ToolKind
 
 __all__ = ["NpuBackend", "npu_profiler_kwargs"]
@@ -89,7 +96,7 @@ class _NpuOutput(PendingOutput):
     def __init__(self, out_dir: Path) -> None:
         self._dir = out_dir
 
-    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
+    def write(self, held: HeldSteps | None = None) -> list[WrittenFile]:
         # torch_npu's handler already wrote (and analysed) the directory in stop().
         produced = [p for p in self._dir.iterdir()] if self._dir.is_dir() else []
         if not produced:

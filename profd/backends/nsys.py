@@ -24,7 +24,14 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
+from profd.backends.base import (
+    Backend,
+    Collection,
+    CollectionSpec,
+    HeldSteps,
+    PendingOutput,
+    WrittenFile,
+)
 from profd.core.files import publish_unique
 from profd.core.request import NsysToolConfig, ToolKind
 
@@ -135,7 +142,7 @@ class _NsysOutput(PendingOutput):
             f"{self._opts.flush_timeout_s:.0f} s (any late report stays there)"
         )
 
-    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
+    def write(self, held: HeldSteps | None = None) -> list[WrittenFile]:
         directory = self._api.report_dir()
         out = []
         for report in self._wait_complete(directory):

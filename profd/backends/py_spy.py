@@ -19,13 +19,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
+from profd.backends.base import (
+    Backend,
+    Collection,
+    CollectionSpec,
+    HeldSteps,
+    PendingOutput,
+    WrittenFile,
+)
 from profd.core.files import publish_unique, temp_path
 from profd.core.request import PySpyToolConfig, ToolKind
 from profd.core.stacks import find_py_spy
@@ -145,7 +152,7 @@ class _PySpyOutput(PendingOutput):
         self._idle = idle
         self._thread = thread
 
-    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
+    def write(self, held: HeldSteps | None = None) -> list[WrittenFile]:
         deadline = time.monotonic() + WRITE_TIMEOUT_S
         while True:
             try:

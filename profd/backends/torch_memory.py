@@ -20,10 +20,17 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
+from profd.backends.base import (
+    Backend,
+    Collection,
+    CollectionSpec,
+    HeldSteps,
+    PendingOutput,
+    WrittenFile,
+)
 from profd.core.files import publish_unique, temp_path
 from profd.core.request import ToolKind, TorchMemoryToolConfig
 
@@ -94,7 +101,7 @@ class _SnapshotOutput(PendingOutput):
         self._spec = spec
         self._suffix = suffix
 
-    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
+    def write(self, held: HeldSteps | None = None) -> list[WrittenFile]:
         spec = self._spec
         spec.save_dir.mkdir(parents=True, exist_ok=True)
         tmp = temp_path(spec.save_dir, spec.stem, SNAPSHOT_EXT)

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import re
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from profd.backends.base import CollectionSpec, PendingOutput, WrittenFile
+from profd.backends.base import CollectionSpec, HeldSteps, PendingOutput, WrittenFile
 from profd.core.files import TRACE_EXT, free_name, gzip_file, link_new, temp_path
 
 __all__ = [
@@ -149,7 +150,7 @@ class TorchOutput(PendingOutput):
             self._unhold = None
         self._raw.unlink(missing_ok=True)
 
-    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
+    def write(self, held: HeldSteps | None = None) -> list[WrittenFile]:
         if self._unhold is not None:
             window, self._window = self._window, None
             try:
@@ -160,7 +161,7 @@ class TorchOutput(PendingOutput):
                 self._unhold = None
         if self._error is not None:
             raise self._error
-        return self._pack(_header_steps(self._spec.metadata, steps))
+        return self._pack(_header_steps(self._spec.metadata, held))
 
     def _pack(self, rewrite: list[tuple[bytes, bytes]]) -> list[WrittenFile]:
         """gzip and publish; the trace's ``traceName`` (Kineto wrote the temporary file's
@@ -194,14 +195,20 @@ class TorchOutput(PendingOutput):
         return [WrittenFile(final, final.stat().st_size, suffix, warnings)]
 
 
-def _header_steps(metadata: Mapping[str, Any], steps: Sequence[int] | None) -> list:
-    """The swap that adds ``steps`` (those the window holds whole, known only once it ended)
-    to the ``profd`` header, which Kineto wrote verbatim as it was preset at the start."""
+def _header_steps(metadata: Mapping[str, Any], held: HeldSteps | None) -> list:
+    """The swap that adds what the window holds of the loop's steps (known only once it
+    ended) to the ``profd`` header, which Kineto wrote verbatim as preset at the start. A
+    step that is not an integer (the loop's own numbering) leaves the header as it was."""
     own = metadata.get("profd")
-    if steps is None or not isinstance(own, dict):
+    if held is None or not isinstance(own, dict):
+        return []
+    try:  # numpy's integers too: json writes only Python's
+        new = {**own, "steps": [operator.index(s) for s in held.whole]}
+        if held.began_in is not None:
+            new["began_in_step"] = operator.index(held.began_in)
+    except TypeError:
         return []
     key = b'"profd": '
-    new = {**own, "steps": list(steps)}
     return [(key + json.dumps(own).encode(), key + json.dumps(new).encode())]
 
 

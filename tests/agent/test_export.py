@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,14 @@ import torch
 from profd.agent.recorder import Recorder
 from profd.agent.window_state import ArmedPlan
 from profd.backends import make_backend
-from profd.backends.base import Backend, Collection, CollectionSpec, PendingOutput, WrittenFile
+from profd.backends.base import (
+    Backend,
+    Collection,
+    CollectionSpec,
+    HeldSteps,
+    PendingOutput,
+    WrittenFile,
+)
 from profd.backends.torch_backend import read_trace
 from profd.backends.torch_output import KINETO_GATE
 from profd.core.protocol import AgentEvent, AgentInfo, AgentPlan, EventKind, WindowPlan
@@ -138,10 +145,10 @@ class _GatedOutput(PendingOutput):
     def __init__(self, inner: PendingOutput, gate: GatedBackend) -> None:
         self._inner, self._gate = inner, gate
 
-    def write(self, steps: Sequence[int] | None = None) -> list[WrittenFile]:
+    def write(self, held: HeldSteps | None = None) -> list[WrittenFile]:
         self._gate.entered.set()
         assert self._gate.release.wait(30), "the test never released the export"
-        return self._inner.write(steps)
+        return self._inner.write(held)
 
 
 def test_training_goes_on_while_the_export_is_pending(events, tmp_path) -> None:

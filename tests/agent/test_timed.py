@@ -45,7 +45,8 @@ def test_torch_timed_window_opens_and_closes_at_marks(local_coordinator) -> None
     view = local_coordinator.call("create_session", {"duration_s": 1.0, "roles": roles})
     assert view.discrete_roles == []
     assert view.warnings == [
-        "roles.inference.discrete: not used by a timed window (duration_s): one trace per target"
+        "roles.inference.discrete: not used by a timed window (duration_s): one collection "
+        "per target"
     ]
     wait_armed(agent, view.session_id)
     started = time.monotonic()
@@ -99,14 +100,14 @@ def test_a_timed_window_begun_inside_a_step_does_not_count_its_rest(local_coordi
     (agent,) = start_agents(local_coordinator)
     with agent.step(1):
         with agent.stage("rollout"):
-            view = local_coordinator.call("create_session", {"duration_s": 0.6})
+            view = local_coordinator.call("create_session", {"duration_s": 1.5})
             wait_armed(agent, view.session_id)
         with agent.stage("update"):  # the window opens at this mark
             torch.ones(16).sum()
     for step in (2, 3):
         with agent.step(step):
             with agent.stage("rollout"):
-                time.sleep(0.1 if step == 2 else 0.7)  # step 3's passes the deadline
+                time.sleep(0.1 if step == 2 else 1.6)  # step 3's passes the deadline
             with agent.stage("update"):
                 torch.ones(16).sum()
     view = wait_terminal(local_coordinator, view.session_id)
@@ -117,6 +118,36 @@ def test_a_timed_window_begun_inside_a_step_does_not_count_its_rest(local_coordi
     assert summary.files[0].partial_steps == [1, 3]
     assert [r.step for r in summary.step_times] == [2]
     assert {r.step for r in summary.stage_times} == {2}  # no stage without a step
+    agent.close()
+
+
+def test_a_timed_window_begun_between_steps_claims_no_step_it_began_in(local_coordinator) -> None:
+    """Opened at a stage outside any step (an eval after step 1 ended), the window did not
+    begin inside step 1: its header says so (no ``began_in_step``) and the eval counts. The
+    loop's steps are numpy integers: the header holds them as JSON numbers."""
+    import numpy as np
+
+    from profd.analysis.summary import summarize_dir
+
+    (agent,) = start_agents(local_coordinator)
+    with agent.step(np.int64(1)), agent.stage("rollout"):
+        torch.ones(16).sum()
+    view = local_coordinator.call("create_session", {"duration_s": 0.5})
+    wait_armed(agent, view.session_id)
+    with agent.stage("eval"):  # the window opens here, between steps
+        torch.ones(16).sum()
+    for step in range(2, 40):
+        with agent.step(np.int64(step)), agent.stage("update"):
+            time.sleep(0.1)
+        if not agent.recording:
+            break
+    view = wait_terminal(local_coordinator, view.session_id)
+    (trace,) = view.traces
+    header = read_trace(trace.path)["profd"]
+    assert "began_in_step" not in header and header["steps"][0] == 2, header
+    summary = summarize_dir(Path(trace.path).parent)
+    assert "eval" in {r.stage for r in summary.stage_times}
+    assert 1 not in summary.files[0].partial_steps  # (the last may be: the deadline's)
     agent.close()
 
 
