@@ -76,7 +76,7 @@ class FileDigest:
     ops: list[OpTotal] = field(default_factory=list)
     #: Device time (HTA's temporal breakdown), None without device events in its steps.
     gpu: GpuFile | None = None
-    #: Steps the file holds only in part (its window ended inside them), left out of
+    #: Steps the file holds only in part (its window began or ended inside them), left out of
     #: ``ranges`` and ``stages``: profd's header names the steps it holds whole.
     partial_steps: list[int] = field(default_factory=list)
     mode: str = ""

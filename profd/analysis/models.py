@@ -88,8 +88,9 @@ class FileInfo(_Frozen):
     seconds: float = Field(description="Time spent reading it (in its worker).")
     partial_steps: list[int] = Field(
         default_factory=list,
-        description="Steps this file holds only in part (its window ended inside them: a "
-        "cancel, or the step cut short), left out of step and stage times.",
+        description="Steps this file holds only in part (its window began or ended inside "
+        "them: a cancel, a cut, a timed window; or it is one of a discrete stage's schedule "
+        "windows, a few mini-batches), left out of step and stage times.",
     )
 
 

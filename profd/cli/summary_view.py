@@ -167,8 +167,8 @@ def print_summary(
         if f.partial_steps:
             which = ", ".join(map(str, f.partial_steps))
             err_console.print(
-                f"[yellow]partial[/yellow] {f.name}: holds step {which} only in part (the "
-                "window began or ended inside it), left out of step and stage times",
+                f"[yellow]partial[/yellow] {f.name}: holds step {which} only in part, left "
+                "out of step and stage times",
                 soft_wrap=True,  # one line per file, to grep
             )
     for a in s.aligned:
