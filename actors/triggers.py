@@ -32,10 +32,11 @@ if TYPE_CHECKING:
     from profd.actors.admission import Admission
     from profd.actors.mark_stats import MarkStats
     from profd.actors.planbook import PlanBook
-    from profd.actors.registry import AgentRegistry
+    from profd.actors.registry import AgentRecord, AgentRegistry
     from profd.actors.sessions import Session
     from profd.actors.store import Store
     from profd.actors.trace_index import TraceIndex
+    from profd.actors.trigger_evidence import Evidence
 
 __all__ = ["TriggerDesk"]
 
@@ -416,7 +417,7 @@ class TriggerDesk:
 
     async def fire_due(self) -> None:
         for firing in self.book.due():
-            t = self._triggers_of(firing)  # (the awaits below let a PUT or DELETE in)
+            t = self._trigger_of(firing)  # (the awaits below let a PUT or DELETE in)
             if t is None or t.due is not firing or self._not_back(firing):
                 continue
             ranks = self._ranks(firing, t)
@@ -432,13 +433,13 @@ class TriggerDesk:
             except ConflictError:
                 continue  # a live session holds the ranks: stays due, the next tick retries
             except (ProfdError, ValueError) as exc:
-                if (t := self._triggers_of(firing)) is not None:
+                if (t := self._trigger_of(firing)) is not None:
                     self.book.failed(firing, str(exc))
                     self._persist(t)
                 continue
             self._sessions.setdefault(firing.trigger_id, []).append(s.session_id)
             self.firings_total += 1
-            if (t := self._triggers_of(firing)) is not None:  # deleted meanwhile: its session
+            if (t := self._trigger_of(firing)) is not None:  # deleted meanwhile: its session
                 self.book.fired(firing, s.session_id)  # runs, and names it (origin)
                 self._persist(t)  # the trigger as it is now, no longer due
             ev = firing.evidence
@@ -448,7 +449,7 @@ class TriggerDesk:
                 s.session_id, list(ranks),
             )  # fmt: skip
 
-    def _triggers_of(self, firing: Firing) -> Trigger | None:
+    def _trigger_of(self, firing: Firing) -> Trigger | None:
         try:
             return self.book.get(firing.trigger_id)
         except KeyError:
@@ -461,22 +462,21 @@ class TriggerDesk:
         if self._clock() >= self._returning_until:
             return False
         ev = firing.evidence
-        if self._registry.get(ev.agent_id) is None:
-            return True
-        return not any(
-            r.info.role == ev.role and r.info.rank != ev.rank and r.info.job_id == ev.job_id
+        return self._registry.get(ev.agent_id) is None or not self._peers(ev)
+
+    def _peers(self, ev: Evidence) -> list[AgentRecord]:
+        """The offending rank's alive peers: its role's other ranks, in its Ray job."""
+        return [
+            r
             for r in self._registry.alive()
-        )
+            if r.info.role == ev.role and r.info.rank != ev.rank and r.info.job_id == ev.job_id
+        ]
 
     def _ranks(self, firing: Firing, t: Trigger) -> tuple[int, ...]:
         """The offending rank, and the healthy peer: the one the condition chose
         (straggler), else the one closest to the baseline."""
         ev, cond = firing.evidence, t.request.when
-        alive = [
-            r
-            for r in self._registry.alive()
-            if r.info.role == ev.role and r.info.rank != ev.rank and r.info.job_id == ev.job_id
-        ]  # its job's peers
+        alive = self._peers(ev)
         if ev.peer_rank is not None and any(r.info.rank == ev.peer_rank for r in alive):
             return ev.rank, ev.peer_rank
         now = self._clock()

@@ -31,7 +31,7 @@ from typing import Any
 
 from profd.agent.clock_sync import ClockEstimate
 from profd.agent.export import Exporter, ExportJob, trace_event
-from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope, TimedScope
+from profd.agent.scopes import ContinuousScope, DiscreteScope, Scope, TimedScope, mark_partial
 from profd.agent.specs import build_spec
 from profd.agent.timed import is_timed_thread_free
 from profd.agent.window_state import IDLE, NO_STEP, ArmedPlan, FinishedIds, Ticket, WindowState
@@ -382,8 +382,8 @@ class Recorder:
         if isinstance(scope, DiscreteScope):
             if scope.current is not None and scope.ticket is not None:  # ended mid-stage
                 collection, ticket = scope.current, scope.ticket
+                mark_partial(scope, ticket)
                 scope.current = scope.ticket = None
-                ticket.partial.add(scope.step)
                 self.close_ticket(ticket, collection)
             with self._lock:
                 ws.handled.add(scope.step)
@@ -488,11 +488,9 @@ class Recorder:
             self._activate(None)
         if scope is not None:
             # Detach first: marks still open (a stage's __exit__) must not stop it again.
-            inside = scope.step_in_progress()
             collection, ticket = scope.current, scope.ticket
+            mark_partial(scope, ticket)
             scope.current = scope.ticket = None
-            if ticket is not None and inside is not None:
-                ticket.partial.add(inside)
             if collection is not None and ticket is not None and not ticket.closed:
                 try:
                     self.close_ticket(ticket, collection)

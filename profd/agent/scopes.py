@@ -15,6 +15,7 @@ from typing import Any
 
 from profd.agent.window_state import ScopeHost, Ticket, WindowState
 from profd.backends.base import NULL_RANGE, Collection
+from profd.core.naming import CONTINUOUS_SCOPE, TIMED_SCOPE
 
 __all__ = [
     "CONTINUOUS_SCOPE",
@@ -26,8 +27,12 @@ __all__ = [
     "TimedScope",
 ]
 
-CONTINUOUS_SCOPE = "train"
-TIMED_SCOPE = "window"
+
+def mark_partial(scope: Scope, ticket: Ticket | None) -> None:
+    """The collection closing now ends inside the scope's step in progress, if any: its
+    file does not hold that step whole."""
+    if ticket is not None and (step := scope.step_in_progress()) is not None:
+        ticket.partial.add(step)
 
 
 class SafeRange:
@@ -144,9 +149,8 @@ class ContinuousScope(Scope):
             self._step_range.__exit__(None, None, None)
             self._step_range = None
         collection, ticket = self.current, self.ticket
-        if self._in_step is not None:
-            ticket.partial.add(self._in_step)  # type: ignore[union-attr]
-            self._in_step = None
+        mark_partial(self, ticket)
+        self._in_step = None
         self.current = None
         self.recorder.close_ticket(ticket, collection)  # type: ignore[arg-type]
 

@@ -20,13 +20,12 @@ from profd.agent.specs import build_spec
 from profd.agent.window_state import FinishedIds
 from profd.backends import backend_class
 from profd.backends.base import Backend
+from profd.core.naming import TIMED_SCOPE
 from profd.core.protocol import AgentEvent, AgentInfo, EventKind, PartDone, WindowPlan
 
 __all__ = ["TimedWindows", "is_timed_thread_free"]
 
 log = logging.getLogger(__name__)
-
-TIMED_SCOPE = "window"
 
 
 def is_timed_thread_free(window: WindowPlan) -> bool:

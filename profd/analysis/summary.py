@@ -38,6 +38,7 @@ from profd.analysis.models import (
 from profd.analysis.parallel import MapStats, map_files, map_files_ray, resolve_workers
 from profd.analysis.sources import TrackIdentity, discover, identify
 from profd.analysis.stragglers import detect_stragglers
+from profd.core.naming import CONTINUOUS_SCOPE
 
 __all__ = ["digest_all", "summarize_digests", "summarize_dir", "summarize_files", "track_order"]
 
@@ -58,7 +59,7 @@ def _pseudo_stage(name: str) -> str:
     ident = identify(name)
     if ident.kind == "rollout":
         return "rollout"
-    if ident.scope and ident.scope != "train":
+    if ident.scope and ident.scope != CONTINUOUS_SCOPE:
         return ident.scope
     return "(trace)"
 

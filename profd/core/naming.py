@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 __all__ = [
+    "CONTINUOUS_SCOPE",
     "PAR_KEYS",
+    "TIMED_SCOPE",
     "StemParts",
     "format_timestamp",
     "mb_suffix",
@@ -39,6 +41,10 @@ __all__ = [
 #: Parallel coordinates that appear in a file name, in this order.
 PAR_KEYS = ("tp", "pp", "dp", "cp")
 TRACE_EXT = ".json.gz"
+#: The scope in a trace's name and header of a continuous window and of a timed one; any
+#: other scope is a discrete trace's stage.
+CONTINUOUS_SCOPE = "train"
+TIMED_SCOPE = "window"
 
 _UNSAFE = re.compile(r"[^0-9A-Za-z.=+\-]+")
 
