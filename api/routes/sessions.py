@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path, status
+from fastapi import APIRouter, Body, Depends, Path, Request, status
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,6 +58,33 @@ class SessionList(BaseModel):
     )
 
 
+def upload_prefix_first(root: str = "") -> Any:
+    """A dependency: an ``upload_uri`` (under ``root`` of the body) outside every allowed
+    prefix is refused before the body's model checks it, so the user hears the operator's
+    rule, not that this host lacks the filesystem's package (``Install s3fs``) for a
+    protocol that would be refused anyway."""
+
+    async def check(request: Request, config: ConfigDep) -> None:
+        try:
+            body = await request.json()  # cached: FastAPI reads the same parsed body
+        except ValueError:
+            return  # not JSON: the body's own validation says so
+        if root and isinstance(body, dict):
+            body = body.get(root)
+        uri = body.get("upload_uri") if isinstance(body, dict) else None
+        if isinstance(uri, str) and uri.strip():
+            try:
+                confine_upload_uri(uri, config.upload_prefixes)
+            except RequestInvalid as exc:
+                if not root:
+                    raise
+                raise RequestInvalid.from_fields(
+                    [f.model_copy(update={"field": f"{root}.{f.field}"}) for f in exc.fields]
+                ) from None
+
+    return check
+
+
 EXAMPLES = {
     "next_steps": {
         "summary": "The next 2 steps on every actor rank",
@@ -84,7 +111,7 @@ EXAMPLES = {
     "",
     response_model=SessionView,
     status_code=status.HTTP_201_CREATED,
-    dependencies=[TokenDep],
+    dependencies=[TokenDep, Depends(upload_prefix_first())],
     responses=error_responses(409, 413, 422),
 )
 async def create_session(

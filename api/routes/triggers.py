@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Path, status
+from fastapi import APIRouter, Body, Depends, Path, status
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationError
 
 from profd.api.deps import ClientDep, ConfigDep, TokenDep
 from profd.api.errors import error_responses
 from profd.api.responses import model_response
-from profd.api.routes.sessions import check_session_fields
+from profd.api.routes.sessions import check_session_fields, upload_prefix_first
 from profd.core.errors import RequestInvalid
 from profd.core.request import field_errors
 from profd.core.trigger_request import TriggerRequest
@@ -64,7 +64,7 @@ class TriggerList(BaseModel):
     "",
     response_model=TriggerView,
     status_code=status.HTTP_201_CREATED,
-    dependencies=[TokenDep],
+    dependencies=[TokenDep, Depends(upload_prefix_first("session"))],
     responses=error_responses(409, 413, 422),
 )
 async def create_trigger(
@@ -84,7 +84,7 @@ async def create_trigger(
 @router.put(
     "/{trigger_id}",
     response_model=TriggerView,
-    dependencies=[TokenDep],
+    dependencies=[TokenDep, Depends(upload_prefix_first("session"))],
     responses=error_responses(404, 409, 413, 422),
 )
 async def replace_trigger(

@@ -275,11 +275,17 @@ def _fill(
     elif pseudo_stage:
         span = digest.last_end - digest.first_ts
         digest.stages = [Range(pseudo_stage, digest.first_ts, span, _busiest(thread))]
+    attributed = digest.stages
+    if isinstance(own, dict) and not attributed and isinstance(scope := own.get("scope"), str):
+        if own.get("step") in digest.partial_steps:  # a discrete stage's piece (a schedule
+            # window, or cut short): not a stage time, but all of it ran in that stage
+            span = digest.last_end - digest.first_ts
+            attributed = [Range(scope, digest.first_ts, span, _busiest(thread))]
     device = np.array([h[0] in GPU_OP_CATEGORIES for h in heads], bool)[gid]
     launcher = np.array([str(h[0]).endswith(("_runtime", "_driver")) for h in heads], bool)
     when = launch_times(ts, corr, device, launcher[gid])
     own = self_times(thread, ts, dur)
-    digest.ops = _op_totals(heads, gid, when, dur, own, digest.stages)
+    digest.ops = _op_totals(heads, gid, when, dur, own, attributed)
     if device.any():
         cls = np.array(
             [kernel_class(str(h[0]), str(h[1])) if h[0] in GPU_OP_CATEGORIES else 0 for h in heads],
@@ -287,7 +293,7 @@ def _fill(
         )
         d = np.flatnonzero(device)
         spans = [(r.ts, r.end) for _, r in steps]
-        digest.gpu = file_gpu(ts[d], dur[d], cls[gid[d]], when[d], spans, digest.stages)
+        digest.gpu = file_gpu(ts[d], dur[d], cls[gid[d]], when[d], spans, attributed)
 
 
 def _drop_partial_steps(digest: FileDigest, own: dict[str, Any]) -> None:

@@ -15,9 +15,10 @@ from rich.table import Table
 
 from profd.cli.client import format_bytes
 from profd.cli.summary_per_step import print_per_step, short_track
+from profd.core.naming import parse_trace_name
 
 if TYPE_CHECKING:
-    from profd.analysis.models import SessionSummary
+    from profd.analysis.models import FileInfo, SessionSummary
 
 err_console = Console(stderr=True)
 
@@ -163,20 +164,44 @@ def print_summary(
         _print_top_ops(s, spaced, names, wide)  # type: ignore[arg-type]
     for x in s.skipped:
         err_console.print(f"[yellow]skipped[/yellow] {x.name}: {x.reason}")
-    for f in s.files:
-        if f.partial_steps:
-            which = ", ".join(map(str, f.partial_steps))
-            err_console.print(
-                f"[yellow]partial[/yellow] {f.name}: holds step {which} only in part, left "
-                "out of step and stage times",
-                soft_wrap=True,  # one line per file, to grep
-            )
+    for line in partial_lines(s.files):
+        err_console.print(f"[yellow]partial[/yellow] {line}", soft_wrap=True)  # one line each
     for a in s.aligned:
         err_console.print(
             f"[yellow]placed[/yellow] {a.name} has no wall clock of its own: its ts 0 was "
             f"placed at the {a.source}, {a.offset_ms:,.1f} ms after t0 "
             f"(± {a.uncertainty_ms:.1f} ms)"
         )
+
+
+def partial_lines(files: list[FileInfo]) -> list[str]:
+    """The files that hold steps only in part, a line each to grep; the windows of a discrete
+    stage's schedule (its ``_mb`` files and the ``_part`` after them, a few mini-batches
+    each: partial by design) folded into one line per collection, or a rank's schedule would
+    print a line per mini-batch."""
+    collections: dict[str, list[FileInfo]] = {}
+    for f in files:
+        if f.partial_steps:
+            parts = parse_trace_name(f.name)
+            stem = f.name[: f.name.rindex(parts.suffix)] if parts and parts.suffix else f.name
+            collections.setdefault(stem, []).append(f)
+    lines: list[str] = []
+    for group in collections.values():
+        scheduled = any((p := parse_trace_name(f.name)) and p.suffix[:3] == "_mb" for f in group)
+        if not scheduled:
+            for f in group:
+                which = ", ".join(map(str, f.partial_steps))
+                lines.append(
+                    f"{f.name}: holds step {which} only in part, left out of step and stage times"
+                )
+            continue
+        which = ", ".join(map(str, sorted({n for f in group for n in f.partial_steps})))
+        lines.append(
+            f"{group[0].name} and {len(group) - 1} more: a schedule's windows of step {which}, "
+            "a few mini-batches each; their mini-batches are kept, the stage is left out of "
+            "stage times"
+        )
+    return lines
 
 
 def _print_stage_aggregates(s: SessionSummary, out: Console, names: _Names) -> None:

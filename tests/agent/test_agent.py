@@ -180,6 +180,14 @@ def test_a_mini_batch_schedules_windows_claim_no_whole_step(local_coordinator) -
     assert sorted((m.stage, m.index) for m in summary.mini_batches) == [
         ("actor_update", 0), ("actor_update", 1)
     ]  # fmt: skip
+    # the windows' operators ran in the update stage (they were "outside stages")
+    assert {o.stage for o in summary.top_ops} == {"compute_log_prob", "actor_update"}
+    # summarize's stderr: one line for the schedule's windows, not one per window file
+    from profd.cli.summary_view import partial_lines
+
+    (line,) = partial_lines(summary.files)
+    first = min(t.file_name for t in view.traces if "actor-update" in t.file_name)
+    assert line.startswith(f"{first} and {len(windows) - 1} more: a schedule's windows of step 1,")
     agent.close()
 
 
@@ -263,6 +271,11 @@ def test_a_step_cancelled_midway_is_named_partial_in_the_trace(local_coordinator
     assert [r.step for r in summary.step_times] == [1]
     assert {r.step for r in summary.stage_times} == {1}
     assert summary.files[0].partial_steps == [2]
+    from profd.cli.summary_view import partial_lines
+
+    assert partial_lines(summary.files) == [
+        f"{trace.file_name}: holds step 2 only in part, left out of step and stage times"
+    ]
     from profd.analysis import render_html
 
     assert "partial steps</th>" in render_html(summary)

@@ -4,6 +4,7 @@ the Host header rule (DNS rebinding)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,7 +133,19 @@ def test_upload_uri_is_refused_unless_a_prefix_is_allowed(make_sidecar, local_co
         url = sidecar.url
         r = post_session(url, {"steps": [5], "upload_uri": "memory://bucket/traces"})
         assert "uploads over HTTP are disabled" in field_error(r, "upload_uri")
+        # the operator's rule first, not this host's missing package for the protocol
+        assert importlib.util.find_spec("s3fs") is None
+        r = post_session(url, {"steps": [5], "upload_uri": "s3://bucket/traces"})
+        assert "uploads over HTTP are disabled" in field_error(r, "upload_uri")
+        trigger = {"name": "slow", "when": {"role": "actor", "factor": 2.0}}
+        r = httpx.post(
+            f"{url}/api/v1/triggers",
+            json={**trigger, "session": {"upload_uri": "s3://bucket/traces"}},
+            headers=AUTH,
+        )
+        assert "uploads over HTTP are disabled" in field_error(r, "session.upload_uri")
     assert local_coordinator.call("list_sessions") == []
+    assert local_coordinator.call("list_triggers") == []
 
 
 def test_upload_uri_must_start_with_an_allowed_prefix(make_sidecar, actor, tmp_path) -> None:
@@ -146,7 +159,8 @@ def test_upload_uri_must_start_with_an_allowed_prefix(make_sidecar, actor, tmp_p
             ("memory://other/traces", "allowed upload prefix"),
             (f"file://{bucket}/../etc", "'..' segments"),
             (f"file://{tmp_path}", "allowed upload prefix"),
-            ("simplecache::memory://bucket/traces", "protocol"),  # the model refuses chains
+            ("simplecache::memory://bucket/traces", "chain filesystems"),
+            ("s3://bucket/traces", "allowed upload prefix"),  # not "Install s3fs"
         ]:
             msg = field_error(post_session(url, {"steps": [5], "upload_uri": bad}), "upload_uri")
             assert rule in msg, (bad, msg)
