@@ -457,6 +457,34 @@ class TriggerBook:
         t.firings.append(firing)
         return firing
 
+    def recall_failed(self, trigger_id: str, saved: Iterable[dict[str, Any]]) -> int:
+        """A restored trigger's failed firings, as :func:`saved_firing` kept them (they made
+        no session to restore them from), among its other firings by time; the number
+        restored (a record that cannot be read is logged and left out)."""
+        t = self.get(trigger_id)
+        failed = []
+        for row in saved:
+            try:
+                failed.append(
+                    Firing(
+                        str(row["firing_id"]),
+                        trigger_id,
+                        float(row["at"]),
+                        evidence_from(dict(row.get("evidence") or {})),
+                        FiringState.FAILED,
+                        error=None if row.get("error") is None else str(row["error"]),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning(
+                    "trigger %s: a failed firing could not be restored (%s)", trigger_id, exc
+                )
+        if failed:
+            firings = sorted([*t.firings, *failed], key=lambda f: f.at)
+            t.firings.clear()
+            t.firings.extend(firings)  # the newest KEPT_FIRINGS
+        return len(failed)
+
     def add_disk(self, trigger_id: str, nbytes: int) -> None:
         """A trace of one of its sessions was written (for the disk budget)."""
         t = self._triggers.get(trigger_id)
@@ -472,8 +500,10 @@ class TriggerBook:
 
 
 def saved_firing(f: Firing) -> dict[str, Any]:
-    """What the store keeps of a due firing (:meth:`TriggerBook.recall_due` reads it)."""
-    return {"firing_id": f.firing_id, "at": f.at, "evidence": f.evidence.as_dict()}
+    """What the store keeps of a due or failed firing (:meth:`TriggerBook.recall_due` and
+    :meth:`TriggerBook.recall_failed` read it)."""
+    kept = {"firing_id": f.firing_id, "at": f.at, "evidence": f.evidence.as_dict()}
+    return {**kept, "error": f.error} if f.state is FiringState.FAILED else kept
 
 
 def _baseline(t: Trigger, history: History) -> tuple[dict[int, Sequence[float]], float | None, int]:

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from profd.actors.trigger_book import Firing, Trigger, TriggerBook, saved_firing
+from profd.actors.trigger_book import Firing, FiringState, Trigger, TriggerBook, saved_firing
 from profd.actors.trigger_reports import AGENT, Report, RoleSpans, report
 from profd.core.errors import ConflictError, NotFoundError, ProfdError
 from profd.core.protocol import AgentEvent, AgentInfo, MarkDurations, OutOfMemory
@@ -152,7 +152,7 @@ class TriggerDesk:
             for s in own
             if s.origin and isinstance(s.origin.get("firing_id"), str)
         }
-        # every number a firing had, a failed one's too (not kept, but its id was seen)
+        # every number a firing had (a failed one's is kept only among the newest)
         due_ids = [str(d.get("firing_id")) for r in saved if isinstance(d := r.get("due"), dict)]
         seen = [f"{r.get('trigger_id')}.{r.get('numbered_to')}" for r in saved]
         self.book.number_after([*made, *due_ids, *seen])
@@ -173,6 +173,8 @@ class TriggerDesk:
                 t.trigger_id,
                 [(s.created_at, s.session_id, s.origin or {}) for s in own],
             )
+            failed = row.get("failed")
+            self.book.recall_failed(t.trigger_id, failed if isinstance(failed, list) else [])
             due = row.get("due")
             waiting = isinstance(due, dict) and due.get("firing_id") not in made
             if waiting and self.book.recall_due(t.trigger_id, due) is not None:
@@ -502,14 +504,20 @@ def _firing_view(f: Firing) -> FiringView:
     )  # fmt: skip
 
 
+def _failed(t: Trigger) -> list[dict[str, Any]]:
+    return [saved_firing(f) for f in t.firings if f.state is FiringState.FAILED]
+
+
 def _saved(t: Trigger) -> dict[str, Any]:
-    """What the store keeps of a trigger: its id, request and creation time, and the firing
-    that is due (a coordinator restarted meanwhile starts it)."""
+    """What the store keeps of a trigger: its id, request and creation time, the firing
+    that is due (a coordinator restarted meanwhile starts it) and those that failed (they
+    made no session that brings them back)."""
     numbers = [int(n) for f in t.firings if (n := f.firing_id.rpartition(".")[2]).isdigit()]
     return {
         "trigger_id": t.trigger_id,
         "request": t.request.model_dump(mode="json"),
         "created_at": t.created_at,
         **({"due": saved_firing(t.due)} if t.due is not None else {}),
+        **({"failed": failed} if (failed := _failed(t)) else {}),
         **({"numbered_to": max(numbers)} if numbers else {}),  # never given again
     }

@@ -276,11 +276,12 @@ def _fill(
         span = digest.last_end - digest.first_ts
         digest.stages = [Range(pseudo_stage, digest.first_ts, span, _busiest(thread))]
     attributed = digest.stages
-    if isinstance(own, dict) and not attributed and isinstance(scope := own.get("scope"), str):
-        if own.get("step") in digest.partial_steps:  # a discrete stage's piece (a schedule
-            # window, or cut short): not a stage time, but all of it ran in that stage
-            span = digest.last_end - digest.first_ts
-            attributed = [Range(scope, digest.first_ts, span, _busiest(thread))]
+    piece = isinstance(own, dict) and own.get("step") in digest.partial_steps
+    if piece and not attributed and isinstance(scope := own.get("scope"), str):
+        # a discrete stage's piece (a schedule's window, or cut short): not a stage time,
+        # but all of it ran in that stage (its operators and device time count there)
+        span = digest.last_end - digest.first_ts
+        attributed = [Range(scope, digest.first_ts, span, _busiest(thread))]
     device = np.array([h[0] in GPU_OP_CATEGORIES for h in heads], bool)[gid]
     launcher = np.array([str(h[0]).endswith(("_runtime", "_driver")) for h in heads], bool)
     when = launch_times(ts, corr, device, launcher[gid])

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import random
 import statistics
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
 from profd.actors.straggler_steps import KEPT_VERDICTS, judge_step
-from profd.actors.trigger_book import FiringState, Suppressed, TriggerBook
+from profd.actors.trigger_book import FiringState, Suppressed, TriggerBook, saved_firing
 from profd.actors.trigger_reports import (
     RoleSpans,
     has_durations,
@@ -198,6 +199,15 @@ def test_a_stage_trigger_watches_only_its_stage() -> None:
     assert (f.evidence.mark, f.evidence.rank) == ("update_actor", 1)
     failed = book.failed(f, "no agent")
     assert failed.state is FiringState.FAILED and book.due() == []
+    # as a restarted coordinator reads it back: in time order, an unreadable record left out
+    again = TriggerBook(Clock())
+    t = again.add(request(when={"kind": "stage_time", "stage": "update_actor"}), f.trigger_id)
+    later = {**saved_firing(failed), "firing_id": f"{f.trigger_id}.9", "at": failed.at + 1}
+    assert again.recall_failed(t.trigger_id, [later, {"at": "soon"}, saved_firing(failed)]) == 2
+    assert list(t.firings) == [
+        failed,
+        replace(failed, firing_id=later["firing_id"], at=later["at"]),
+    ]
 
 
 def test_a_pass_judges_every_report_and_a_failing_trigger_spares_the_others(caplog) -> None:

@@ -253,9 +253,12 @@ def test_a_trigger_changed_while_its_session_is_made_is_kept_as_changed(tmp_path
         again.close()
 
 
-def test_a_failed_firings_number_is_not_given_again_after_a_restart(tmp_path: Path) -> None:
-    """A firing that failed is not kept, but its id was seen (in the API, in logs): a
-    restarted coordinator numbers new firings after it, so one id never names two."""
+def test_a_failed_firing_is_kept_and_its_number_not_given_again_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A firing that failed made no session to bring it back: the trigger keeps it (its id,
+    when, why), and a restarted coordinator numbers new firings after it, so one id never
+    names two."""
     from helpers import wait_until
 
     first = _owner(tmp_path)
@@ -276,10 +279,13 @@ def test_a_failed_firings_number_is_not_given_again_after_a_restart(tmp_path: Pa
 
     again = _owner(tmp_path)
     try:
+        (kept,) = again.call("get_trigger", tid).firings
+        assert kept.model_dump() == failed.model_dump()
         (critic,) = start_agents(again, 1, "critic")
         _oom(again, critic, 4)
-        fresh = wait_until(lambda: again.call("get_trigger", tid).firings, 10, what="a firing")
-        number = int(fresh[0].firing_id.rpartition(".")[2])
+        fresh = wait_until(lambda: again.call("get_trigger", tid).firings[:-1], 10, what="new")
+        assert again.call("get_trigger", tid).firings[-1].firing_id == failed.firing_id
+        number = int(fresh[0].firing_id.rpartition(".")[2])  # (newest first)
         assert number > int(due.firing_id.rpartition(".")[2]), (fresh, due)
         critic.close(5)
     finally:
