@@ -21,8 +21,9 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from profd.actors.trigger_book import Firing, FiringState, Trigger, TriggerBook, saved_firing
+from profd.actors.trigger_book import Firing, Trigger, TriggerBook
 from profd.actors.trigger_reports import AGENT, Report, RoleSpans, report
+from profd.actors.trigger_saved import restore_triggers, saved_trigger
 from profd.core.errors import ConflictError, NotFoundError, ProfdError
 from profd.core.protocol import AgentEvent, AgentInfo, MarkDurations, OutOfMemory
 from profd.core.trigger_request import TriggerKind, TriggerRequest
@@ -126,7 +127,7 @@ class TriggerDesk:
 
     def _persist(self, t: Trigger) -> None:
         if self._store is not None:  # a restarted coordinator watches it again
-            self._store.save_trigger(t.trigger_id, _saved(t))
+            self._store.save_trigger(t.trigger_id, saved_trigger(t))
 
     def restore(
         self,
@@ -140,48 +141,11 @@ class TriggerDesk:
         them); only its suppressed counts start again from zero. A firing that was due is
         due again (unless its session was made: then it fired), and waits up to
         ``return_within_s`` for its rank's agent to come back."""
-        saved = list(saved)
-        started: dict[str, list[Session]] = {}
-        for s in sessions:
-            tid = (s.origin or {}).get("trigger_id")
-            if isinstance(tid, str):
-                started.setdefault(tid, []).append(s)
-        made = {
-            str(s.origin["firing_id"])
-            for own in started.values()
-            for s in own
-            if s.origin and isinstance(s.origin.get("firing_id"), str)
-        }
-        # every number a firing had (a failed one's is kept only among the newest)
-        due_ids = [str(d.get("firing_id")) for r in saved if isinstance(d := r.get("due"), dict)]
-        seen = [f"{r.get('trigger_id')}.{r.get('numbered_to')}" for r in saved]
-        self.book.number_after([*made, *due_ids, *seen])
+        restored = restore_triggers(self.book, saved, sessions, self._clock())
+        self._sessions.update(restored)
         self._returning_until = self._clock() + return_within_s
-        n = 0
-        for row in saved:
-            try:
-                request = TriggerRequest.model_validate(row["request"])
-                created_at = float(row.get("created_at") or self._clock())
-                t = self.book.add(request, trigger_id=str(row["trigger_id"]))
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("a saved trigger could not be restored (%s): %r", exc, row)
-                continue
-            t.created_at = created_at
-            own = sorted(started.get(t.trigger_id, ()), key=lambda s: s.created_at)
-            self._sessions[t.trigger_id] = [s.session_id for s in own]
-            self.book.recall(
-                t.trigger_id,
-                [(s.created_at, s.session_id, s.origin or {}) for s in own],
-            )
-            failed = row.get("failed")
-            self.book.recall_failed(t.trigger_id, failed if isinstance(failed, list) else [])
-            due = row.get("due")
-            waiting = isinstance(due, dict) and due.get("firing_id") not in made
-            if waiting and self.book.recall_due(t.trigger_id, due) is not None:
-                log.info("trigger %s: firing %s is due again", t.trigger_id, due["firing_id"])
-            n += 1
         self._sync_spans()
-        return n
+        return len(restored)
 
     def remove(self, trigger_id: str) -> TriggerView:
         try:
@@ -502,22 +466,3 @@ def _firing_view(f: Firing) -> FiringView:
         firing_id=f.firing_id, at=f.at, state=f.state.value, session_id=f.session_id,
         error=f.error, evidence=f.evidence.as_dict(),
     )  # fmt: skip
-
-
-def _failed(t: Trigger) -> list[dict[str, Any]]:
-    return [saved_firing(f) for f in t.firings if f.state is FiringState.FAILED]
-
-
-def _saved(t: Trigger) -> dict[str, Any]:
-    """What the store keeps of a trigger: its id, request and creation time, the firing
-    that is due (a coordinator restarted meanwhile starts it) and those that failed (they
-    made no session that brings them back)."""
-    numbers = [int(n) for f in t.firings if (n := f.firing_id.rpartition(".")[2]).isdigit()]
-    return {
-        "trigger_id": t.trigger_id,
-        "request": t.request.model_dump(mode="json"),
-        "created_at": t.created_at,
-        **({"due": saved_firing(t.due)} if t.due is not None else {}),
-        **({"failed": failed} if (failed := _failed(t)) else {}),
-        **({"numbered_to": max(numbers)} if numbers else {}),  # never given again
-    }
