@@ -74,7 +74,9 @@ def restore_triggers(
         restored[t.trigger_id] = [s.session_id for s in own]
         book.recall(t.trigger_id, [(s.created_at, s.session_id, s.origin or {}) for s in own])
         failed = row.get("failed")
-        book.recall_failed(t.trigger_id, failed if isinstance(failed, list) else [])
+        failed = failed if isinstance(failed, list) else []
+        failed = [f for f in failed if not (isinstance(f, dict) and f.get("firing_id") in made)]
+        book.recall_failed(t.trigger_id, failed)  # (one whose session was made: it fired)
         due = row.get("due")
         waiting = isinstance(due, dict) and due.get("firing_id") not in made
         if waiting and book.recall_due(t.trigger_id, due) is not None:

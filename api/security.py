@@ -103,6 +103,14 @@ def _upload_matches(uri: str, prefix: str) -> bool:
     return rest == p_rest or rest.startswith(p_rest.rstrip("/") + "/")
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def confine_upload_uri(uri: str, prefixes: Iterable[str]) -> None:
     """Refuse an ``upload_uri`` outside every allowed prefix (422); none allowed by default."""
     prefixes = list(prefixes)
@@ -118,6 +126,8 @@ def confine_upload_uri(uri: str, prefixes: Iterable[str]) -> None:
         problem = "must not chain filesystems ('::')"
     elif any(s in ("..", ".") for s in segments) or "\x00" in uri:
         problem = "must not contain '.' or '..' segments or NUL bytes"
+    elif not _encodable(uri):
+        problem = "must be valid Unicode text (no lone surrogates)"
     elif not any(_upload_matches(uri, p) for p in prefixes):
         problem = f"must start with an allowed upload prefix ({', '.join(prefixes)})"
     if problem:

@@ -65,9 +65,12 @@ def upload_prefix_first(root: str = "") -> Any:
     protocol that would be refused anyway."""
 
     async def check(request: Request, config: ConfigDep) -> None:
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            return  # a body FastAPI does not read as JSON: the model refuses it (422)
         try:
-            body = await request.json()  # cached: FastAPI reads the same parsed body
-        except ValueError:
+            body = await request.json()  # parsed once: FastAPI's own read is cached
+        except (ValueError, RecursionError):
             return  # not JSON: the body's own validation says so
         if root and isinstance(body, dict):
             body = body.get(root)

@@ -34,6 +34,7 @@ from profd.analysis.heap import pad_worker_heap
 from profd.analysis.jsonscan import SEGMENT_BYTES, TraceReadError, TraceStream
 from profd.analysis.ranges import RANGE_CATEGORY, Range, marker, select_stages, step_ranges
 from profd.analysis.scan import MERGED, Columns, LayoutMismatch, scan_fast, scan_generic
+from profd.core.naming import CONTINUOUS_SCOPE, TIMED_SCOPE
 
 __all__ = ["CPU_OP_CATEGORIES", "GPU_OP_CATEGORIES", "FileDigest", "OpTotal", "digest_file"]
 
@@ -276,8 +277,10 @@ def _fill(
         span = digest.last_end - digest.first_ts
         digest.stages = [Range(pseudo_stage, digest.first_ts, span, _busiest(thread))]
     attributed = digest.stages
-    piece = isinstance(own, dict) and own.get("step") in digest.partial_steps
-    if piece and not attributed and isinstance(scope := own.get("scope"), str):
+    scope = own.get("scope") if isinstance(own, dict) else None
+    discrete = isinstance(scope, str) and scope not in (CONTINUOUS_SCOPE, TIMED_SCOPE)
+    piece = discrete and not steps and own.get("step") in digest.partial_steps
+    if piece and not attributed:
         # a discrete stage's piece (a schedule's window, or cut short): not a stage time,
         # but all of it ran in that stage (its operators and device time count there)
         span = digest.last_end - digest.first_ts

@@ -196,10 +196,10 @@ def partial_lines(files: list[FileInfo]) -> list[str]:
                 )
             continue
         which = ", ".join(map(str, sorted({n for f in group for n in f.partial_steps})))
+        more = f" and {len(group) - 1} more" if len(group) > 1 else ""
         lines.append(
-            f"{group[0].name} and {len(group) - 1} more: a schedule's windows of step {which}, "
-            "a few mini-batches each; their mini-batches are kept, the stage is left out of "
-            "stage times"
+            f"{group[0].name}{more}: a schedule's windows of step {which}, a few mini-batches "
+            "each; their mini-batches are kept, the stage is left out of stage times"
         )
     return lines
 

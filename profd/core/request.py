@@ -341,6 +341,10 @@ class GlobalProfilerConfig(_Frozen):
         if not v.strip():
             raise ValueError("must be a non-empty URL or null")
         _no_nul(v)
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (no lone surrogates)") from None
         import fsspec
 
         protocol = v.split("://", 1)[0] if "://" in v else "file"

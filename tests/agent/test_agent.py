@@ -283,6 +283,32 @@ def test_a_step_cancelled_midway_is_named_partial_in_the_trace(local_coordinator
     agent.close()
 
 
+def test_a_window_cut_in_its_only_step_credits_no_stage(local_coordinator) -> None:
+    """A continuous window cancelled inside its first step holds no step whole: its
+    operators stay outside stages (not credited to a stage named after its scope)."""
+    from profd.analysis.summary import summarize_dir
+
+    owner = local_coordinator
+    (agent,) = start_agents(owner)
+    train_step(agent, 0)
+    view = owner.call("create_session", {"steps": [1, 2]})
+    wait_armed(agent, view.session_id)
+    with agent.step(1):
+        with agent.stage("compute_log_prob"):
+            MODEL(torch.randn(8, 16))
+        owner.call("cancel_session", view.session_id)
+        wait_until(lambda: not agent.plan.windows, 10, what="window withdrawn")
+        with agent.stage("update"):  # the window ends at this mark, inside step 1
+            MODEL(torch.randn(8, 16))
+    wait_until(lambda: owner.call("list_traces", view.session_id), 10, what="trace indexed")
+    (trace,) = owner.call("list_traces", view.session_id)
+    assert read_trace(trace.path)["profd"]["steps"] == []
+    summary = summarize_dir(Path(trace.path).parent)
+    assert summary.files[0].partial_steps == [1] and summary.stage_times == []
+    assert summary.top_ops and {o.stage for o in summary.top_ops} == {None}
+    agent.close()
+
+
 def test_a_discrete_stage_cancelled_midway_is_named_partial(local_coordinator) -> None:
     """Discrete mode: the first stage's trace is whole; the second's window ends inside the
     stage (the cancel, met at a nested mark), so its header does not claim the step and a

@@ -469,3 +469,24 @@ def test_a_cooldown_longer_than_an_hour_holds_and_recalled_firings_keep_their_id
     assert a.suppressed == c.suppressed == {Suppressed.COOLDOWN: 1}
     [new] = book.due()
     assert new.firing_id.startswith(t.trigger_id)
+
+
+def test_a_failed_firing_whose_session_was_made_comes_back_once_as_fired() -> None:
+    """A PUT failed a due firing while its session was being admitted, and the coordinator
+    died before the row saying it fired was written: the restored session is its truth."""
+    from profd.actors.trigger_saved import restore_triggers, saved_trigger
+
+    book = TriggerBook(Clock())
+    t = book.add(request())
+    samples = {r: [0.10] * 8 for r in range(4)}
+    samples[1].append(0.31)
+    [f] = book.observe("a1", "actor", 1, step(0.31), history_of(samples))
+    row = saved_trigger(t)
+    book.failed(f, "the trigger's condition changed")
+    row["failed"] = saved_trigger(t)["failed"]
+    origin = {"trigger_id": t.trigger_id, "firing_id": f.firing_id, "at": f.at}
+    session = SimpleNamespace(session_id="s1", created_at=f.at + 1, origin=origin)
+    again = TriggerBook(Clock())
+    assert restore_triggers(again, [row], [session], now=f.at + 2) == {t.trigger_id: ["s1"]}
+    (back,) = again.get(t.trigger_id).firings
+    assert (back.firing_id, back.state, back.session_id) == (f.firing_id, FiringState.FIRED, "s1")
