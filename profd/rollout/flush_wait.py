@@ -11,6 +11,7 @@ files or an engine's temporaries is decided here too. No Ray or torch import.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -19,10 +20,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
+from profd.core.clock_hints import WINDOWS_FILE
 from profd.core.protocol import IncompleteFile
 
 __all__ = [
     "Baseline",
+    "DirWatcher",
     "FlushWait",
     "WaitResult",
     "gzip_complete",
@@ -167,8 +170,12 @@ class _Seen:
     gzip_ok: bool | None = None
 
 
-class _Watcher:
-    """Tracks the new files of one directory between scans."""
+class DirWatcher:
+    """Tracks the new files of one directory between scans (one window's files).
+
+    :meth:`freeze` fixes which files are the window's: the engine's next window starts,
+    and the files that appear from then on are that one's (a replica starts its next
+    window while this one's files settle). Scans may run on another thread."""
 
     def __init__(self, directory: Path, baseline: Baseline, check_gzip: bool) -> None:
         self.directory = directory
@@ -177,8 +184,18 @@ class _Watcher:
         self.check_gzip = check_gzip
         self.seen: dict[str, _Seen] = {}
         self.last_new_at: float | None = None
+        self.frozen = False
+        self._lock = threading.Lock()
+
+    def freeze(self, now: float) -> None:
+        """Scan once more, then take no new file (the files it holds still settle)."""
+        with self._lock:
+            self._scan(now)
+            self.frozen = True
 
     def _is_new(self, name: str, st: os.stat_result) -> bool:
+        if name == WINDOWS_FILE:  # profd's own (an earlier window's collection writes it)
+            return False
         if name not in self.baseline:
             return True
         before = self._stats.get(name)
@@ -188,7 +205,13 @@ class _Watcher:
             and before != (st.st_size, st.st_mtime_ns)
         )
 
-    def scan(self, now: float) -> None:
+    def scan(self, now: float) -> dict[str, _Seen]:
+        """Look again; the files it holds now (a copy: :meth:`freeze` may run meanwhile)."""
+        with self._lock:
+            self._scan(now)
+            return dict(self.seen)
+
+    def _scan(self, now: float) -> None:
         current: dict[str, os.stat_result] = {}
         try:
             with os.scandir(self.directory) as it:
@@ -209,16 +232,17 @@ class _Watcher:
         for name, st in current.items():
             old = self.seen.get(name)
             if old is None:
+                if self.frozen:
+                    continue  # the next window's
                 self.seen[name] = _Seen(st.st_size, st.st_mtime_ns, now)
                 self.last_new_at = now
             elif (old.size, old.mtime_ns) != (st.st_size, st.st_mtime_ns):
                 self.seen[name] = _Seen(st.st_size, st.st_mtime_ns, now)
 
-    def status(self, name: str, now: float, settle_s: float, gz_settle_s: float) -> str:
-        """``""`` when complete, else why not. A gzip file's ended stream is the writer's
-        own word that it is done: a shorter quiet time does then (the driver of a session
-        of several step groups waits for the files before the next group starts)."""
-        s = self.seen[name]
+    def status(self, name: str, s: _Seen, now: float, settle_s: float, gz_settle_s: float) -> str:
+        """``""`` when ``name`` (as ``s`` saw it) is complete, else why not. A gzip file's
+        ended stream is the writer's own word that it is done: a shorter quiet time does
+        then."""
         if is_temp(name):
             return "the engine's temporary file (still being written)"
         quiet = now - s.changed_at
@@ -241,9 +265,11 @@ def wait_for_files(
     *,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    watcher: DirWatcher | None = None,
 ) -> WaitResult:
     """Wait until the files new in ``directory`` (not in ``baseline``, or side files changed
-    since a :func:`snapshot_stats` baseline) are complete.
+    since a :func:`snapshot_stats` baseline) are complete. ``watcher``: one made (and
+    maybe frozen) already for that directory and baseline.
 
     Ends when every file seen is complete and either ``expected`` traces exist (side files
     are waited for but not counted) or no new file
@@ -252,33 +278,43 @@ def wait_for_files(
     the rest.
     """
     base = baseline if isinstance(baseline, Mapping) else frozenset(baseline)
-    w = _Watcher(Path(directory), base, policy.check_gzip)
+    w = watcher or DirWatcher(Path(directory), base, policy.check_gzip)
     start = clock()
     while True:
         now = clock()
-        w.scan(now)
-        status = {n: w.status(n, now, policy.settle_s, policy.gz_settle_s) for n in sorted(w.seen)}
+        frozen = w.frozen  # (read first: a freeze's last scan is in what follows)
+        seen = w.scan(now)
+        status = {
+            n: w.status(n, seen[n], now, policy.settle_s, policy.gz_settle_s) for n in sorted(seen)
+        }
         complete = [n for n, why in status.items() if not why]
         elapsed = now - start
         note = ""
         traces = sum(is_chrome_trace(n) for n in status)
         if status and len(complete) == len(status):
             if expected is None or traces >= expected:
-                return _result(w, complete, status, elapsed, False, note)
-            if now - (w.last_new_at or start) >= policy.peer_grace_s:
+                return _result(w, seen, complete, status, elapsed, False, note)
+            if frozen or now - (w.last_new_at or start) >= policy.peer_grace_s:
                 note = f"{traces} of {expected} expected trace file(s) appeared"
-                return _result(w, complete, status, elapsed, False, note)
-        elif not status and elapsed >= policy.first_file_timeout_s:
-            note = f"no file appeared within {policy.first_file_timeout_s:g}s"
-            return _result(w, [], status, elapsed, False, note)
+                if frozen:
+                    note += " before the engine's next window started"
+                return _result(w, seen, complete, status, elapsed, False, note)
+        elif not status and (frozen or elapsed >= policy.first_file_timeout_s):
+            note = (
+                "no file appeared before the engine's next window started"
+                if frozen
+                else f"no file appeared within {policy.first_file_timeout_s:g}s"
+            )
+            return _result(w, seen, [], status, elapsed, False, note)
         if elapsed >= policy.timeout_s:
             note = f"files still incomplete after {policy.timeout_s:g}s"
-            return _result(w, complete, status, elapsed, True, note)
+            return _result(w, seen, complete, status, elapsed, True, note)
         sleep(policy.poll_s)
 
 
 def _result(
-    w: _Watcher,
+    w: DirWatcher,
+    seen: dict[str, _Seen],
     complete: list[str],
     status: dict[str, str],
     elapsed: float,
@@ -286,9 +322,7 @@ def _result(
     note: str,
 ) -> WaitResult:
     incomplete = tuple(
-        IncompleteFile(str(w.directory / n), why, w.seen[n].size)
-        for n, why in status.items()
-        if why
+        IncompleteFile(str(w.directory / n), why, seen[n].size) for n, why in status.items() if why
     )
     return WaitResult(
         complete=tuple(w.directory / n for n in complete),

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from profd.core.protocol import IncompleteFile
 from profd.rollout.flush_wait import (
+    DirWatcher,
     FlushWait,
     WaitResult,
     gzip_complete,
@@ -51,6 +52,7 @@ from profd.rollout.flush_wait import (
 from profd.rollout.replicas import ReplicaParallelism
 
 __all__ = [
+    "DirWatcher",
     "FlushWait",
     "IncompleteFile",
     "LocalRank",
@@ -329,9 +331,12 @@ def collect_engine_files(
     move: bool = True,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    watcher: DirWatcher | None = None,
 ) -> tuple[WaitResult, RelocationResult]:
     """:func:`wait_for_files`, then :func:`relocate_files` on what is complete."""
-    waited = wait_for_files(engine_dir, baseline, policy, expected, clock=clock, sleep=sleep)
+    waited = wait_for_files(
+        engine_dir, baseline, policy, expected, clock=clock, sleep=sleep, watcher=watcher
+    )
     moved = relocate_files(
         waited.complete,
         replica=replica,

@@ -39,12 +39,19 @@ from profd.rollout.engine_args import (
 )
 from profd.rollout.engines import EngineError, EngineErrorKind, EngineWindow, ProfilingEngine
 from profd.rollout.relocate import (
+    DirWatcher,
     FlushWait,
     replica_subdir_name,
     snapshot_stats,
 )
 from profd.rollout.replicas import ReplicaParallelism
-from profd.rollout.window_end import OpenWindow, finish_open_window, window_outcome
+from profd.rollout.window_end import (
+    OpenWindow,
+    StoppedWindow,
+    collect_stopped_window,
+    stop_open_window,
+    window_outcome,
+)
 from profd.rollout.windows import RolloutAgentInfo, WindowMode, WindowOutcome, WindowStart
 
 __all__ = [
@@ -110,6 +117,9 @@ class RolloutAgent:
         self.clock = clock  # the wall clock of window times (tests give their own)
         self._lock = threading.Lock()
         self._window: OpenWindow | None = None
+        #: The watchers of windows stopped since the last start: the next start freezes
+        #: them (what appears after it is that window's), and its window leaves them out.
+        self._watching: list[DirWatcher] = []
         self.windows_finished = 0
 
     # -- identity --------------------------------------------------------------------------
@@ -195,6 +205,13 @@ class RolloutAgent:
                     f"{self._window.session_id}; one window at a time"
                 )
                 return WindowStart(session_id, self.replica_index, False, reason)
+            # The windows stopped before may still be collected (their files settling):
+            # theirs are the files there now, in this window's baseline; what appears
+            # from here on is this window's (an engine may write before its stop: a token
+            # window ends by itself).
+            for watcher in self._watching:
+                watcher.freeze(time.monotonic())
+            self._watching = []
             window = self._open(
                 session_id, Path(session_dir), options, keep_global_ranks, _mode(mode), relocate
             )
@@ -276,6 +293,15 @@ class RolloutAgent:
     ) -> WindowOutcome:
         """Stop the engine's profiler, wait for its files, relocate them. Never raises.
         ``on_stopped``: called once the engine is stopped, before the wait for its files."""
+        stopped = self.stop_window(session_id, on_stopped)
+        return stopped if isinstance(stopped, WindowOutcome) else self.collect(stopped)
+
+    def stop_window(
+        self, session_id: str, on_stopped: Callable[[], None] | None = None
+    ) -> StoppedWindow | WindowOutcome:
+        """Stop the engine's profiler: the replica can start its next window at once, while
+        :meth:`collect` (on any thread) waits for this one's files. The outcome at once when
+        there is nothing to collect (no such window, a start that failed). Never raises."""
         with self._lock:
             window = self._window
             if window is None or window.session_id != session_id or window.finishing:
@@ -287,20 +313,39 @@ class RolloutAgent:
                 return self._outcome(session_id, WindowMode.CONTINUOUS, [why], [], None)
             window.finishing = True
         try:
-            return finish_open_window(self, window, on_stopped)
+            stopped = stop_open_window(self, window, on_stopped)
         except Exception as exc:
-            log.exception("replica %d: finishing session %s failed", self.replica_index, session_id)
-            return self._outcome(
-                session_id,
-                window.mode,
-                [f"internal error: {type(exc).__name__}: {exc}"],
-                window.warnings,
-                window.started_at,
-            )
-        finally:
-            with self._lock:
-                self._window = None
+            stopped = self._failed(window, exc)
+        with self._lock:
+            self._window = None
+            if isinstance(stopped, WindowOutcome):
                 self.windows_finished += 1
+            elif stopped.watcher is not None:
+                self._watching.append(stopped.watcher)
+        return stopped
+
+    def collect(self, stopped: StoppedWindow) -> WindowOutcome:
+        """Wait for a stopped window's files, relocate them and judge the window (on any
+        thread; the replica's next window may record meanwhile). Never raises."""
+        try:
+            outcome = collect_stopped_window(self, stopped)
+        except Exception as exc:
+            outcome = self._failed(stopped.window, exc)
+        with self._lock:
+            self.windows_finished += 1
+        return outcome
+
+    def _failed(self, window: OpenWindow, exc: Exception) -> WindowOutcome:
+        log.exception(
+            "replica %d: finishing session %s failed", self.replica_index, window.session_id
+        )
+        return self._outcome(
+            window.session_id,
+            window.mode,
+            [f"internal error: {type(exc).__name__}: {exc}"],
+            window.warnings,
+            window.started_at,
+        )
 
     def run_window(
         self,

@@ -13,8 +13,9 @@ engine's own profiler from the coordinator's plans:
 * **timed windows** (``duration_s``) run by themselves, for rollout-only sessions.
 
 Engine calls block (a vLLM stop returns only once its traces are written), so they run on a
-worker thread of this service, never on the poller; every failure becomes the replica's
-part outcome, never an exception.
+worker thread of this service, never on the poller; the wait for a stopped window's files
+runs on a collector thread, so a later group's window starts while they settle. Every
+failure becomes the replica's part outcome, never an exception.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from profd.core.ray_env import process_start, ray_context
 from profd.core.states import ControllerPhase
 from profd.rollout.engine_args import EngineProfileOptions
 from profd.rollout.rollout_agent import RolloutAgent
+from profd.rollout.window_end import StoppedWindow
 from profd.rollout.windows import WindowMode, WindowOutcome
 
 __all__ = ["RolloutService", "attach_rollout"]
@@ -63,11 +65,48 @@ class _Window:
     kept_in_subdir: list[str] = field(default_factory=list)
     incomplete: list[IncompleteFile] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: Steps whose engine stopped and whose files are being collected (off the worker).
+    collecting: set[int] = field(default_factory=set)
+    #: Why the window ended before its steps (its steps not recorded are missed for it).
+    ended: str | None = None
     done: bool = False
 
     @property
     def resolved(self) -> bool:
         return set(self.plan.steps) <= self.recorded | set(self.missed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Collected:
+    """A collection's outcome, handed back to the worker thread (which owns the windows)."""
+
+    session_id: str
+    group: tuple[int, ...]
+    outcome: WindowOutcome
+
+
+class _Collector:
+    """Collects stopped windows' files on a thread of its own, in the order they stopped,
+    so the worker can start the replica's next window meanwhile (a later group's step)."""
+
+    def __init__(self, agent: RolloutAgent, done: Callable[[_Collected], None]) -> None:
+        self._agent = agent
+        self._done = done
+        self._todo: queue.Queue[tuple[str, tuple[int, ...], StoppedWindow]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, session_id: str, group: tuple[int, ...], stopped: StoppedWindow) -> None:
+        self._todo.put((session_id, group, stopped))
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="profd-rollout-collect", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            sid, group, stopped = self._todo.get()
+            self._done(_Collected(sid, group, self._agent.collect(stopped)))  # never raises
 
 
 class _Confirm:
@@ -123,7 +162,9 @@ class RolloutService:
         self._windows: dict[str, _Window] = {}
         self._finished: set[str] = set()
         self._phase: tuple[int | None, ControllerPhase | None] = (None, None)
-        self._work: queue.Queue[AgentPlan | None] = queue.Queue()
+        self._work: queue.Queue[AgentPlan | _Collected | None] = queue.Queue()
+        self._collector = _Collector(agent, self._work.put)
+        self._closing = False
         self._timed: list[threading.Thread] = []
         self._timed_stop: dict[str, threading.Event] = {}
         self._channel = Channel(
@@ -164,15 +205,20 @@ class RolloutService:
 
     def _loop(self) -> None:
         while True:
-            plan = self._work.get()
-            if plan is None:
-                for w in list(self._windows.values()):
-                    self._end(w, "the replica's agent closed before these steps")
-                return
+            item = self._work.get()
             try:
-                self._handle(plan)
+                if item is None:
+                    self._closing = True
+                    for w in list(self._windows.values()):
+                        self._end(w, "the replica's agent closed before these steps")
+                elif isinstance(item, _Collected):
+                    self._on_collected(item)
+                elif not self._closing:
+                    self._handle(item)
             except Exception:  # never let a bug stop the replica's agent
                 log.exception("profd: rollout agent of replica %d failed", self.agent.replica_index)
+            if self._closing and not any(w.collecting for w in self._windows.values()):
+                return  # every window reported (the collections' outcomes came back)
 
     def _handle(self, plan: AgentPlan) -> None:
         wanted = {w.session_id: w for w in plan.windows}
@@ -200,6 +246,8 @@ class RolloutService:
             self._phase = phase
             step, now = int(phase[0]), ControllerPhase(phase[1])
             for w in list(self._windows.values()):
+                if w.ended is not None:  # its session is over; its files are being collected
+                    continue
                 done = PhaseDone(step, now)
                 sid = w.plan.session_id
                 confirm = _Confirm(self._emit, AgentEvent(EventKind.PHASE, sid, step, payload=done))
@@ -237,7 +285,7 @@ class RolloutService:
                 "colocated replica: mark generation with profd.controller().rollout() so "
                 "the engine's window closes before training stages"
             )
-        if w.resolved and w.open_group is None:
+        if w.resolved and w.open_group is None and not w.collecting:
             self._done(w)
 
     def _options(self, window: WindowPlan) -> EngineProfileOptions:
@@ -281,8 +329,28 @@ class RolloutService:
             if on_stopped is not None:
                 on_stopped()
 
-        outcome = self.agent.finish_window(sid, stopped)
+        result = self.agent.stop_window(sid, stopped)
         collecting()  # (no window was open: nothing was stopped)
+        if isinstance(result, WindowOutcome):  # nothing to collect
+            self._collected(w, result, group)
+            return
+        w.collecting.update(group)
+        self._collector.submit(sid, group, result)
+
+    def _on_collected(self, c: _Collected) -> None:
+        w = self._windows.get(c.session_id)
+        if w is None:  # (never: a window collecting is not done)
+            return
+        w.collecting.difference_update(c.group)
+        self._collected(w, c.outcome, c.group)
+        if w.collecting:
+            return
+        if w.ended is not None:
+            self._end(w, w.ended)
+        elif w.resolved and w.open_group is None:
+            self._done(w)
+
+    def _collected(self, w: _Window, outcome: WindowOutcome, group: tuple[int, ...]) -> None:
         if self._report(w, outcome, group):
             w.recorded.update(group)
         else:
@@ -303,6 +371,9 @@ class RolloutService:
     def _end(self, w: _Window, reason: str) -> None:
         if w.open_group is not None:
             self._finish(w)
+        w.ended = reason
+        if w.collecting:
+            return  # done once its files are collected (_on_collected)
         for s in w.plan.steps:
             if s not in w.recorded:
                 w.missed.setdefault(s, reason)

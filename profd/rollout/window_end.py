@@ -8,6 +8,7 @@ warning. No Ray import.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from profd.core.states import PartState
 from profd.rollout.engine_args import VLLM_START_BODY_SINCE, parse_vllm_version
 from profd.rollout.engines import EngineError, EngineErrorKind
 from profd.rollout.relocate import (
+    DirWatcher,
     FlushWait,
     IncompleteFile,
     RelocatedFile,
@@ -30,7 +32,13 @@ from profd.rollout.windows import WindowMode, WindowOutcome
 if TYPE_CHECKING:
     from profd.rollout.rollout_agent import RolloutAgent
 
-__all__ = ["OpenWindow", "finish_open_window", "window_outcome"]
+__all__ = [
+    "OpenWindow",
+    "StoppedWindow",
+    "collect_stopped_window",
+    "stop_open_window",
+    "window_outcome",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +64,25 @@ class OpenWindow:
     finishing: bool = False
 
 
-def finish_open_window(
+@dataclass
+class StoppedWindow:
+    """A window whose engine was stopped; its files are yet to be collected
+    (:func:`collect_stopped_window`), possibly while the replica's next window records."""
+
+    window: OpenWindow
+    problems: list[str]
+    warnings: list[str]
+    policy: FlushWait
+    stopped: bool
+    #: Which files are the window's: watched from the stop on, frozen when the engine's
+    #: next window starts (None: nothing to watch, the engine never started).
+    watcher: DirWatcher | None = None
+
+
+def stop_open_window(
     agent: RolloutAgent, w: OpenWindow, on_stopped: Callable[[], None] | None = None
-) -> WindowOutcome:
-    """Stop the engine, wait for its files, relocate them and judge the window.
+) -> StoppedWindow | WindowOutcome:
+    """Stop the engine's profiler; the outcome at once when the window never started.
     ``on_stopped``: called once the engine's profiler is stopped (or its stop failed),
     before the wait for files: a driver waiting on the stop goes on then, not seconds later
     when the files have settled."""
@@ -83,15 +106,24 @@ def finish_open_window(
     except Exception as exc:
         log.exception("replica %d: engine stop raised", agent.replica_index)
         problems.append(f"stop failed: {type(exc).__name__}: {exc}")
+    watcher = DirWatcher(w.window_dir, w.baseline, policy.check_gzip)
+    watcher.scan(time.monotonic())  # the window's files so far (the next start freezes it)
     _told(on_stopped)
+    return StoppedWindow(w, problems, warnings, policy, stopped, watcher)
+
+
+def collect_stopped_window(agent: RolloutAgent, s: StoppedWindow) -> WindowOutcome:
+    """Wait for the stopped window's files, relocate them and judge the window."""
+    w, problems, warnings = s.window, list(s.problems), list(s.warnings)
     waited, reloc = collect_engine_files(
         w.window_dir,
         w.baseline,
+        watcher=s.watcher,
         replica=agent.replica_index,
         parallelism=agent.parallelism,
         session_dir=w.session_dir,
         keep_global_ranks=w.keep,
-        policy=policy,
+        policy=s.policy,
         expected=_expected_files(agent),
         move=w.relocate,
     )
@@ -99,7 +131,7 @@ def finish_open_window(
     warnings.extend(_record_start(agent, w, reloc.files))
     unfinished = [i for i in reloc.incomplete if not is_side_file(Path(i.path).name)]
     if not reloc.files and not unfinished:
-        problems.append(_no_files_reason(agent, w, policy, stopped))
+        problems.append(_no_files_reason(agent, w, s.policy, s.stopped))
     if unfinished:
         problems.append(
             f"{len(unfinished)} file(s) still being written after {waited.waited_s:g}s; "

@@ -198,3 +198,25 @@ def test_side_file_rewritten_in_place_is_still_kept_with_the_session(engine_job)
         f"the session's {SIDE_FILE} was not kept with it; engine dir: "
         f"{sorted(p.name for p in engine_dir.iterdir())}, stale one was {stale_stat}"
     )
+
+
+def test_two_step_groups_each_hold_their_own_steps_generation(engine_job) -> None:
+    """Two separate step groups on the real engine: the second group's window starts at
+    its step while the first group's files are collected; each trace holds its own step's
+    request and nothing of the other's, and the driver heard of no late replica."""
+    job = engine_job
+    first = job.ahead()[0]
+    view = job.create({"steps": [first, first + 1], "roles": {"rollout": {"ranks": [0]}}})
+    assert [list(g) for g in view.groups] == [[first], [first + 1]]
+    view = job.run_to_end(view, _only_in([first, first + 1], PROMPT, 3, job))
+    assert view.state.value == "done", (view.state.value, view.reason, view.warnings)
+    assert _rollout_part(view).recorded_steps == [first, first + 1]
+    assert sorted(t.steps for t in view.traces) == [[first], [first + 1]]
+    spans = {s[0]: (s[1], s[2]) for s in job.steps}
+    for trace in view.traces:
+        (step,) = trace.steps
+        times = annotation_times_ns(read_chrome_trace(Path(trace.path)))
+        entered, exited = spans[step]
+        margin = 0.2e9  # (ns) the window opens as the step is announced, just before entry
+        assert times and entered * 1e9 - margin <= times[0] <= times[-1] <= exited * 1e9 + margin
+    assert not job.replies[first + 1].slow, job.replies[first + 1]

@@ -373,3 +373,53 @@ def test_no_start_record_when_a_token_window_delays_the_recording(tmp_path) -> N
         out = run(agent, fake, session, opts=opts, iterations=6)
     assert out.state is PartState.DONE, out.reason
     assert read_clock_hints(session) == {} and not (session / WINDOWS_FILE).exists()
+
+
+def test_the_next_window_starts_while_the_last_ones_files_are_collected(tmp_path) -> None:
+    """A stop frees the replica at once (a later group's window starts while the earlier
+    one's files settle). The files there when the next window starts are the earlier
+    window's; what appears after is the next one's (an engine may write a window's files
+    before its stop: a token window ends by itself), even while the earlier one collects."""
+    import shutil
+
+    fake, agent = vllm_pair(tmp_path, tp=1)
+    with fake:
+        assert agent.start_window("a", tmp_path / "a", OPTS, relocate=False).ok
+        fake.advance(2)
+        stopped = agent.stop_window("a")
+        assert agent.busy_with is None
+        (mine,) = [p for p in agent.trace_dir.iterdir() if p.name.endswith(".json.gz")]
+        late = mine.with_name(mine.name.replace(".", "8.", 1))  # a's, written after its stop
+        shutil.copy(mine, late)
+        assert agent.start_window("b", tmp_path / "b", OPTS, relocate=False).ok
+        early = mine.with_name(mine.name.replace(".", "9.", 1))  # b's, before b's stop
+        shutil.copy(mine, early)
+        a = agent.collect(stopped)
+        fake.advance(2)
+        b = agent.finish_window("b")
+    assert a.state is PartState.DONE
+    assert sorted(Path(t.path).name for t in a.traces) == sorted([mine.name, late.name])
+    assert b.state is PartState.DONE and len(b.traces) == 2
+    assert early.name in {Path(t.path).name for t in b.traces}
+    assert agent.windows_finished == 2
+
+
+def test_a_window_stopped_before_the_last_one_was_collected_keeps_its_own_files(
+    tmp_path,
+) -> None:
+    """Two windows stopped before either's files were collected (steps shorter than the
+    files' settle): what the second stop wrote is the second window's alone."""
+    fake, agent = vllm_pair(tmp_path, tp=1)
+    with fake:
+        assert agent.start_window("a", tmp_path / "a", OPTS).ok
+        fake.advance(2)
+        first = agent.stop_window("a")
+        assert agent.start_window("b", tmp_path / "b", OPTS).ok
+        fake.advance(2)
+        second = agent.stop_window("b")
+        a, b = agent.collect(first), agent.collect(second)  # the earlier one first
+    for out, session in ((a, "a"), (b, "b")):
+        assert out.state is PartState.DONE, out.reason
+        (trace,) = out.traces
+        assert Path(trace.path).is_relative_to(tmp_path / session), trace.path
+    assert agent.windows_finished == 2

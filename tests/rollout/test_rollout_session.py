@@ -389,3 +389,85 @@ def test_the_driver_waits_for_the_engines_stop_not_for_its_files(local_coordinat
     assert collecting != "done"  # the driver went on while the files settled
     # the stop, not the 4 s settle of its files: neither the step nor the next ones wait
     assert max(waits[step], waits[step + 1], waits[step + 2]) < 3.0, waits
+
+
+def test_a_later_groups_window_starts_while_the_earlier_ones_files_settle(
+    local_coordinator, tmp_path
+):
+    """Two steps in two groups on a replica of its own: the second group's engine window
+    starts when the driver announces its step, not once the first group's files settled
+    (it started seconds late, after the driver had gone on: the start of the step's
+    generation was not in its trace, and the driver warned that the step reached the
+    replica late). Each group's trace holds its own step."""
+    import time
+
+    from profd.rollout.relocate import FlushWait
+
+    slow_settle = FlushWait(
+        settle_s=4.0, gz_settle_s=4.0, poll_s=0.1, timeout_s=60, first_file_timeout_s=30
+    )
+    fake, agent = vllm_pair(tmp_path, replica=0, tp=1, flush=slow_settle)
+    with fake:
+        svc = RolloutService(
+            agent, replicas=1, find_link=local_coordinator.link, poll_timeout_s=1.0
+        ).start()
+        ctl = Controller(lambda: local_coordinator)  # profd's delivery timeout (1 s)
+        try:
+            wait_until(lambda: svc.connected, 10, what="replica registered")
+            with ctl.step(1):
+                pass
+            view = local_coordinator.call(
+                "create_session", {"next_steps": 2, "roles": {"rollout": {"all_ranks": True}}}
+            )
+            first, second = view.steps
+            assert [list(g) for g in view.groups] == [[first], [second]]
+            starts, waits = {}, {}
+            for n in range(2, second + 2):
+                began = time.monotonic()
+                with ctl.step(n):  # the replica's window is to be recording by now
+                    starts[n] = sum(1 for _, path, _ in fake.requests if path == "/start_profile")
+                    fake.advance(2)
+                waits[n] = time.monotonic() - began  # (its end waits for the engine's stop)
+            view = wait_terminal(local_coordinator, view.session_id, timeout=60)
+        finally:
+            ctl.close()
+            svc.close(timeout=30)
+    assert view.state.value == "done", view.reason
+    assert (starts[first], starts[second]) == (1, 2), starts
+    assert sorted(t.steps for t in view.traces) == [[first], [second]]
+    # no step waited for a 4 s settle: not the next group's start, nor its stop (the
+    # earlier window's files are told apart from the later one's as the later one stops)
+    assert max(waits.values()) < 3.0, waits
+
+
+def test_a_replica_closed_while_its_files_settle_still_hands_them_in(local_coordinator, tmp_path):
+    """The service closes (the job ends) right after the window's engine stopped: its
+    collection, on a thread of its own, still ends the part with the trace."""
+    from profd.rollout.relocate import FlushWait
+
+    slow_settle = FlushWait(
+        settle_s=2.0, gz_settle_s=2.0, poll_s=0.1, timeout_s=60, first_file_timeout_s=30
+    )
+    fake, agent = vllm_pair(tmp_path, replica=0, tp=1, flush=slow_settle)
+    with fake:
+        svc = RolloutService(
+            agent, replicas=1, find_link=local_coordinator.link, poll_timeout_s=1.0
+        ).start()
+        ctl = Controller(lambda: local_coordinator)
+        try:
+            wait_until(lambda: svc.connected, 10, what="replica registered")
+            with ctl.step(1):
+                pass
+            view = local_coordinator.call(
+                "create_session", {"next_steps": 1, "roles": {"rollout": {"all_ranks": True}}}
+            )
+            for n in range(2, view.steps[0] + 1):
+                with ctl.step(n):
+                    fake.advance(2)
+            assert local_coordinator.call("get_session", view.session_id).state.value != "done"
+        finally:
+            ctl.close()
+            svc.close(timeout=30)  # the files are still settling
+    view = wait_terminal(local_coordinator, view.session_id, timeout=30)
+    assert view.state.value == "done", view.reason
+    assert [t.steps for t in view.traces] == [list(view.steps)]
