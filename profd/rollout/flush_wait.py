@@ -185,10 +185,13 @@ class DirWatcher:
         self.seen: dict[str, _Seen] = {}
         self.last_new_at: float | None = None
         self.frozen = False
+        #: Files that changed after the freeze (rewritten in place): the next window's now.
+        self.given_up: list[str] = []
         self._lock = threading.Lock()
 
     def freeze(self, now: float) -> None:
-        """Scan once more, then take no new file (the files it holds still settle)."""
+        """Scan once more, then take no new file; those it holds are whole (only the watcher
+        of a window whose engine wrote its files before its stop returned is frozen)."""
         with self._lock:
             self._scan(now)
             self.frozen = True
@@ -237,6 +240,12 @@ class DirWatcher:
                 self.seen[name] = _Seen(st.st_size, st.st_mtime_ns, now)
                 self.last_new_at = now
             elif (old.size, old.mtime_ns) != (st.st_size, st.st_mtime_ns):
+                if self.frozen:
+                    # whole at the freeze, so rewritten in place (vLLM's side file) by the
+                    # next window: its content is that window's now, never this one's
+                    del self.seen[name]
+                    self.given_up.append(name)
+                    continue
                 self.seen[name] = _Seen(st.st_size, st.st_mtime_ns, now)
 
     def status(self, name: str, s: _Seen, now: float, settle_s: float, gz_settle_s: float) -> str:
@@ -247,7 +256,9 @@ class DirWatcher:
             return "the engine's temporary file (still being written)"
         quiet = now - s.changed_at
         gz = self.check_gzip and name.lower().endswith(".gz")
-        if quiet < (min(settle_s, gz_settle_s) if gz else settle_s):
+        # frozen: the engine's stop returned with its files written (only such a window's
+        # watcher is frozen) and its next window started; no quiet time to wait out
+        if not self.frozen and quiet < (min(settle_s, gz_settle_s) if gz else settle_s):
             return f"still changing ({s.size} bytes, last change {quiet:.1f}s before the end)"
         if gz:
             if s.gzip_ok is None:

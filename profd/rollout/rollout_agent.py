@@ -39,7 +39,6 @@ from profd.rollout.engine_args import (
 )
 from profd.rollout.engines import EngineError, EngineErrorKind, EngineWindow, ProfilingEngine
 from profd.rollout.relocate import (
-    DirWatcher,
     FlushWait,
     replica_subdir_name,
     snapshot_stats,
@@ -117,9 +116,8 @@ class RolloutAgent:
         self.clock = clock  # the wall clock of window times (tests give their own)
         self._lock = threading.Lock()
         self._window: OpenWindow | None = None
-        #: The watchers of windows stopped since the last start: the next start freezes
-        #: them (what appears after it is that window's), and its window leaves them out.
-        self._watching: list[DirWatcher] = []
+        #: Windows stopped whose files are not collected yet (see :meth:`_after_earlier`).
+        self._pending: list[StoppedWindow] = []
         self.windows_finished = 0
 
     # -- identity --------------------------------------------------------------------------
@@ -179,6 +177,21 @@ class RolloutAgent:
         if launch is not None and launch.version and hasattr(self.engine, "launch_version"):
             self.engine.launch_version = parse_vllm_version(launch.version)
 
+    def _after_earlier(self, earlier: list[StoppedWindow]) -> None:
+        """Before a window starts in the directory of windows still being collected: which
+        files are whose. An engine whose stop returns once its files are written (vLLM)
+        wrote the earlier windows' files already: they are fixed now (their watchers take
+        no file that appears from here on, the new window's, such as a token window's
+        written before its stop), and the new window starts at once while they settle.
+        Otherwise (SGLang's stop may answer before its files exist; a stop that failed),
+        the new window starts once the earlier ones' files are in, as a wait would tell
+        them apart no better."""
+        for p in earlier:
+            if p.watcher is not None and p.stopped and self.engine.flavor == "vllm":
+                p.watcher.freeze(time.monotonic())
+            else:
+                p.collected.wait()  # (each collection ends: bounded by its flush timeout)
+
     @property
     def busy_with(self) -> str | None:
         """The session whose window is open on this replica, if any."""
@@ -205,17 +218,14 @@ class RolloutAgent:
                     f"{self._window.session_id}; one window at a time"
                 )
                 return WindowStart(session_id, self.replica_index, False, reason)
-            # The windows stopped before may still be collected (their files settling):
-            # theirs are the files there now, in this window's baseline; what appears
-            # from here on is this window's (an engine may write before its stop: a token
-            # window ends by itself).
-            for watcher in self._watching:
-                watcher.freeze(time.monotonic())
-            self._watching = []
             window = self._open(
                 session_id, Path(session_dir), options, keep_global_ranks, _mode(mode), relocate
             )
             self._window = window
+            earlier = [p for p in self._pending if p.window.window_dir == window.window_dir]
+        if earlier:
+            self._after_earlier(earlier)
+            window.baseline = snapshot_stats(window.window_dir)  # (they are settled, or fixed)
         if window.start_error is None:
             try:
                 engine_window = EngineWindow(str(window.window_dir), options)
@@ -320,8 +330,8 @@ class RolloutAgent:
             self._window = None
             if isinstance(stopped, WindowOutcome):
                 self.windows_finished += 1
-            elif stopped.watcher is not None:
-                self._watching.append(stopped.watcher)
+            else:
+                self._pending.append(stopped)
         return stopped
 
     def collect(self, stopped: StoppedWindow) -> WindowOutcome:
@@ -333,6 +343,9 @@ class RolloutAgent:
             outcome = self._failed(stopped.window, exc)
         with self._lock:
             self.windows_finished += 1
+            if stopped in self._pending:
+                self._pending.remove(stopped)
+        stopped.collected.set()
         return outcome
 
     def _failed(self, window: OpenWindow, exc: Exception) -> WindowOutcome:

@@ -96,12 +96,16 @@ class _Collector:
         self._thread: threading.Thread | None = None
 
     def submit(self, session_id: str, group: tuple[int, ...], stopped: StoppedWindow) -> None:
-        self._todo.put((session_id, group, stopped))
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="profd-rollout-collect", daemon=True
-            )
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name="profd-rollout-collect", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: collect here, as before
+                log.warning("profd: no collector thread (%s); collecting on the worker", exc)
+                self._done(_Collected(session_id, group, self._agent.collect(stopped)))
+                return
+            self._thread = thread
+        self._todo.put((session_id, group, stopped))
 
     def _run(self) -> None:
         while True:
@@ -266,6 +270,7 @@ class RolloutService:
                 s < step
                 and s not in w.recorded
                 and s not in w.missed
+                and s not in w.collecting
                 and (w.open_group is None or s not in w.open_group)
             ):
                 w.missed[s] = "the driver's step passed before the replica's window could start"
@@ -280,6 +285,7 @@ class RolloutService:
             and step in w.group_of
             and w.open_group is None
             and step not in w.recorded
+            and step not in w.collecting
         ):
             w.missed[step] = (
                 "colocated replica: mark generation with profd.controller().rollout() so "
@@ -340,6 +346,7 @@ class RolloutService:
     def _on_collected(self, c: _Collected) -> None:
         w = self._windows.get(c.session_id)
         if w is None:  # (never: a window collecting is not done)
+            log.error("profd: a collection came back for session %s, not open", c.session_id)
             return
         w.collecting.difference_update(c.group)
         self._collected(w, c.outcome, c.group)

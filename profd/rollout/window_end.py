@@ -8,6 +8,7 @@ warning. No Ray import.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ class StoppedWindow:
     #: Which files are the window's: watched from the stop on, frozen when the engine's
     #: next window starts (None: nothing to watch, the engine never started).
     watcher: DirWatcher | None = None
+    #: Set once its files were collected.
+    collected: threading.Event = field(default_factory=threading.Event)
 
 
 def stop_open_window(
@@ -131,7 +134,12 @@ def collect_stopped_window(agent: RolloutAgent, s: StoppedWindow) -> WindowOutco
     warnings.extend(_record_start(agent, w, reloc.files))
     unfinished = [i for i in reloc.incomplete if not is_side_file(Path(i.path).name)]
     if not reloc.files and not unfinished:
-        problems.append(_no_files_reason(agent, w, s.policy, s.stopped))
+        frozen = s.watcher is not None and s.watcher.frozen and waited.note
+        problems.append(
+            f"replica {agent.replica_index}: {waited.note} ({w.window_dir})"
+            if frozen
+            else _no_files_reason(agent, w, s.policy, s.stopped)
+        )
     if unfinished:
         problems.append(
             f"{len(unfinished)} file(s) still being written after {waited.waited_s:g}s; "
@@ -141,6 +149,11 @@ def collect_stopped_window(agent: RolloutAgent, s: StoppedWindow) -> WindowOutco
         f"side file {Path(i.path).name} was still being written; left in {w.window_dir}"
         for i in reloc.incomplete
         if i not in unfinished
+    )
+    warnings.extend(
+        f"side file {name} was written again by the engine's next window before it "
+        f"settled: left to that window, in {w.window_dir}"
+        for name in (s.watcher.given_up if s.watcher is not None else ())
     )
     problems.extend(_missing_ranks(agent, w, reloc.files, warnings))
     return window_outcome(
