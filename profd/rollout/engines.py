@@ -110,7 +110,9 @@ class EngineWindow:
 
 
 class ProfilingEngine(Protocol):
-    """What the rollout agent needs from an engine adapter."""
+    """What the rollout agent needs from an engine adapter. Optional: a true
+    ``stop_writes_files`` attribute says :meth:`stop` returns only once the engine's files
+    are written (the replica's next window then starts while they settle)."""
 
     kind: EngineKind
     #: Whose semantics apply: vLLM (settings fixed at launch) or SGLang (per request).
@@ -204,6 +206,9 @@ class VllmHttpEngine(_HttpEngine):
 
     kind = EngineKind.VLLM
     flavor: Flavor = "vllm"
+    #: ``/stop_profile`` answers once every worker wrote its files (vLLM's profiler stops
+    #: and exports inside the call): a replica's next window may start while they settle.
+    stop_writes_files = True
 
     def __init__(self, *args: Any, version: str | None = None, **kwargs: Any) -> None:
         """``version``: the server's vLLM version when known (else read from ``/version``
@@ -352,7 +357,8 @@ class InProcessEngine:
     (output_dir, start_step, num_steps, activities, with_stack, record_shapes) as keywords;
     ``"vllm"`` passes none (vLLM's settings were fixed when the engine was built). Async
     methods run on ``loop`` when given (an engine bound to its own event loop), else on a
-    private loop.
+    private loop. ``stop_writes_files``: its ``stop_profile()`` returns once its files are
+    written (see :class:`VllmHttpEngine`).
     """
 
     kind = EngineKind.IN_PROCESS
@@ -365,6 +371,7 @@ class InProcessEngine:
         timeouts: EngineTimeouts | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         name: str = "in-process",
+        stop_writes_files: bool = False,
     ) -> None:
         for method in ("start_profile", "stop_profile"):
             if not callable(getattr(engine, method, None)):
@@ -376,6 +383,11 @@ class InProcessEngine:
         self.endpoint = name
         self.timeouts = timeouts or EngineTimeouts()
         self._loop = loop
+        #: Whether ``stop_profile()`` returns only once the engine's files are written
+        #: (vLLM's ``LLM.stop_profile`` does; say so to let the replica's next window start
+        #: while they settle). Not assumed: a stop that returns earlier would hand the
+        #: earlier window's late files to the next window.
+        self.stop_writes_files = stop_writes_files
 
     @property
     def output_dir_per_window(self) -> bool:

@@ -180,17 +180,18 @@ class RolloutAgent:
     def _after_earlier(self, earlier: list[StoppedWindow]) -> None:
         """Before a window starts in the directory of windows still being collected: which
         files are whose. An engine whose stop returns once its files are written (vLLM)
-        wrote the earlier windows' files already: they are fixed now (their watchers take
-        no file that appears from here on, the new window's, such as a token window's
-        written before its stop), and the new window starts at once while they settle.
+        wrote the earlier windows' files already (``stop_writes_files``): they are fixed
+        now (their watchers take no file that appears from here on, the new window's, such
+        as a token window's written before its stop), and the new window starts at once.
         Otherwise (SGLang's stop may answer before its files exist; a stop that failed),
-        the new window starts once the earlier ones' files are in, as a wait would tell
-        them apart no better."""
+        the new window starts once the earlier ones' files are in: collected here, or
+        waited for when another thread collects them."""
+        writes_at_stop = getattr(self.engine, "stop_writes_files", False)
         for p in earlier:
-            if p.watcher is not None and p.stopped and self.engine.flavor == "vllm":
+            if p.watcher is not None and p.stopped and writes_at_stop:
                 p.watcher.freeze(time.monotonic())
-            else:
-                p.collected.wait()  # (each collection ends: bounded by its flush timeout)
+            else:  # here, unless another thread collects it (it ends: its flush timeout)
+                self.collect(p)
 
     @property
     def busy_with(self) -> str | None:
@@ -336,7 +337,14 @@ class RolloutAgent:
 
     def collect(self, stopped: StoppedWindow) -> WindowOutcome:
         """Wait for a stopped window's files, relocate them and judge the window (on any
-        thread; the replica's next window may record meanwhile). Never raises."""
+        thread; the replica's next window may record meanwhile); once per window (a second
+        call waits for the first and answers the same). Never raises."""
+        with self._lock:
+            taken, stopped.taken = stopped.taken, True
+        if taken:
+            stopped.collected.wait()
+            assert stopped.outcome is not None  # (set before collected)
+            return stopped.outcome
         try:
             outcome = collect_stopped_window(self, stopped)
         except Exception as exc:
@@ -345,6 +353,7 @@ class RolloutAgent:
             self.windows_finished += 1
             if stopped in self._pending:
                 self._pending.remove(stopped)
+        stopped.outcome = outcome
         stopped.collected.set()
         return outcome
 

@@ -78,8 +78,10 @@ class StoppedWindow:
     #: Which files are the window's: watched from the stop on, frozen when the engine's
     #: next window starts (None: nothing to watch, the engine never started).
     watcher: DirWatcher | None = None
-    #: Set once its files were collected.
+    #: Set once its files were collected (``outcome``); ``taken``: a collection began.
     collected: threading.Event = field(default_factory=threading.Event)
+    outcome: WindowOutcome | None = None
+    taken: bool = False
 
 
 def stop_open_window(
@@ -134,12 +136,8 @@ def collect_stopped_window(agent: RolloutAgent, s: StoppedWindow) -> WindowOutco
     warnings.extend(_record_start(agent, w, reloc.files))
     unfinished = [i for i in reloc.incomplete if not is_side_file(Path(i.path).name)]
     if not reloc.files and not unfinished:
-        frozen = s.watcher is not None and s.watcher.frozen and waited.note
-        problems.append(
-            f"replica {agent.replica_index}: {waited.note} ({w.window_dir})"
-            if frozen
-            else _no_files_reason(agent, w, s.policy, s.stopped)
-        )
+        frozen = s.watcher is not None and s.watcher.frozen
+        problems.append(_no_files_reason(agent, w, s.policy, s.stopped, frozen))
     if unfinished:
         problems.append(
             f"{len(unfinished)} file(s) still being written after {waited.waited_s:g}s; "
@@ -212,11 +210,16 @@ def _expected_files(agent: RolloutAgent) -> int:
     return agent.world_size + extra
 
 
-def _no_files_reason(agent: RolloutAgent, w: OpenWindow, policy: FlushWait, stopped: bool) -> str:
+def _no_files_reason(
+    agent: RolloutAgent, w: OpenWindow, policy: FlushWait, stopped: bool, frozen: bool = False
+) -> str:
     if not stopped:  # the stop's own failure says why; what is on disk was looked at
         return f"no trace file in {w.window_dir}"
     reason = (
-        f"no trace file appeared in {w.window_dir} within "
+        f"no trace file in {w.window_dir} when its stop returned (the engine's next window "
+        "has started: what appears now is that window's)"
+        if frozen
+        else f"no trace file appeared in {w.window_dir} within "
         f"{policy.first_file_timeout_s:g}s after stop"
     )
     if agent.engine.flavor == "vllm":

@@ -170,3 +170,50 @@ def test_a_side_file_rewritten_in_place_is_never_taken_with_the_next_windows_con
     else:
         assert a.side_files == ()
         assert any("written again by the engine's next window" in w for w in a.warnings)
+
+
+def test_a_start_on_the_thread_that_stopped_collects_the_earlier_window_first(tmp_path):
+    """The agent used alone, one thread: stop, then start again in the same directory,
+    with an engine whose stop answers before its files (SGLang). The start collects the
+    earlier window itself (nobody else would: it waited forever), and a later ``collect``
+    answers with that same outcome."""
+    import threading
+
+    fake, agent = sglang_pair(tmp_path, tp=1, stop_blocks=False, appear_delay_s=0.3)
+    with fake:
+        assert agent.start_window("a", tmp_path / "s", OPTS).ok
+        fake.advance(2)
+        first = agent.stop_window("a")
+        started: list[Any] = []
+        start = threading.Thread(  # (a thread: the test ends if it hangs, as it did)
+            target=lambda: started.append(agent.start_window("b", tmp_path / "s", OPTS)),
+            daemon=True,
+        )
+        start.start()
+        start.join(30)
+        assert started and started[0].ok, started
+        a = agent.collect(first)
+        assert a is agent.collect(first) and a.state.value == "done", a.reason
+        assert len(a.traces) == 1 and agent.windows_finished == 1
+        fake.advance(2)
+        b = agent.finish_window("b")
+    assert b.state.value == "done" and len(b.traces) == 1, b.reason
+    assert b.traces[0].path != a.traces[0].path
+
+
+def test_a_frozen_window_without_files_says_why_once_with_vllms_hints(tmp_path):
+    """A vLLM before 0.32 writes nothing after a repeated start/stop in one process: the
+    second window, frozen by a third's start, says so (its reason named the replica twice
+    and lost the hint)."""
+    fake, agent = vllm_pair(tmp_path, tp=1, version="0.31.0", no_files_after_first_window=True)
+    with fake:
+        for sid in ("a", "b"):
+            assert agent.start_window(sid, tmp_path / sid, OPTS).ok
+            fake.advance(2)
+            stopped = agent.stop_window(sid)
+        assert agent.start_window("c", tmp_path / "c", OPTS).ok
+        b = agent.collect(stopped)
+        agent.finish_window("c")
+    assert b.state.value != "done" and not b.traces
+    assert b.reason.count("replica 0") == 1, b.reason
+    assert "when its stop returned" in b.reason and "before 0.32" in b.reason, b.reason
