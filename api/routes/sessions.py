@@ -58,6 +58,15 @@ class SessionList(BaseModel):
     )
 
 
+def under(root: str, exc: RequestInvalid) -> RequestInvalid:
+    """``exc`` with its fields named under ``root`` of the body (a trigger's ``session``)."""
+    if not root:
+        return exc
+    return RequestInvalid.from_fields(
+        [f.model_copy(update={"field": f"{root}.{f.field}"}) for f in exc.fields]
+    )
+
+
 def upload_prefix_first(root: str = "") -> Any:
     """A dependency: an ``upload_uri`` (under ``root`` of the body) outside every allowed
     prefix is refused before the body's model checks it, so the user hears the operator's
@@ -79,11 +88,7 @@ def upload_prefix_first(root: str = "") -> Any:
             try:
                 confine_upload_uri(uri, config.upload_prefixes)
             except RequestInvalid as exc:
-                if not root:
-                    raise
-                raise RequestInvalid.from_fields(
-                    [f.model_copy(update={"field": f"{root}.{f.field}"}) for f in exc.fields]
-                ) from None
+                raise under(root, exc) from None
 
     return check
 
@@ -148,11 +153,7 @@ async def check_session_fields(
         _check_window(body, config.max_window_steps)
         await _confine(body, client, config)
     except RequestInvalid as exc:
-        if not root:
-            raise
-        raise RequestInvalid.from_fields(
-            [f.model_copy(update={"field": f"{root}.{f.field}"}) for f in exc.fields]
-        ) from None
+        raise under(root, exc) from None
 
 
 def _check_window(body: SessionRequest, limit: int) -> None:

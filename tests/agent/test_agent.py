@@ -243,6 +243,21 @@ def test_cancel_keeps_what_was_recorded(local_coordinator) -> None:
     agent.close()
 
 
+def cancel_inside_step(owner: Any, agent: ProfilerAgent, session_id: str, step: int) -> Any:
+    """Step ``step``: its first stage, the session cancelled, then a second stage (whose
+    mark ends the window, inside the step); the session's one trace."""
+    with agent.step(step):
+        with agent.stage("compute_log_prob"):
+            MODEL(torch.randn(8, 16))
+        owner.call("cancel_session", session_id)
+        wait_until(lambda: not agent.plan.windows, 10, what="window withdrawn")
+        with agent.stage("update"):
+            MODEL(torch.randn(8, 16))
+    wait_until(lambda: owner.call("list_traces", session_id), 10, what="trace indexed")
+    (trace,) = owner.call("list_traces", session_id)
+    return trace
+
+
 def test_a_step_cancelled_midway_is_named_partial_in_the_trace(local_coordinator) -> None:
     """The trace keeps what the cut step recorded, but its header names the steps held whole
     (``profd.steps``), so a summary leaves the cut one out instead of counting it short."""
@@ -254,15 +269,7 @@ def test_a_step_cancelled_midway_is_named_partial_in_the_trace(local_coordinator
     view = owner.call("create_session", {"steps": [1, 2, 3], "profile_continuous_steps": True})
     wait_armed(agent, view.session_id)
     train_step(agent, 1)
-    with agent.step(2):
-        with agent.stage("compute_log_prob"):
-            MODEL(torch.randn(8, 16))
-        owner.call("cancel_session", view.session_id)
-        wait_until(lambda: not agent.plan.windows, 10, what="window withdrawn")
-        with agent.stage("update"):  # the window ends at this mark, inside step 2
-            MODEL(torch.randn(8, 16))
-    wait_until(lambda: owner.call("list_traces", view.session_id), 10, what="trace indexed")
-    (trace,) = owner.call("list_traces", view.session_id)
+    trace = cancel_inside_step(owner, agent, view.session_id, 2)
     assert trace.steps == [1]
     data = read_trace(trace.path)
     assert {"step1", "step2"} <= set(user_ranges(data))  # the cut step's start is still there
@@ -293,15 +300,7 @@ def test_a_window_cut_in_its_only_step_credits_no_stage(local_coordinator) -> No
     train_step(agent, 0)
     view = owner.call("create_session", {"steps": [1, 2]})
     wait_armed(agent, view.session_id)
-    with agent.step(1):
-        with agent.stage("compute_log_prob"):
-            MODEL(torch.randn(8, 16))
-        owner.call("cancel_session", view.session_id)
-        wait_until(lambda: not agent.plan.windows, 10, what="window withdrawn")
-        with agent.stage("update"):  # the window ends at this mark, inside step 1
-            MODEL(torch.randn(8, 16))
-    wait_until(lambda: owner.call("list_traces", view.session_id), 10, what="trace indexed")
-    (trace,) = owner.call("list_traces", view.session_id)
+    trace = cancel_inside_step(owner, agent, view.session_id, 1)
     assert read_trace(trace.path)["profd"]["steps"] == []
     summary = summarize_dir(Path(trace.path).parent)
     assert summary.files[0].partial_steps == [1] and summary.stage_times == []

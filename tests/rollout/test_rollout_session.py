@@ -4,7 +4,8 @@ HTTP, real training agents, an in-process coordinator and a single-controller dr
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -391,6 +392,30 @@ def test_the_driver_waits_for_the_engines_stop_not_for_its_files(local_coordinat
     assert max(waits[step], waits[step + 1], waits[step + 2]) < 3.0, waits
 
 
+@contextmanager
+def slow_files_replica(owner: Any, tmp_path: Path, settle_s: float) -> Iterator[Any]:
+    """A replica of its own devices (one vLLM fake, tp=1) whose files settle for
+    ``settle_s``, connected, and the driver (profd's delivery timeout, 1 s) past step 1;
+    yields (fake, service, controller). The service closes at the end, files or not."""
+    from profd.rollout.relocate import FlushWait
+
+    flush = FlushWait(
+        settle_s=settle_s, gz_settle_s=settle_s, poll_s=0.1, timeout_s=60, first_file_timeout_s=30
+    )
+    fake, agent = vllm_pair(tmp_path, replica=0, tp=1, flush=flush)
+    with fake:
+        svc = RolloutService(agent, replicas=1, find_link=owner.link, poll_timeout_s=1.0).start()
+        ctl = Controller(lambda: owner)
+        try:
+            wait_until(lambda: svc.connected, 10, what="replica registered")
+            with ctl.step(1):
+                pass
+            yield fake, svc, ctl
+        finally:
+            ctl.close()
+            svc.close(timeout=30)
+
+
 def test_a_later_groups_window_starts_while_the_earlier_ones_files_settle(
     local_coordinator, tmp_path
 ):
@@ -401,73 +426,40 @@ def test_a_later_groups_window_starts_while_the_earlier_ones_files_settle(
     replica late). Each group's trace holds its own step."""
     import time
 
-    from profd.rollout.relocate import FlushWait
-
-    slow_settle = FlushWait(
-        settle_s=4.0, gz_settle_s=4.0, poll_s=0.1, timeout_s=60, first_file_timeout_s=30
-    )
-    fake, agent = vllm_pair(tmp_path, replica=0, tp=1, flush=slow_settle)
-    with fake:
-        svc = RolloutService(
-            agent, replicas=1, find_link=local_coordinator.link, poll_timeout_s=1.0
-        ).start()
-        ctl = Controller(lambda: local_coordinator)  # profd's delivery timeout (1 s)
-        try:
-            wait_until(lambda: svc.connected, 10, what="replica registered")
-            with ctl.step(1):
-                pass
-            view = local_coordinator.call(
-                "create_session", {"next_steps": 2, "roles": {"rollout": {"all_ranks": True}}}
-            )
-            first, second = view.steps
-            assert [list(g) for g in view.groups] == [[first], [second]]
-            starts, waits = {}, {}
-            for n in range(2, second + 2):
-                began = time.monotonic()
-                with ctl.step(n):  # the replica's window is to be recording by now
-                    starts[n] = sum(1 for _, path, _ in fake.requests if path == "/start_profile")
-                    fake.advance(2)
-                waits[n] = time.monotonic() - began  # (its end waits for the engine's stop)
-            view = wait_terminal(local_coordinator, view.session_id, timeout=60)
-        finally:
-            ctl.close()
-            svc.close(timeout=30)
+    with slow_files_replica(local_coordinator, tmp_path, 4.0) as (fake, _, ctl):
+        view = local_coordinator.call(
+            "create_session", {"next_steps": 2, "roles": {"rollout": {"all_ranks": True}}}
+        )
+        first, second = view.steps
+        assert [list(g) for g in view.groups] == [[first], [second]]
+        starts, waits = {}, {}
+        for n in range(2, second + 2):
+            began = time.monotonic()
+            with ctl.step(n):  # the replica's window is to be recording by now
+                starts[n] = sum(1 for _, path, _ in fake.requests if path == "/start_profile")
+                fake.advance(2)
+            waits[n] = time.monotonic() - began  # (its end waits for the engine's stop)
+        view = wait_terminal(local_coordinator, view.session_id, timeout=60)
     assert view.state.value == "done", view.reason
     assert (starts[first], starts[second]) == (1, 2), starts
     assert sorted(t.steps for t in view.traces) == [[first], [second]]
     # no step waited for a 4 s settle: not the next group's start, nor its stop (the
-    # earlier window's files are told apart from the later one's as the later one stops)
+    # earlier window's files are told apart from the later one's as the later one starts)
     assert max(waits.values()) < 3.0, waits
 
 
 def test_a_replica_closed_while_its_files_settle_still_hands_them_in(local_coordinator, tmp_path):
     """The service closes (the job ends) right after the window's engine stopped: its
     collection, on a thread of its own, still ends the part with the trace."""
-    from profd.rollout.relocate import FlushWait
-
-    slow_settle = FlushWait(
-        settle_s=2.0, gz_settle_s=2.0, poll_s=0.1, timeout_s=60, first_file_timeout_s=30
-    )
-    fake, agent = vllm_pair(tmp_path, replica=0, tp=1, flush=slow_settle)
-    with fake:
-        svc = RolloutService(
-            agent, replicas=1, find_link=local_coordinator.link, poll_timeout_s=1.0
-        ).start()
-        ctl = Controller(lambda: local_coordinator)
-        try:
-            wait_until(lambda: svc.connected, 10, what="replica registered")
-            with ctl.step(1):
-                pass
-            view = local_coordinator.call(
-                "create_session", {"next_steps": 1, "roles": {"rollout": {"all_ranks": True}}}
-            )
-            for n in range(2, view.steps[0] + 1):
-                with ctl.step(n):
-                    fake.advance(2)
-            assert local_coordinator.call("get_session", view.session_id).state.value != "done"
-        finally:
-            ctl.close()
-            svc.close(timeout=30)  # the files are still settling
+    with slow_files_replica(local_coordinator, tmp_path, 2.0) as (fake, _, ctl):
+        view = local_coordinator.call(
+            "create_session", {"next_steps": 1, "roles": {"rollout": {"all_ranks": True}}}
+        )
+        for n in range(2, view.steps[0] + 1):
+            with ctl.step(n):
+                fake.advance(2)
+        assert local_coordinator.call("get_session", view.session_id).state.value != "done"
+    # (closed with the files still settling)
     view = wait_terminal(local_coordinator, view.session_id, timeout=30)
     assert view.state.value == "done", view.reason
     assert [t.steps for t in view.traces] == [list(view.steps)]
