@@ -143,8 +143,12 @@ def summarize_digests(
     """Build the summary from digests (see :func:`digest_all`). ``hints``: where relative
     files started (default: profd's record beside each file, :func:`.clocks.hints_for`)."""
     rule = rule or StragglerRule()
+    if hints is None:
+        hints = hints_for(d.path for d in digests if d.error is None)
     ok, skipped, placed = _on_one_clock(digests, hints)
-    idents = {d.path: identify(Path(d.path).name, d.header) for d in ok}
+    idents = {
+        d.path: _with_step(identify(Path(d.path).name, d.header), hints.get(d.path)) for d in ok
+    }
     by_key, file_count = _track_keys(ok, idents)
     ordered = sorted(by_key.values(), key=track_order)
     label = {i.key: i.label for i in ordered}
@@ -189,6 +193,15 @@ def summarize_digests(
         straggler_rule=rule,
         processing=_processing(digests, stats, started),
     )
+
+
+def _with_step(ident: TrackIdentity, hint: ClockHint | None) -> TrackIdentity:
+    """A rollout engine's trace has no step marks: the step its window was for, when profd
+    noted one beside it (a window of one step; a group of several keeps none)."""
+    one = hint is not None and len(hint.steps) == 1
+    if ident.kind == "rollout" and ident.step is None and one:
+        return replace(ident, step=hint.steps[0])  # type: ignore[union-attr]
+    return ident
 
 
 def _on_one_clock(

@@ -41,18 +41,34 @@ class ClockHint:
     start_us: float
     uncertainty_us: float
     source: str
+    #: The job's steps the window was for (a rollout engine's trace has no step marks of
+    #: its own); empty when not recorded.
+    steps: tuple[int, ...] = ()
 
 
 def record_window_files(
-    directory: Path | str, names: Iterable[str], before_s: float, after_s: float, source: str
+    directory: Path | str,
+    names: Iterable[str],
+    before_s: float,
+    after_s: float,
+    source: str,
+    steps: Iterable[int] = (),
 ) -> None:
     """Append one line per file of ``names`` (inside ``directory``): its engine was told to
-    start between wall-clock ``before_s`` and ``after_s`` (seconds since the epoch)."""
+    start between wall-clock ``before_s`` and ``after_s`` (seconds since the epoch), for the
+    job's ``steps`` (when known)."""
     if after_s < before_s:
         raise ValueError(f"after_s: must be >= before_s ({before_s}), got {after_s}")
+    steps = [int(n) for n in steps]
     lines = b"".join(
         orjson.dumps(
-            {"file": name, "start_before_s": before_s, "start_after_s": after_s, "source": source}
+            {
+                "file": name,
+                "start_before_s": before_s,
+                "start_after_s": after_s,
+                "source": source,
+                **({"steps": steps} if steps else {}),
+            }
         )
         + b"\n"
         for name in names
@@ -93,7 +109,14 @@ def read_clock_hints(directory: Path | str) -> dict[str, ClockHint]:
         if after < before:
             bad += 1
             continue
-        hints[name] = ClockHint((before + after) / 2 * 1e6, (after - before) / 2 * 1e6, source)
+        steps = rec.get("steps")
+        ok = isinstance(steps, list) and all(type(n) is int for n in steps)
+        hints[name] = ClockHint(
+            (before + after) / 2 * 1e6,
+            (after - before) / 2 * 1e6,
+            source,
+            tuple(steps) if ok else (),
+        )
     if bad:
         log.warning("%s: %d line(s) could not be read and were left out", path, bad)
     return hints

@@ -209,9 +209,11 @@ class RolloutAgent:
         mode: WindowMode | str = WindowMode.CONTINUOUS,
         *,
         relocate: bool = True,
+        steps: Iterable[int] = (),
     ) -> WindowStart:
         """Start the engine's profiler for ``session_id``. Never raises on engine failure:
-        a failed start is reported here and again by :meth:`finish_window`."""
+        a failed start is reported here and again by :meth:`finish_window`. ``steps``: the
+        job's steps the window is for (noted beside its files, for the analysis)."""
         with self._lock:
             if self._window is not None:
                 reason = (
@@ -222,6 +224,7 @@ class RolloutAgent:
             window = self._open(
                 session_id, Path(session_dir), options, keep_global_ranks, _mode(mode), relocate
             )
+            window.steps = tuple(int(n) for n in steps)
             self._window = window
             earlier = [p for p in self._pending if p.window.window_dir == window.window_dir]
         if earlier:

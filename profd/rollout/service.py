@@ -300,6 +300,7 @@ class RolloutService:
     def _start(self, w: _Window, step: int) -> None:
         window = w.plan
         mode = WindowMode.DISCRETE if window.discrete else WindowMode.CONTINUOUS
+        group = tuple(s for s in w.group_of[step] if s >= step)
         try:
             started = self.agent.start_window(
                 window.session_id,
@@ -307,13 +308,13 @@ class RolloutService:
                 self._options(window),
                 window.keep_global_ranks,
                 mode,
+                steps=group,
             )
         except ValueError as exc:  # options the engine cannot take
             started = None
             reason = str(exc)
         if started is not None and started.ok:
-            group = w.group_of[step]
-            w.open_group = tuple(s for s in group if s >= step)
+            w.open_group = group
             w.warnings.extend(started.warnings)
             self._emit(AgentEvent(EventKind.RECORDING, window.session_id, step))
             return

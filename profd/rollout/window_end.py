@@ -56,6 +56,8 @@ class OpenWindow:
     mode: WindowMode
     relocate: bool
     started_at: float
+    #: The job's steps the window records (when its caller says; noted beside the files).
+    steps: tuple[int, ...] = ()
     warnings: list[str] = field(default_factory=list)
     start_error: str | None = None
     #: The start timed out: the engine may have started anyway.
@@ -188,7 +190,7 @@ def _record_start(agent: RolloutAgent, w: OpenWindow, files: Sequence[RelocatedF
     source = f"start of replica {agent.replica_index}'s profiling window"
     try:
         for directory, names in by_dir.items():
-            record_window_files(directory, names, *w.start_call, source)
+            record_window_files(directory, names, *w.start_call, source, w.steps)
     except (OSError, ValueError) as exc:
         log.warning("replica %d: cannot record the window start: %s", agent.replica_index, exc)
         return [f"the window's start time was not recorded beside the traces: {exc}"]

@@ -105,6 +105,15 @@ def test_the_record_round_trips_and_a_bad_line_is_left_out(tmp_path, caplog) -> 
     assert read_clock_hints(tmp_path / "missing") == {}
     with pytest.raises(ValueError, match="after_s"):
         record_window_files(tmp_path, ["x"], 2.0, 1.0, "w")
+    assert hints["x.json.gz"].steps == ()  # not said
+
+
+def test_the_record_keeps_the_steps_of_a_window(tmp_path) -> None:
+    record_window_files(tmp_path, ["a.json.gz"], 1.0, 1.5, "w", steps=(7,))
+    with (tmp_path / WINDOWS_FILE).open("ab") as f:  # steps that are not ints: none
+        f.write(b'{"file": "b.json.gz", "start_before_s": 1, "start_after_s": 2, "steps": ["7"]}\n')
+    hints = read_clock_hints(tmp_path)
+    assert (hints["a.json.gz"].steps, hints["b.json.gz"].steps) == ((7,), ())
 
 
 def _first_x_us(doc: dict, pid_of: str) -> float:

@@ -220,3 +220,7 @@ def test_two_step_groups_each_hold_their_own_steps_generation(engine_job) -> Non
         margin = 0.2e9  # (ns) the window opens as the step is announced, just before entry
         assert times and entered * 1e9 - margin <= times[0] <= times[-1] <= exited * 1e9 + margin
     assert not job.replies[first + 1].slow, job.replies[first + 1]
+    from profd.analysis.summary import summarize_dir  # each file's step, from profd's record
+
+    rows = [r for r in summarize_dir(view.save_dir).stage_times if r.role == "rollout"]
+    assert sorted(r.step for r in rows) == [first, first + 1], rows

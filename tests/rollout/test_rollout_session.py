@@ -443,6 +443,13 @@ def test_a_later_groups_window_starts_while_the_earlier_ones_files_settle(
     assert view.state.value == "done", view.reason
     assert (starts[first], starts[second]) == (1, 2), starts
     assert sorted(t.steps for t in view.traces) == [[first], [second]]
+    # the engine's traces have no step marks: summarize takes each one's step from profd's
+    # record beside it (they were one row, step None)
+    from profd.analysis.summary import summarize_dir
+
+    summary = summarize_dir(view.save_dir)
+    rows = [r for r in summary.stage_times if r.track.startswith("rollout")]
+    assert sorted(r.step for r in rows) == [first, second], rows
     # no step waited for a 4 s settle: not the next group's start, nor its stop (the
     # earlier window's files are told apart from the later one's as the later one starts)
     assert max(waits.values()) < 3.0, waits
