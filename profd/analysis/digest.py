@@ -34,7 +34,7 @@ from profd.analysis.heap import pad_worker_heap
 from profd.analysis.jsonscan import SEGMENT_BYTES, TraceReadError, TraceStream
 from profd.analysis.ranges import RANGE_CATEGORY, Range, marker, select_stages, step_ranges
 from profd.analysis.scan import MERGED, Columns, LayoutMismatch, scan_fast, scan_generic
-from profd.core.naming import CONTINUOUS_SCOPE, TIMED_SCOPE
+from profd.core.naming import is_stage_scope
 
 __all__ = ["CPU_OP_CATEGORIES", "GPU_OP_CATEGORIES", "FileDigest", "OpTotal", "digest_file"]
 
@@ -267,8 +267,8 @@ def _fill(
     if isinstance(own := header.get("profd"), dict):
         _drop_partial_steps(digest, own)
     steps = step_ranges(digest.ranges)
+    scope = own.get("scope") if isinstance(own, dict) else None  # a discrete trace's: its stage
     if isinstance(own, dict):
-        scope = own.get("scope")  # a discrete trace's: its stage
         stages = select_stages(digest.ranges, scope if isinstance(scope, str) else None)
         digest.stages = [digest.ranges[i] for i in stages]
     elif pseudo_stage and steps:  # torch's ProfilerStep rows: the trace's activity per step
@@ -277,9 +277,7 @@ def _fill(
         span = digest.last_end - digest.first_ts
         digest.stages = [Range(pseudo_stage, digest.first_ts, span, _busiest(thread))]
     attributed = digest.stages
-    scope = own.get("scope") if isinstance(own, dict) else None
-    discrete = isinstance(scope, str) and scope not in (CONTINUOUS_SCOPE, TIMED_SCOPE)
-    piece = discrete and not steps and own.get("step") in digest.partial_steps
+    piece = is_stage_scope(scope) and not steps and own.get("step") in digest.partial_steps
     if piece and not attributed:
         # a discrete stage's piece (a schedule's window, or cut short): not a stage time,
         # but all of it ran in that stage (its operators and device time count there)

@@ -11,7 +11,7 @@ from profd.analysis.digest import FileDigest
 from profd.analysis.models import IdleGap, MiniBatchTime, StepTime
 from profd.analysis.ranges import Range, marker, step_ranges
 from profd.analysis.sources import TrackIdentity
-from profd.core.naming import CONTINUOUS_SCOPE, TIMED_SCOPE
+from profd.core.naming import is_stage_scope
 
 __all__ = ["FileView", "StageAcc", "collect_rows"]
 
@@ -152,7 +152,7 @@ def _collect_minis(v: FileView, track: str, out: list[MiniBatchTime]) -> None:
         stage = v.stage_at(r.ts)
         # a discrete trace's window of a few mini-batches (a schedule's) holds mini-batches
         # of its stage, whose range began before the window: its stage is the file's
-        discrete = not v.steps and v.ident.scope not in (None, CONTINUOUS_SCOPE, TIMED_SCOPE)
+        discrete = not v.steps and is_stage_scope(v.ident.scope)
         name = stage.name if stage else (v.ident.scope if discrete else None)
         inner = bisect.bisect_right(micro, r.end) - bisect.bisect_left(micro, r.ts)
         out.append(

@@ -180,15 +180,17 @@ def partial_lines(files: list[FileInfo]) -> list[str]:
     each: partial by design) folded into one line per collection, or a rank's schedule would
     print a line per mini-batch."""
     collections: dict[str, list[FileInfo]] = {}
+    scheduled: set[str] = set()  # the stems of a schedule's windows
     for f in files:
         if f.partial_steps:
-            parts = parse_trace_name(f.name)
-            stem = f.name[: f.name.rindex(parts.suffix)] if parts and parts.suffix else f.name
+            suffix = parts.suffix if (parts := parse_trace_name(f.name)) else ""
+            stem = f.name[: f.name.rindex(suffix)] if suffix else f.name
             collections.setdefault(stem, []).append(f)
+            if suffix.startswith("_mb"):
+                scheduled.add(stem)
     lines: list[str] = []
-    for group in collections.values():
-        scheduled = any((p := parse_trace_name(f.name)) and p.suffix[:3] == "_mb" for f in group)
-        if not scheduled:
+    for stem, group in collections.items():
+        if stem not in scheduled:
             for f in group:
                 which = ", ".join(map(str, f.partial_steps))
                 lines.append(

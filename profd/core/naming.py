@@ -30,6 +30,7 @@ __all__ = [
     "TIMED_SCOPE",
     "StemParts",
     "format_timestamp",
+    "is_stage_scope",
     "mb_suffix",
     "parse_trace_name",
     "part_suffix",
@@ -45,6 +46,12 @@ TRACE_EXT = ".json.gz"
 #: other scope is a discrete trace's stage.
 CONTINUOUS_SCOPE = "train"
 TIMED_SCOPE = "window"
+
+
+def is_stage_scope(scope: object) -> bool:
+    """Whether a trace's ``scope`` names a discrete trace's stage (not a window's own)."""
+    return isinstance(scope, str) and bool(scope) and scope not in (CONTINUOUS_SCOPE, TIMED_SCOPE)
+
 
 _UNSAFE = re.compile(r"[^0-9A-Za-z.=+\-]+")
 
